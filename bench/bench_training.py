@@ -1,0 +1,154 @@
+"""Benchmark: training tokens/s of pretrain_gpt.py against a minimal plain-PyTorch loop of the same model.
+
+Both run the same GPT shape (4 layers, hidden 128, 4 heads, seq 128, GPT-2 vocabulary padded to 50,304,
+tied embeddings, no dropout), the same batch (micro batch 8, global batch 16 -> 2 microbatches), AdamW
+and grad clipping, in one process each, alternating so machine noise hits both alike. The ratio is
+framework tokens/s divided by plain-loop tokens/s (target >= 0.97).
+
+    python bench/bench_training.py [--iters 60] [--repeats 2] [--threads 2]
+"""
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "data"
+LAYERS, HIDDEN, HEADS, SEQ, MBS, GBS, VOCAB = 4, 128, 4, 128, 8, 16, 50304
+
+
+def plain_loop(data_prefix: str, iters: int) -> float:
+    """A nanoGPT-style model and loop on the same data; returns ms per iteration after warm-up."""
+    import numpy as np
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    torch.manual_seed(1234)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(HIDDEN), nn.LayerNorm(HIDDEN)
+            self.qkv, self.proj = nn.Linear(HIDDEN, 3 * HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+            self.fc1, self.fc2 = nn.Linear(HIDDEN, 4 * HIDDEN), nn.Linear(4 * HIDDEN, HIDDEN)
+
+        def forward(self, x):  # x: [b, s, h]
+            b, s, h = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, HEADS, h // HEADS).permute(2, 0, 3, 1, 4)
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(att.transpose(1, 2).reshape(b, s, h))
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(VOCAB, HIDDEN), nn.Embedding(SEQ, HIDDEN)
+            self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+            self.ln_f = nn.LayerNorm(HIDDEN)
+            for p in self.parameters():
+                if p.dim() > 1:
+                    nn.init.normal_(p, std=0.02)
+
+        def forward(self, tokens, labels):
+            x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1]))
+            for block in self.blocks:
+                x = block(x)
+            logits = self.ln_f(x) @ self.wte.weight.t()
+            return F.cross_entropy(logits.view(-1, VOCAB), labels.reshape(-1))
+
+    model = GPT()
+    decay = [p for p in model.parameters() if p.dim() > 1]
+    no_decay = [p for p in model.parameters() if p.dim() <= 1]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=1e-3, betas=(0.9, 0.95))
+    tokens_all = np.memmap(data_prefix + ".bin", dtype=np.uint16, mode="r")
+    rng = np.random.default_rng(0)
+    times = []
+    for it in range(iters):
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        for _ in range(GBS // MBS):
+            offsets = rng.integers(0, len(tokens_all) - SEQ - 1, size=MBS)
+            chunk = torch.from_numpy(np.stack([tokens_all[o:o + SEQ + 1].astype(np.int64) for o in offsets]))
+            loss = model(chunk[:, :-1], chunk[:, 1:]) / (GBS // MBS)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    warm = times[iters // 3:]
+    return 1000.0 * sum(warm) / len(warm)
+
+
+def framework_run(data_prefix: str, iters: int, env) -> float:
+    """pretrain_gpt.py on one rank; returns the mean logged ms per iteration after warm-up."""
+    log_interval = max(iters // 6, 1)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "pretrain_gpt.py",
+        "--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS),
+        "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ), "--micro-batch-size", str(MBS),
+        "--global-batch-size", str(GBS), "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--lr", "1e-3", "--weight-decay", "0.1", "--adam-beta2", "0.95", "--clip-grad", "1.0",
+        "--train-iters", str(iters), "--log-interval", str(log_interval), "--eval-iters", "0",
+        "--data-path", data_prefix, "--split", "100,0,0", "--num-workers", "1",
+        "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(SHARED / "gpt2-vocab.json"),
+        "--merge-file", str(SHARED / "gpt2-merges.txt"), "--distributed-backend", "gloo",
+    ]
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"pretrain_gpt.py failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    values = [(int(m.group(1)), float(m.group(2))) for m in
+              re.finditer(r"iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): ([0-9.]+)", out.stdout)]
+    warm = [ms for it, ms in values if it > iters // 3]
+    if not warm:
+        sys.exit(f"no log lines after warm-up in pretrain_gpt.py output:\n{out.stdout[-2000:]}")
+    return sum(warm) / len(warm)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iters", type=int, default=60)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="OMP threads per run")
+    parser.add_argument("--plain-loop", metavar="PREFIX", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.plain_loop:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        print(f"{plain_loop(args.plain_loop, args.iters):.3f}")
+        return
+
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    with tempfile.TemporaryDirectory() as tmp:
+        prefix = os.path.join(tmp, "shakes")
+        subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", str(SHARED / "tinyshakespeare.jsonl"),
+                        "--output-prefix", prefix, "--tokenizer-type", "GPT2BPETokenizer",
+                        "--vocab-file", str(SHARED / "gpt2-vocab.json"), "--merge-file", str(SHARED / "gpt2-merges.txt"),
+                        "--append-eod", "--workers", "2", "--log-interval", "100000"],
+                       cwd=REPO, check=True, capture_output=True)
+        data = prefix + "_text_document"
+        plain_ms, framework_ms = [], []
+        for r in range(args.repeats):
+            out = subprocess.run([sys.executable, __file__, "--plain-loop", data, "--iters", str(args.iters),
+                                  "--threads", str(args.threads)], env=env, capture_output=True, text=True, check=True)
+            plain_ms.append(float(out.stdout.strip().splitlines()[-1]))
+            framework_ms.append(framework_run(data, args.iters, env))
+            print(f"repeat {r + 1}: plain loop {plain_ms[-1]:.1f} ms/iter, pretrain_gpt.py {framework_ms[-1]:.1f} ms/iter",
+                  flush=True)
+    tokens = GBS * SEQ
+    plain_tps = tokens / (statistics.median(plain_ms) / 1000.0)
+    framework_tps = tokens / (statistics.median(framework_ms) / 1000.0)
+    print(f"plain PyTorch loop : {plain_tps:10.0f} tokens/s")
+    print(f"pretrain_gpt.py    : {framework_tps:10.0f} tokens/s")
+    print(f"ratio (framework / plain): {framework_tps / plain_tps:.3f}  (target >= 0.97)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Start a run: parse flags, set the globals, join the process group, build parallel groups, seed RNGs."""
+import os
+import random
+import re
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.training.arguments import parse_args, validate_args
+from megatron.training.global_vars import get_args, set_global_variables
+from megatron.training.utils import print_rank_0
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host name of a SLURM node list, e.g. ``"gpu[003-005,009],cpu1"`` -> ``"gpu003"``.
+
+    Raises ValueError for an empty list.
+    """
+    nodelist = nodelist.strip()
+    if not nodelist:
+        raise ValueError("SLURM_NODELIST is empty: cannot pick the rendezvous host")
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    prefix, ranges = match.group(1), match.group(2)
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def _set_rendezvous_env_from_slurm():
+    """torchrun sets MASTER_ADDR/PORT; under plain srun derive them from SLURM's variables."""
+    if "SLURM_NODELIST" in os.environ and "MASTER_ADDR" not in os.environ:
+        os.environ["MASTER_ADDR"] = first_slurm_host(os.environ["SLURM_NODELIST"])
+    if "SLURM_JOB_ID" in os.environ and "MASTER_PORT" not in os.environ:
+        # A job-specific port, so two jobs sharing a node do not collide.
+        os.environ["MASTER_PORT"] = str(10000 + int(os.environ["SLURM_JOB_ID"]) % 50000)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "6000")
+
+
+def _initialize_distributed(args):
+    """Join the default process group (NCCL on GPU, gloo on CPU) and build the model-parallel groups."""
+    if torch.cuda.is_available() and args.distributed_backend == "nccl":
+        device_count = torch.cuda.device_count()
+        if args.local_rank >= device_count:
+            raise RuntimeError(
+                f"local rank {args.local_rank} has no GPU: this node has {device_count} (check --nproc_per_node)"
+            )
+        torch.cuda.set_device(args.local_rank)
+    elif args.distributed_backend == "nccl":
+        raise RuntimeError("--distributed-backend nccl needs CUDA GPUs; use --distributed-backend gloo on CPU")
+
+    if not dist.is_initialized():
+        _set_rendezvous_env_from_slurm()
+        init_kwargs = dict(
+            backend=args.distributed_backend,
+            world_size=args.world_size,
+            rank=args.rank,
+            timeout=timedelta(minutes=args.distributed_timeout_minutes),
+        )
+        if torch.cuda.is_available() and args.distributed_backend == "nccl":
+            init_kwargs["device_id"] = torch.device(f"cuda:{args.local_rank}")
+        dist.init_process_group(**init_kwargs)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+            context_parallel_size=args.context_parallel_size,
+            distributed_timeout_minutes=args.distributed_timeout_minutes,
+        )
+        print_rank_0(
+            f"> initialized tensor model parallel with size {parallel_state.get_tensor_model_parallel_world_size()}\n"
+            f"> initialized pipeline model parallel with size {parallel_state.get_pipeline_model_parallel_world_size()}"
+        )
+
+
+def _set_random_seed(seed: int, data_parallel_random_init: bool = False):
+    """Seed python, numpy, torch and the model-parallel RNG tracker.
+
+    Each pipeline stage gets ``seed + 100 * pp_rank`` so stages do not draw identical dropout
+    masks; data-parallel ranks share the seed unless ``data_parallel_random_init``.
+    Raises ValueError for a non-positive seed.
+    """
+    if seed is None or seed <= 0:
+        raise ValueError(f"--seed must be a positive integer, got {seed}")
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    if data_parallel_random_init:
+        seed = seed + 10 * parallel_state.get_data_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def initialize_megatron(extra_args_provider=None, args_defaults=None, ignore_unknown_args=False,
+                        parsed_args=None, argv=None):
+    """Everything a run needs before the model is built. Returns the validated args.
+
+    Order: parse + validate flags (fails fast with the flag named), set globals (tokenizer,
+    timers, TensorBoard, telemetry), join the process group, build the parallel groups, seed.
+    """
+    args = parsed_args if parsed_args is not None else parse_args(extra_args_provider, ignore_unknown_args, argv)
+    validate_args(args, args_defaults or {})
+    set_global_variables(args)
+    _initialize_distributed(args)
+    _set_random_seed(args.seed, getattr(args, "data_parallel_random_init", False))
+    if torch.cuda.is_available() and getattr(args, "bf16", False):
+        torch.backends.cuda.matmul.allow_tf32 = True
+    return get_args()

@@ -1,0 +1,76 @@
+"""Training-loop side of telemetry: spans by group, the per-iteration trace, and step metrics.
+
+Every function here is a no-op costing one frozenset lookup when telemetry is off, the group is
+not selected, or this rank does not export.
+"""
+from megatron.core.telemetry import (
+    is_span_group_enabled,
+    iteration_trace_context,
+    managed_span,
+    record_training_metrics,
+    safe_set_span_attributes,
+)
+from megatron.training.global_vars import get_telemetry
+
+
+def span(group: str, name: str, **attrs):
+    """``managed_span`` with attributes named ``megatron.<key>`` (e.g. ``iteration`` -> ``megatron.iteration``)."""
+    if not is_span_group_enabled(group):
+        return managed_span(group, name)  # the shared no-op context manager
+    return managed_span(group, name, **{"megatron." + key: value for key, value in attrs.items()})
+
+
+def step_span(iteration: int, first: bool = False):
+    """The ``megatron.train_step`` span of one iteration.
+
+    Its parent is derived from the run id and the iteration, so every pipeline stage's spans of
+    this iteration share one trace with no communication (spec section 7). The first iteration of
+    a run is also emitted under the ``first_iteration`` group, so its compile/warm-up cost can be
+    selected separately.
+    """
+    group = "first_iteration" if first and is_span_group_enabled("first_iteration") else "step"
+    if not is_span_group_enabled(group):
+        return managed_span(group, "megatron.train_step")
+    handle = get_telemetry()
+    context = iteration_trace_context(handle.run_id, iteration) if handle is not None and handle.run_id else None
+    return managed_span(group, "megatron.train_step", context=context, **{"megatron.iteration": iteration})
+
+
+def set_attributes(span_or_none, **attrs):
+    """Set ``megatron.<key>`` attributes on a live span; ignores None spans and None values."""
+    if span_or_none is None:
+        return
+    safe_set_span_attributes(
+        span_or_none, {"megatron." + key: value for key, value in attrs.items() if value is not None}
+    )
+
+
+def _meter():
+    handle = get_telemetry()
+    if handle is None or not handle.is_exporting:
+        return None
+    return handle.meter
+
+
+def record_step_metrics(elapsed_ms, loss, throughput_tflops, tokens_per_sec, grad_norm, skipped, learning_rate):
+    """The ``megatron.training.*`` instruments at a log iteration (exporting ranks only)."""
+    meter = _meter()
+    if meter is None:
+        return
+    memory_gb = None
+    import torch
+
+    if torch.cuda.is_available():
+        memory_gb = torch.cuda.max_memory_allocated() / 1e9
+    record_training_metrics(
+        meter, step_duration_ms=elapsed_ms, loss=loss, throughput_tflops=throughput_tflops,
+        tokens_per_sec=tokens_per_sec, grad_norm=grad_norm, skipped_iters=skipped or None,
+        learning_rate=learning_rate, memory_allocated_gb=memory_gb,
+    )
+
+
+def record_validation_metrics(loss, ppl):
+    """``megatron.validation.loss`` / ``.ppl`` gauges (exporting ranks only)."""
+    meter = _meter()
+    if meter is not None:
+        record_training_metrics(meter, validation_loss=loss, validation_ppl=ppl)

@@ -1,0 +1,607 @@
+"""The pretraining driver: build model, optimizer and data, run the training loop, evaluate, checkpoint, exit."""
+import math
+import os
+import signal
+import sys
+import time
+from datetime import datetime
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.num_microbatches_calculator import get_num_microbatches, update_num_microbatches
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
+from megatron.core.utils import get_model_config
+from megatron.training import telemetry_hooks as telemetry
+from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron.training.datasets.data_samplers import build_pretraining_data_loader
+from megatron.training.global_vars import get_args, get_tensorboard_writer, get_timers
+from megatron.training.initialize import initialize_megatron
+from megatron.training.utils import calc_params_l2_norm, get_device, is_last_rank, print_rank_0, print_rank_last
+
+_TRAIN_START_TIME = time.time()
+
+# Level-1 timers Megatron prints after each log line (§8.4 of the compatibility spec).
+_LOGGED_TIMERS = [
+    "forward-backward", "all-grads-sync", "optimizer-copy-to-main-grad", "optimizer-unscale-and-check-inf",
+    "optimizer-clip-main-grad", "optimizer-count-zeros", "optimizer-inner-step",
+    "optimizer-copy-main-to-model-params", "optimizer", "batch-generator", "forward-compute", "backward-compute",
+]
+
+
+def num_floating_point_operations(args, batch_size: int) -> int:
+    """Training FLOPs of one iteration of a dense GPT (forward + backward), Megatron's formula.
+
+    ``B*s*[6*h*f*g*L + 6*L*(h*(q+k+v) + q*h) + 6*h*V] + B*s^2*L*6*q`` with q = kv_channels*heads,
+    k = v = kv_channels*groups, g = 3 for SwiGLU else 2 (spec §8.3; Narayanan et al. 2021, §5.1).
+    """
+    s, L, h = args.seq_length, args.num_layers, args.hidden_size
+    f = args.ffn_hidden_size
+    V = args.padded_vocab_size
+    q = args.kv_channels * args.num_attention_heads
+    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    kv = args.kv_channels * groups
+    g = 3 if args.swiglu else 2
+    per_token = 6 * h * f * g * L + 6 * L * (h * (q + 2 * kv) + q * h) + 6 * h * V
+    return batch_size * s * per_token + batch_size * s * s * L * 6 * q
+
+
+# ---------------------------------------------------------------------------------------------------
+# Model, optimizer, scheduler
+# ---------------------------------------------------------------------------------------------------
+
+def get_model(model_provider_func, wrap_with_ddp: bool = True):
+    """Build this rank's model chunk(s) (a list), move them to the device and dtype, wrap with DDP."""
+    args = get_args()
+    model = model_provider_func(
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage()
+    )
+    model = [model]
+    for chunk in model:
+        for param in chunk.parameters():
+            set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+    if parallel_state.get_data_parallel_rank() == 0:
+        count = sum(sum(p.nelement() for p in chunk.parameters()) for chunk in model)
+        print(
+            f" > number of parameters on (tensor, pipeline) model parallel rank "
+            f"({parallel_state.get_tensor_model_parallel_rank()}, "
+            f"{parallel_state.get_pipeline_model_parallel_rank()}): {count}",
+            flush=True,
+        )
+    device = get_device()
+    for chunk in model:
+        chunk.to(device=device, dtype=args.params_dtype)
+    if not wrap_with_ddp:
+        return model
+    config = get_model_config(model[0])
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
+        bucket_size=args.ddp_bucket_size,
+        average_in_collective=args.ddp_average_in_collective,
+    )
+    model = [DistributedDataParallel(config, ddp_config, chunk) for chunk in model]
+    for chunk in model:
+        chunk.broadcast_params()
+    return model
+
+
+def get_optimizer_param_scheduler(optimizer):
+    """Learning-rate / weight-decay schedule in samples, from the iteration- or sample-based flags."""
+    args = get_args()
+    gbs = args.global_batch_size
+    if args.train_iters:
+        if args.lr_decay_iters is None:
+            args.lr_decay_iters = args.train_iters
+        lr_decay_steps = args.lr_decay_iters * gbs
+        wd_incr_steps = args.train_iters * gbs
+        wsd_decay_steps = args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters else None
+        if args.lr_warmup_fraction is not None:
+            lr_warmup_steps = args.lr_warmup_fraction * lr_decay_steps
+        else:
+            lr_warmup_steps = args.lr_warmup_iters * gbs
+    else:
+        if args.lr_decay_samples is None:
+            args.lr_decay_samples = args.train_samples
+        lr_decay_steps = args.lr_decay_samples
+        wd_incr_steps = args.train_samples
+        wsd_decay_steps = args.lr_wsd_decay_samples
+        if args.lr_warmup_fraction is not None:
+            lr_warmup_steps = args.lr_warmup_fraction * lr_decay_steps
+        else:
+            lr_warmup_steps = args.lr_warmup_samples
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=args.lr_warmup_init,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=lr_warmup_steps,
+        lr_decay_steps=lr_decay_steps,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.start_weight_decay,
+        end_wd=args.end_weight_decay,
+        wd_incr_steps=wd_incr_steps,
+        wd_incr_style=args.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        wsd_decay_steps=wsd_decay_steps,
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
+    )
+
+
+def _optimizer_config_from_args(args) -> OptimizerConfig:
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(OptimizerConfig)}
+    kwargs = {name: getattr(args, name) for name in names if hasattr(args, name)}
+    return OptimizerConfig(**kwargs)
+
+
+def setup_model_and_optimizer(model_provider_func):
+    """Model chunks, optimizer and scheduler; loads ``--load`` when given. Returns the three."""
+    args = get_args()
+    timers = get_timers()
+    with telemetry.span("model_init", "megatron.model_init"):
+        model = get_model(model_provider_func)
+        config = get_model_config(model[0])
+        config.timers = timers
+        optimizer = get_megatron_optimizer(_optimizer_config_from_args(args), model)
+        opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
+        config.grad_scale_func = optimizer.scale_loss
+        config.finalize_model_grads_func = finalize_model_grads
+        if not args.overlap_grad_reduce and len(model) == 1:
+            config.no_sync_func = model[0].no_sync
+
+    args.iteration, args.num_floating_point_operations_so_far = 0, 0
+    if args.load is not None:
+        with telemetry.span("load_checkpoint", "megatron.load_checkpoint"):
+            timers("load-checkpoint", log_level=0).start(barrier=True)
+            args.iteration, args.num_floating_point_operations_so_far = load_checkpoint(
+                model, optimizer, opt_param_scheduler
+            )
+            timers("load-checkpoint").stop(barrier=True)
+            timers.log(["load-checkpoint"])
+    return model, optimizer, opt_param_scheduler
+
+
+# ---------------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------------
+
+def get_train_valid_test_num_samples():
+    """Samples each split must provide (spec §2.2)."""
+    args = get_args()
+    train = args.train_samples if args.train_samples else args.train_iters * args.global_batch_size
+    eval_iters = (args.train_iters // args.eval_interval + 1) * args.eval_iters if args.eval_interval else args.eval_iters
+    return [train, eval_iters * args.eval_global_batch_size, args.eval_iters * args.eval_global_batch_size]
+
+
+def build_train_valid_test_data_iterators(train_valid_test_dataset_provider):
+    """Datasets -> resumable samplers -> iterators (None for a split that has no data)."""
+    args = get_args()
+    print_rank_0("> building train, validation, and test datasets ...")
+    train_ds, valid_ds, test_ds = train_valid_test_dataset_provider(get_train_valid_test_num_samples())
+    train_loader = build_pretraining_data_loader(train_ds, args.consumed_train_samples)
+    valid_loader = build_pretraining_data_loader(valid_ds, args.consumed_valid_samples)
+    test_loader = build_pretraining_data_loader(test_ds, 0)
+    # Ranks without datasets (TP rank > 0) learn from the others which splits exist.
+    flags = torch.tensor(
+        [train_loader is not None and args.train_iters > 0, valid_loader is not None and args.eval_iters > 0,
+         test_loader is not None and args.eval_iters > 0], dtype=torch.int32, device=get_device())
+    if dist.is_initialized():
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    args.do_train, args.do_valid, args.do_test = (bool(v) for v in flags.tolist())
+
+    def _iterator(loader):
+        if loader is None:
+            return None
+        if args.dataloader_type == "cyclic":
+            return _cyclic_iter(loader)
+        return iter(loader)
+
+    return _iterator(train_loader), _iterator(valid_loader), _iterator(test_loader)
+
+
+def _cyclic_iter(iterable):
+    while True:
+        yield from iterable
+
+
+# ---------------------------------------------------------------------------------------------------
+# One iteration
+# ---------------------------------------------------------------------------------------------------
+
+def _reduce_reports(reports):
+    """Per-microbatch ``{key: [sum, count]}`` reports -> ``{key: token-weighted mean over the DP group}``."""
+    reduced = {}
+    if not reports:
+        return reduced
+    for key in reports[0]:
+        values = torch.stack([r[key].view(-1).float() for r in reports])
+        if values.shape[1] == 2:
+            totals = values.sum(dim=0)
+            if dist.is_initialized():
+                dist.all_reduce(totals, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+            reduced[key] = totals[0] / totals[1].clamp(min=1)
+        else:
+            reduced[key] = values.mean()
+    return reduced
+
+
+def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler):
+    """Forward/backward over the global batch, optimizer step, scheduler step.
+
+    Returns ``(loss_dict, skipped_iter, grad_norm, num_zeros_in_grad)``; loss_dict is empty on
+    ranks that do not hold the loss.
+    """
+    args = get_args()
+    timers = get_timers()
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+
+    with telemetry.span("forward_backward", "megatron.forward_backward", num_microbatches=get_num_microbatches()):
+        timers("forward-backward", log_level=1).start()
+        reports = get_forward_backward_func()(
+            forward_step_func=forward_step_func,
+            data_iterator=data_iterator,
+            model=model,
+            num_microbatches=get_num_microbatches(),
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            forward_only=False,
+        )
+        timers("forward-backward").stop()
+
+    with telemetry.span("optimizer", "megatron.optimizer_step") as span:
+        timers("optimizer", log_level=1).start()
+        update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
+        timers("optimizer").stop()
+        telemetry.set_attributes(span, update_successful=update_successful, grad_norm=grad_norm)
+
+    if update_successful:
+        opt_param_scheduler.step(increment=get_num_microbatches() * args.micro_batch_size * args.data_parallel_size)
+    skipped_iter = 0 if update_successful else 1
+    loss_dict = _reduce_reports(reports) if parallel_state.is_pipeline_last_stage() else {}
+    return loss_dict, skipped_iter, grad_norm, num_zeros_in_grad
+
+
+# ---------------------------------------------------------------------------------------------------
+# Logging
+# ---------------------------------------------------------------------------------------------------
+
+class _LogAccumulator:
+    """Sums losses and counts between two log lines (Megatron's ``total_loss_dict``)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.losses = {}
+        self.advanced = 0
+        self.skipped = 0
+        self.nan = 0
+
+    def add(self, loss_dict, skipped_iter, grad_norm):
+        if skipped_iter:
+            self.skipped += 1
+            if grad_norm is None or not math.isfinite(grad_norm):
+                self.nan += 1
+            return
+        self.advanced += 1
+        for key, value in loss_dict.items():
+            self.losses[key] = self.losses.get(key, 0.0) + float(value)
+
+
+def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm, params_norm,
+                 num_zeros_in_grad, skipped_iter, elapsed_since_last_log, iterations_since_last_log,
+                 num_microbatches, is_log_iteration):
+    """Accumulate this iteration; on log iterations print Megatron's log line (last rank).
+
+    TensorBoard scalars are written every ``--tensorboard-log-interval`` iterations. Returns the
+    averaged losses on log iterations, else None.
+    """
+    args = get_args()
+    timers = get_timers()
+    writer = get_tensorboard_writer()
+    acc.add(loss_dict, skipped_iter, grad_norm)
+    batch_size = args.micro_batch_size * args.data_parallel_size * num_microbatches
+
+    if writer is not None and iteration % args.tensorboard_log_interval == 0:
+        samples = args.consumed_train_samples
+        scalars = {"learning-rate": learning_rate, "batch-size": batch_size}
+        scalars.update({key: float(value) for key, value in loss_dict.items()})
+        if args.log_loss_scale_to_tensorboard:
+            scalars["loss-scale"] = loss_scale
+        if grad_norm is not None:
+            scalars["grad-norm"] = grad_norm
+        if num_zeros_in_grad is not None:
+            scalars["num-zeros"] = num_zeros_in_grad
+        if params_norm is not None:
+            scalars["params-norm"] = params_norm
+        for tag, value in scalars.items():
+            writer.add_scalar(tag, value, iteration)
+            writer.add_scalar(tag + " vs samples", value, samples)
+        if args.log_world_size_to_tensorboard:
+            writer.add_scalar("world-size", args.world_size, iteration)
+        if args.log_memory_to_tensorboard and torch.cuda.is_available():
+            stats = torch.cuda.memory_stats()
+            writer.add_scalar("mem-reserved-bytes", stats["reserved_bytes.all.current"], iteration)
+            writer.add_scalar("mem-allocated-bytes", stats["allocated_bytes.all.current"], iteration)
+            writer.add_scalar("mem-max-allocated-bytes", stats["allocated_bytes.all.peak"], iteration)
+            writer.add_scalar("mem-allocated-count", stats["allocation.all.current"], iteration)
+
+    if not is_log_iteration:
+        return None
+    elapsed_per_iteration = elapsed_since_last_log / max(iterations_since_last_log, 1)
+    flops = num_floating_point_operations(args, batch_size)
+    throughput = flops / (elapsed_per_iteration * 1e12 * args.world_size)
+    if writer is not None and args.log_timers_to_tensorboard:
+        writer.add_scalar("iteration-time", elapsed_per_iteration, iteration)
+        if args.log_throughput:
+            writer.add_scalar("throughput", throughput, iteration)
+
+    line = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f')}]"
+    line += f" iteration {iteration:8d}/{args.train_iters:8d} |"
+    line += f" consumed samples: {args.consumed_train_samples:12d} |"
+    line += f" elapsed time per iteration (ms): {elapsed_per_iteration * 1000.0:.1f} |"
+    if args.log_throughput:
+        line += f" throughput per GPU (TFLOP/s/GPU): {throughput:.1f} |"
+    if learning_rate is not None:
+        line += f" learning rate: {learning_rate:.6E} |"
+    line += f" global batch size: {batch_size:5d} |"
+    averages = {}
+    for key, total in acc.losses.items():
+        averages[key] = total / max(acc.advanced, 1)
+        if averages[key] >= 0:
+            line += f" {key}: {averages[key]:.6E} |"
+    line += f" loss scale: {loss_scale:.1f} |"
+    if grad_norm is not None:
+        line += f" grad norm: {grad_norm:.3f} |"
+    if num_zeros_in_grad is not None:
+        line += f" num zeros: {num_zeros_in_grad} |"
+    if params_norm is not None:
+        line += f" params norm: {params_norm:.3f} |"
+    line += f" number of skipped iterations: {acc.skipped:3d} |"
+    line += f" number of nan iterations: {acc.nan:3d} |"
+    print_rank_last(line)
+    telemetry.record_step_metrics(
+        elapsed_ms=elapsed_per_iteration * 1000.0, loss=averages.get("lm loss"), throughput_tflops=throughput,
+        tokens_per_sec=batch_size * args.seq_length / max(elapsed_per_iteration, 1e-12), grad_norm=grad_norm,
+        skipped=acc.skipped, learning_rate=learning_rate,
+    )
+    acc.reset()
+    timers.log([name for name in _LOGGED_TIMERS], normalizer=max(iterations_since_last_log, 1))
+    return averages
+
+
+# ---------------------------------------------------------------------------------------------------
+# Evaluation
+# ---------------------------------------------------------------------------------------------------
+
+def evaluate(forward_step_func, data_iterator, model, verbose=False):
+    """``--eval-iters`` forward-only global batches; returns ``{key: token-weighted mean loss}``."""
+    args = get_args()
+    for chunk in model:
+        chunk.eval()
+    num_microbatches = args.eval_global_batch_size // (args.eval_micro_batch_size * args.data_parallel_size)
+    totals = {}
+    with torch.no_grad(), telemetry.span("evaluate", "megatron.evaluate", eval_iters=args.eval_iters):
+        for step in range(args.eval_iters):
+            if verbose:
+                print_rank_0(f"Evaluating iter {step + 1}/{args.eval_iters}")
+            with telemetry.span("evaluate", "megatron.evaluate.step"):
+                reports = get_forward_backward_func()(
+                    forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                    num_microbatches=num_microbatches, seq_length=args.seq_length,
+                    micro_batch_size=args.eval_micro_batch_size, forward_only=True,
+                )
+            for report in reports:
+                for key, value in report.items():
+                    value = value.view(-1).double()
+                    totals[key] = totals.get(key, 0) + value
+            args.consumed_valid_samples += args.eval_global_batch_size
+    for chunk in model:
+        chunk.train()
+    results = {}
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    for key, value in totals.items():
+        if dist.is_initialized():
+            dist.all_reduce(value, group=group)
+        results[key] = (value[0] / value[1].clamp(min=1)).item() if value.numel() == 2 else value.mean().item()
+    return results
+
+
+def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, iteration, verbose=False):
+    """Evaluate, print Megatron's validation block on the last rank, and write TensorBoard scalars."""
+    args = get_args()
+    writer = get_tensorboard_writer()
+    results = evaluate(forward_step_func, data_iterator, model, verbose)
+    string = f" validation loss at {prefix} | "
+    for key, loss in results.items():
+        ppl = math.exp(min(20.0, loss))
+        string += f"{key} value: {loss:.6E} | {key} PPL: {ppl:.6E} | "
+        if writer is not None:
+            writer.add_scalar(f"{key} validation", loss, iteration)
+            writer.add_scalar(f"{key} validation vs samples", loss, args.consumed_train_samples)
+            if args.log_validation_ppl_to_tensorboard:
+                writer.add_scalar(f"{key} validation ppl", ppl, iteration)
+                writer.add_scalar(f"{key} validation ppl vs samples", ppl, args.consumed_train_samples)
+        if key == "lm loss":
+            telemetry.record_validation_metrics(loss=loss, ppl=ppl)
+    length = len(string) + 1
+    print_rank_last("-" * length)
+    print_rank_last(string)
+    print_rank_last("-" * length)
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------
+# Exit handling
+# ---------------------------------------------------------------------------------------------------
+
+class _SignalFlag:
+    """Remembers that ``--exit-signal`` arrived, so the loop can save and stop at an iteration boundary."""
+
+    def __init__(self, sig):
+        self.received = False
+        self.signal = sig
+        signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame):
+        self.received = True
+
+
+def _any_rank(flag: bool) -> bool:
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=get_device())
+    if dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far):
+    timers = get_timers()
+    with telemetry.span("checkpoint", "megatron.save_checkpoint", iteration=iteration):
+        timers("save-checkpoint", log_level=0).start(barrier=True)
+        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops_so_far)
+        timers("save-checkpoint").stop(barrier=True)
+        timers.log(["save-checkpoint"])
+
+
+def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration, flops_so_far, signal_flag):
+    """Save on schedule or on exit conditions (signal, duration, exit interval); True means stop now."""
+    args = get_args()
+    saved = False
+    if signal_flag is not None and _any_rank(signal_flag.received):
+        if args.save:
+            _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far)
+        print_rank_0(f"exiting program after receiving {signal_flag.signal.name}.")
+        return True
+    if args.save and args.save_interval and iteration % args.save_interval == 0:
+        _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far)
+        saved = True
+    if args.exit_duration_in_mins:
+        elapsed_minutes = (time.time() - _TRAIN_START_TIME) / 60.0
+        value = torch.tensor([elapsed_minutes], dtype=torch.float64, device=get_device())
+        if dist.is_initialized():
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        if value.item() > args.exit_duration_in_mins:
+            if args.save and not saved:
+                _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far)
+            print_rank_0(f"exiting program after {value.item():.2f} minutes")
+            return True
+    if args.exit_interval and iteration % args.exit_interval == 0:
+        if args.save and not saved:
+            _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far)
+        print_rank_0(f"exiting program at iteration {iteration}")
+        return True
+    return False
+
+
+# ---------------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------------
+
+def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator, valid_data_iterator):
+    """Run iterations until ``--train-iters`` or an exit condition. Returns (iteration, flops_so_far, exited)."""
+    args = get_args()
+    timers = get_timers()
+    for chunk in model:
+        chunk.train()
+    iteration = args.iteration
+    args.start_iteration = iteration
+    flops_so_far = args.num_floating_point_operations_so_far
+    signal_flag = _SignalFlag(args.exit_signal) if args.exit_signal_handler else None
+    acc = _LogAccumulator()
+    last_log_time, last_log_iteration = time.perf_counter(), iteration
+
+    print_rank_0("training ...")
+    with telemetry.span("job", "megatron.train", train_iters=args.train_iters):
+        while iteration < args.train_iters:
+            update_num_microbatches(args.consumed_train_samples)
+            num_microbatches = get_num_microbatches()
+            args.curr_iteration = iteration
+            with telemetry.step_span(iteration, first=(iteration == args.start_iteration)) as step_span:
+                loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
+                    forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler
+                )
+                telemetry.set_attributes(step_span, loss=loss_dict.get("lm loss"), grad_norm=grad_norm)
+            iteration += 1
+            args.iteration = iteration
+            batch_size = args.micro_batch_size * args.data_parallel_size * num_microbatches
+            args.consumed_train_samples += batch_size
+            flops_so_far += num_floating_point_operations(args, batch_size)
+
+            is_log_iteration = iteration % args.log_interval == 0 or iteration == args.start_iteration + 1
+            params_norm = calc_params_l2_norm(model) if args.log_params_norm and is_log_iteration else None
+            now = time.perf_counter() if is_log_iteration else last_log_time
+            learning_rate = optimizer.param_groups[0]["lr"]
+            training_log(
+                acc, {k: v.item() for k, v in loss_dict.items()}, learning_rate, optimizer.get_loss_scale().item(),
+                iteration, grad_norm, params_norm, num_zeros, skipped_iter, now - last_log_time,
+                iteration - last_log_iteration, num_microbatches, is_log_iteration,
+            )
+            if is_log_iteration:
+                last_log_time, last_log_iteration = time.perf_counter(), iteration
+
+            if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
+                evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator, model, iteration)
+                last_log_time = time.perf_counter()  # evaluation time is not training time
+
+            if checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration, flops_so_far, signal_flag):
+                return iteration, flops_so_far, True
+    return iteration, flops_so_far, False
+
+
+def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_func, extra_args_provider=None,
+             args_defaults=None, argv=None):
+    """Megatron's entry point: initialise, build everything, train, evaluate, save.
+
+    Args:
+        train_valid_test_dataset_provider: ``f([n_train, n_valid, n_test]) -> (train, valid, test)`` datasets.
+        model_provider: ``f(pre_process, post_process) -> torch.nn.Module`` for this pipeline stage.
+        forward_step_func: ``f(data_iterator, model) -> (output_tensor, loss_func)``.
+        argv: flags to parse instead of ``sys.argv`` (tests).
+    """
+    initialize_megatron(extra_args_provider, args_defaults, argv=argv)
+    args = get_args()
+    with telemetry.span("job", "megatron.pretrain", model_type="GPT", train_iters=args.train_iters,
+                        global_batch_size=args.global_batch_size):
+        model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider)
+        train_it, valid_it, test_it = build_train_valid_test_data_iterators(train_valid_test_dataset_provider)
+        iteration = args.iteration
+        exited = False
+        if args.do_train and not args.skip_train:
+            iteration, flops_so_far, exited = train(
+                forward_step_func, model, optimizer, opt_param_scheduler, train_it, valid_it
+            )
+            if not exited and args.save and iteration != 0 and iteration % args.save_interval != 0:
+                _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far)
+        if not exited:
+            if args.do_valid:
+                evaluate_and_print_results(f"iteration {iteration} on validation set", forward_step_func, valid_it,
+                                           model, iteration, verbose=True)
+            if args.do_test:
+                evaluate_and_print_results(f"iteration {iteration} on test set", forward_step_func, test_it,
+                                           model, iteration, verbose=True)
+    _shutdown()
+    if exited:
+        sys.exit(0)
+
+
+def _shutdown():
+    from megatron.training.global_vars import destroy_global_variables
+
+    writer = get_tensorboard_writer()
+    if writer is not None:
+        writer.flush()
+    destroy_global_variables()
+    if dist.is_initialized():
+        dist.barrier()

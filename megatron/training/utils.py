@@ -1,0 +1,103 @@
+"""Small training helpers: rank-aware printing, batch broadcast within a TP group, norms, memory report."""
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+
+
+def get_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def is_last_rank() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
+
+
+def print_rank_0(message: str):
+    """Print on global rank 0 only."""
+    if get_rank() == 0:
+        print(message, flush=True)
+
+
+def print_rank_last(message: str):
+    """Print on the last global rank only (the rank that holds the loss under pipeline parallelism)."""
+    if is_last_rank():
+        print(message, flush=True)
+
+
+def get_device() -> torch.device:
+    """The current CUDA device when CUDA is available, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+_BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+
+
+def get_batch_on_this_tp_rank(data_iterator, needs_attention_mask: bool):
+    """Next micro batch on every rank of a tensor-parallel group.
+
+    Only TP rank 0 reads from ``data_iterator`` (other ranks may pass None); the tensors are
+    broadcast from it. Returns a dict: tokens, labels, position_ids int64 ``[b, s]``, loss_mask
+    float32 ``[b, s]``, attention_mask bool ``[b, 1, s, s]`` (True = masked) or None.
+    """
+    device = get_device()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    if tp_size == 1:
+        batch = next(data_iterator)
+        out = {k: batch[k].to(device, non_blocking=True) for k in _BATCH_KEYS if k in batch and batch[k] is not None}
+        out.setdefault("attention_mask", None)
+        if not needs_attention_mask:
+            out["attention_mask"] = None
+        return out
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    src = parallel_state.get_tensor_model_parallel_src_rank()
+    if parallel_state.get_tensor_model_parallel_rank() == 0:
+        batch = next(data_iterator)
+        out = {k: batch[k].to(device) for k in _BATCH_KEYS if k in batch and batch[k] is not None}
+        shape = torch.tensor(list(out["tokens"].shape), dtype=torch.int64, device=device)
+    else:
+        out, shape = {}, torch.empty(2, dtype=torch.int64, device=device)
+    dist.broadcast(shape, src, group=group)
+    b, s = shape.tolist()
+    specs = {
+        "tokens": ((b, s), torch.int64), "labels": ((b, s), torch.int64),
+        "loss_mask": ((b, s), torch.float32), "position_ids": ((b, s), torch.int64),
+    }
+    if needs_attention_mask:
+        specs["attention_mask"] = ((b, 1, s, s), torch.bool)
+    for key, (size, dtype) in specs.items():
+        if key not in out:
+            out[key] = torch.empty(size, dtype=dtype, device=device)
+        dist.broadcast(out[key], src, group=group)
+    if not needs_attention_mask:
+        out["attention_mask"] = None
+    return out
+
+
+def calc_params_l2_norm(model) -> float:
+    """L2 norm of all parameters, each counted once across tensor-parallel ranks (``--log-params-norm``)."""
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    total = torch.zeros(1, dtype=torch.float64, device=get_device())
+    for chunk in model:
+        for param in chunk.parameters():
+            if getattr(param, "shared", False):
+                continue
+            if getattr(param, "tensor_model_parallel", False) or tp_rank == 0:
+                total += param.detach().double().pow(2).sum()
+    if dist.is_initialized():
+        dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
+    return total.sqrt().item()
+
+
+def report_memory(name: str) -> str:
+    """CUDA memory statistics in MB, or an empty string on CPU."""
+    if not torch.cuda.is_available():
+        return ""
+    mega = 1024.0 * 1024.0
+    return (
+        f"[Rank {get_rank()}] (after {name}) memory (MB) | allocated: {torch.cuda.memory_allocated() / mega:.1f}"
+        f" | max allocated: {torch.cuda.max_memory_allocated() / mega:.1f}"
+        f" | reserved: {torch.cuda.memory_reserved() / mega:.1f}"
+        f" | max reserved: {torch.cuda.max_memory_reserved() / mega:.1f}"
+    )

@@ -1,0 +1,121 @@
+"""Pretrain a GPT model: Megatron's model provider, forward step and dataset provider, handed to pretrain().
+
+Launch with torchrun, e.g.::
+
+    torchrun --nproc_per_node 2 pretrain_gpt.py --num-layers 4 --hidden-size 128 ... --data-path PREFIX
+"""
+from functools import partial
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.utils import get_blend_from_list
+from megatron.core.models.gpt import GPTModel
+from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.global_vars import get_args, get_tokenizer
+from megatron.training.training import pretrain
+from megatron.training.utils import get_batch_on_this_tp_rank, print_rank_0
+
+
+def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTModel:
+    """The GPT model for this pipeline stage, from the command-line flags."""
+    args = get_args()
+    print_rank_0("building GPT model ...")
+    config = core_transformer_config_from_args(args)
+    return GPTModel(
+        config=config,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+    )
+
+
+def get_batch(data_iterator):
+    """Micro batch tensors on this rank's device: tokens, labels, loss_mask, attention_mask, position_ids.
+
+    The model applies causal masking itself, so a mask is only passed when ``--reset-attention-mask``
+    makes it differ from the causal one.
+    """
+    args = get_args()
+    batch = get_batch_on_this_tp_rank(data_iterator, needs_attention_mask=args.reset_attention_mask)
+    return batch["tokens"], batch["labels"], batch["loss_mask"], batch["attention_mask"], batch["position_ids"]
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Masked sum of per-token losses ``[b, s]``, the token count, and the report for logging.
+
+    Returns ``(loss, num_tokens, {'lm loss': [loss_sum, num_tokens]})``; the schedule divides by
+    the token count and the number of microbatches (spec §5).
+    """
+    losses = output_tensor.float().view(-1)
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * loss_mask)
+    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    report = torch.cat([loss.clone().detach().view(1), num_tokens.float().view(1)])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator, model):
+    """One micro batch through the model: returns the per-token loss and the loss function to apply."""
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
+    return output_tensor, partial(loss_func, loss_mask)
+
+
+def is_dataset_built_on_rank() -> bool:
+    """Datasets live on TP rank 0 of the first and last pipeline stages; others receive broadcasts."""
+    return (
+        parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()
+    ) and parallel_state.get_tensor_model_parallel_rank() == 0
+
+
+def core_gpt_dataset_config_from_args(args) -> GPTDatasetConfig:
+    """GPTDatasetConfig from the data flags."""
+    return GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=get_blend_from_list(args.data_path),
+        blend_per_split=[
+            get_blend_from_list(args.train_data_path),
+            get_blend_from_list(args.valid_data_path),
+            get_blend_from_list(args.test_data_path),
+        ],
+        split=args.split,
+        num_dataset_builder_threads=args.num_dataset_builder_threads,
+        path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
+        tokenizer=get_tokenizer(),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader and args.reset_attention_mask,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+        mock=args.mock_data,
+    )
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples):
+    """Build the train, validation and test datasets (None where a split is empty)."""
+    args = get_args()
+    config = core_gpt_dataset_config_from_args(args)
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    print_rank_0("> building train, validation, and test datasets for GPT ...")
+    train_ds, valid_ds, test_ds = BlendedMegatronDatasetBuilder(
+        dataset_type, train_val_test_num_samples, is_dataset_built_on_rank, config
+    ).build()
+    print_rank_0("> finished creating GPT datasets ...")
+    return train_ds, valid_ds, test_ds
+
+
+if __name__ == "__main__":
+    pretrain(train_valid_test_datasets_provider, model_provider, forward_step)
