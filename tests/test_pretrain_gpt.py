@@ -1,0 +1,94 @@
+"""End-to-end pretrain_gpt.py runs under torchrun on CPU: log line, DP equivalence, exact resume, TensorBoard."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+_LOG_LINE = re.compile(
+    r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\] iteration\s+(\d+)/\s+(\d+) \| consumed samples:\s+(\d+) \| "
+    r"elapsed time per iteration \(ms\): [0-9.]+ \| learning rate: [0-9.]+E[+-]\d+ \| global batch size:\s+(\d+) \| "
+    r"lm loss: ([0-9.]+E[+-]\d+) \| loss scale: 1\.0 \| grad norm: ([0-9.]+) \| "
+    r"number of skipped iterations:\s+0 \| number of nan iterations:\s+0 \|$"
+)
+
+
+@pytest.fixture(scope="module")
+def shakespeare_prefix(shared_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("data") / "shakes"
+    subprocess.run(
+        [sys.executable, "tools/preprocess_data.py", "--input", str(shared_data / "tinyshakespeare.jsonl"),
+         "--output-prefix", str(out), "--tokenizer-type", "GPT2BPETokenizer",
+         "--vocab-file", str(shared_data / "gpt2-vocab.json"), "--merge-file", str(shared_data / "gpt2-merges.txt"),
+         "--append-eod", "--workers", "1", "--log-interval", "100000"],
+        cwd=REPO, check=True, capture_output=True,
+    )
+    return str(out) + "_text_document"
+
+
+def _pretrain(nproc, flags, shared_data, data_prefix, tmp_path):
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+        "pretrain_gpt.py",
+        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+        "--max-position-embeddings", "32", "--global-batch-size", "8", "--lr", "1e-3", "--min-lr", "1e-4",
+        "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--seed", "1234", "--log-interval", "1",
+        "--data-path", data_prefix, "--split", "98,2,0", "--num-workers", "0", "--eval-iters", "1",
+        "--eval-interval", "4", "--data-cache-path", str(tmp_path / "cache"),
+        "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(shared_data / "gpt2-vocab.json"),
+        "--merge-file", str(shared_data / "gpt2-merges.txt"), "--distributed-backend", "gloo",
+        *flags,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def _losses(stdout):
+    losses = {}
+    for line in stdout.splitlines():
+        if "elapsed time per iteration" in line:
+            match = _LOG_LINE.match(line)
+            assert match, f"log line not in Megatron's format: {line!r}"
+            losses[int(match.group(1))] = match.group(5)
+    return losses
+
+
+def test_dp2_matches_dp1_and_logs_megatron_format(shared_data, shakespeare_prefix, tmp_path):
+    """Same global batch at DP=2 (2 ranks, 1 microbatch) and DP=1 (2 microbatches): same losses."""
+    common = ["--train-iters", "6", "--hidden-dropout", "0", "--attention-dropout", "0",
+              "--tensorboard-dir", str(tmp_path / "tb")]
+    dp2 = _losses(_pretrain(2, ["--micro-batch-size", "4", *common], shared_data, shakespeare_prefix, tmp_path))
+    dp1 = _losses(_pretrain(1, ["--micro-batch-size", "4"] + common[:-2], shared_data, shakespeare_prefix, tmp_path))
+    assert sorted(dp2) == list(range(1, 7))
+    for it in dp2:
+        assert float(dp2[it]) == pytest.approx(float(dp1[it]), rel=1e-5), f"iteration {it}"
+    assert float(dp2[6]) < float(dp2[1])  # it learns
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for tag in ("learning-rate", "batch-size", "lm loss", "lm loss vs samples", "grad-norm", "loss-scale",
+                "lm loss validation"):
+        assert tag in tags, f"TensorBoard tag {tag!r} missing from {sorted(tags)}"
+    assert len(events.Scalars("lm loss")) == 6
+
+
+def test_resume_prints_exactly_the_uninterrupted_losses(shared_data, shakespeare_prefix, tmp_path):
+    """Stop at iteration 4 (dropout on, so RNG state matters), resume to 8: same printed losses."""
+    base = ["--micro-batch-size", "2", "--train-iters", "8"]
+    full = _losses(_pretrain(2, base, shared_data, shakespeare_prefix, tmp_path))
+    ckpt = str(tmp_path / "ckpt")
+    first = _pretrain(2, base + ["--save", ckpt, "--save-interval", "4", "--exit-interval", "4"],
+                      shared_data, shakespeare_prefix, tmp_path)
+    assert "exiting program at iteration 4" in first
+    assert (Path(ckpt) / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    resumed = _losses(_pretrain(2, base + ["--load", ckpt], shared_data, shakespeare_prefix, tmp_path))
+    assert sorted(resumed) == [5, 6, 7, 8]
+    assert {it: full[it] for it in resumed} == resumed
