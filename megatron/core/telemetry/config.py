@@ -1,0 +1,215 @@
+"""Telemetry configuration: the ``TelemetryConfig`` dataclass, strict environment parsing, validation."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Dict, FrozenSet, Mapping, Optional, Tuple
+
+from .groups import SpanGroup
+from .span_groups import MegatronSpanGroup
+
+__all__ = ["TelemetryConfig", "parse_bool", "otlp_protocol", "EXPORTERS", "OTLP_PROTOCOLS"]
+
+EXPORTERS: Tuple[str, ...] = ("otlp", "console")
+OTLP_PROTOCOLS: Tuple[str, ...] = ("grpc", "http/protobuf")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def parse_bool(value: str, name: str) -> bool:
+    """Parse 1/0, true/false, yes/no, on/off (any case, surrounding blanks ignored).
+
+    Raises ``ValueError`` naming ``name`` (the variable or flag) and the accepted spellings.
+    """
+    token = str(value).strip().lower()
+    if token in _TRUE:
+        return True
+    if token in _FALSE:
+        return False
+    raise ValueError(f"{name}={value!r} is not a boolean; valid choices: 1/0, true/false, yes/no, on/off")
+
+
+def otlp_protocol(signal: str, environ: Optional[Mapping[str, str]] = None) -> str:
+    """OTLP transport for ``signal`` (``traces``/``metrics``/``logs``): ``OTEL_EXPORTER_OTLP_<SIGNAL>_PROTOCOL``,
+    else ``OTEL_EXPORTER_OTLP_PROTOCOL``, else ``grpc`` (the Python SDK's default).
+
+    Raises ``ValueError`` naming the variable and the valid choices for any other value.
+    """
+    env = os.environ if environ is None else environ
+    for name in (f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        value = (env.get(name) or "").strip()
+        if value:
+            if value.lower() not in OTLP_PROTOCOLS:
+                raise ValueError(f"{name}={value!r} is not supported; valid choices: {', '.join(OTLP_PROTOCOLS)}")
+            return value.lower()
+    return "grpc"
+
+
+def _parse_int(value: str, name: str) -> int:
+    try:
+        return int(str(value).strip(), 10)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer") from None
+
+
+def _parse_float(value: str, name: str) -> float:
+    try:
+        out = float(str(value).strip())
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a number") from None
+    if math.isnan(out):
+        raise ValueError(f"{name}={value!r} is not a number")
+    return out
+
+
+@dataclasses.dataclass
+class TelemetryConfig:
+    """Everything that decides what telemetry a process emits (spec section 1).
+
+    ``sources`` maps a field name to where its value came from (an environment variable or CLI
+    flag) so that validation errors name the exact setting to fix.
+    """
+
+    enabled: bool = False
+    rank_strategy: str = "single_rank"
+    export_rank: int = -1
+    export_sample_rate: float = 1.0
+    sampling_strategy: str = ""
+    traces_enabled: bool = True
+    metrics_enabled: bool = True
+    logs_enabled: bool = False
+    span_groups: str = "default"
+    exporter: str = "otlp"
+    run_id: Optional[str] = None
+    user_id: str = ""
+    service_name: str = "megatron-lm"
+    span_group_cls: type = MegatronSpanGroup
+    sources: Dict[str, str] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_env(
+        cls,
+        prefix: str = "MEGATRON_OTEL",
+        fallback_prefix: Optional[str] = "NEMO_LENS",
+        span_group_cls: type = MegatronSpanGroup,
+        environ: Optional[Mapping[str, str]] = None,
+    ) -> "TelemetryConfig":
+        """Read ``{prefix}_<KEY>``, falling back to ``{fallback_prefix}_<KEY>`` when the prefixed
+        variable is unset or blank, then the default (a prefixed ``0`` beats a fallback ``1``).
+
+        ``RANK_STRATEGY`` has the alias ``EXPORT_STRATEGY``; the service name comes from
+        ``OTEL_SERVICE_NAME``. Raises ``ValueError`` naming the variable for a malformed boolean,
+        integer or float, or when both alias spellings are set to different values.
+        Names (strategies, exporter, span groups) are checked by ``validate()``.
+        """
+        env = os.environ if environ is None else environ
+        if not (isinstance(span_group_cls, type) and issubclass(span_group_cls, SpanGroup)):
+            raise TypeError(f"span_group_cls must be a SpanGroup subclass, got {span_group_cls!r}")
+        prefixes = [p for p in (prefix, fallback_prefix) if p]
+
+        def read(*keys: str) -> Tuple[Optional[str], Optional[str]]:
+            for pre in prefixes:
+                found = [(f"{pre}_{k}", env.get(f"{pre}_{k}")) for k in keys]
+                found = [(n, v) for n, v in found if v is not None and v.strip() != ""]
+                if len({v.strip().lower() for _, v in found}) > 1:
+                    raise ValueError(
+                        " and ".join(f"{n}={v!r}" for n, v in found) + " disagree; set only one of them"
+                    )
+                if found:
+                    return found[0][1], found[0][0]
+            return None, None
+
+        cfg = cls(span_group_cls=span_group_cls)
+        specs = (
+            ("enabled", ("ENABLED",), parse_bool),
+            ("rank_strategy", ("RANK_STRATEGY", "EXPORT_STRATEGY"), lambda v, n: v.strip().lower()),
+            ("export_rank", ("EXPORT_RANK",), _parse_int),
+            ("export_sample_rate", ("EXPORT_SAMPLE_RATE",), _parse_float),
+            ("sampling_strategy", ("SAMPLING_STRATEGY",), lambda v, n: v.strip().lower()),
+            ("traces_enabled", ("TRACES_ENABLED",), parse_bool),
+            ("metrics_enabled", ("METRICS_ENABLED",), parse_bool),
+            ("logs_enabled", ("LOGS_ENABLED",), parse_bool),
+            ("span_groups", ("SPAN_GROUPS",), lambda v, n: v),
+            ("exporter", ("EXPORTER",), lambda v, n: v.strip().lower()),
+            ("run_id", ("RUN_ID",), lambda v, n: v.strip()),
+            ("user_id", ("USER_ID",), lambda v, n: v.strip()),
+        )
+        for field, keys, parse in specs:
+            raw, name = read(*keys)
+            if raw is not None:
+                setattr(cfg, field, parse(raw, name))
+                cfg.sources[field] = name
+            else:
+                cfg.sources[field] = f"{prefix}_{keys[0]}"
+        service = env.get("OTEL_SERVICE_NAME", "")
+        if service.strip():
+            cfg.service_name = service.strip()
+        cfg.sources["service_name"] = "OTEL_SERVICE_NAME"
+        return cfg
+
+    def with_overrides(
+        self,
+        enabled: Optional[bool] = None,
+        service_name: Optional[str] = None,
+        span_groups: Optional[str] = None,
+    ) -> "TelemetryConfig":
+        """A copy with command-line values applied (``None`` keeps the current value); CLI wins
+        over every environment variable and errors then name the ``--otel-*`` flag."""
+        out = dataclasses.replace(self, sources=dict(self.sources))
+        if enabled is not None:
+            out.enabled = bool(enabled)
+            out.sources["enabled"] = "--otel-enabled"
+        if service_name is not None:
+            out.service_name = service_name
+            out.sources["service_name"] = "--otel-service-name"
+        if span_groups is not None:
+            out.span_groups = span_groups
+            out.sources["span_groups"] = "--otel-span-groups"
+        return out
+
+    def _source(self, field: str) -> str:
+        return self.sources.get(field, field)
+
+    def resolved_span_groups(self) -> FrozenSet[str]:
+        """The enabled group names from ``span_groups``; ``ValueError`` naming the source if unknown."""
+        return self.span_group_cls.resolve(self.span_groups, source=self._source("span_groups"))
+
+    def validate(self) -> "TelemetryConfig":
+        """Check every value, also when telemetry is disabled, so that every rank fails alike.
+
+        Raises ``ValueError`` naming the variable/flag and listing the valid choices for a sample
+        rate outside [0, 1], an unknown rank strategy, sampling strategy, exporter or span group,
+        an empty service name, or (enabled, ``otlp``) an unsupported ``OTEL_EXPORTER_OTLP_*PROTOCOL``.
+        Returns ``self``.
+        """
+        from .sampling import registered_sampling_strategies
+        from .strategies import registered_rank_strategies
+
+        if not 0.0 <= float(self.export_sample_rate) <= 1.0:
+            raise ValueError(
+                f"{self._source('export_sample_rate')}={self.export_sample_rate!r} is outside [0, 1]"
+            )
+        strategies = registered_rank_strategies()
+        if str(self.rank_strategy).strip().lower() not in strategies:
+            raise ValueError(
+                f"{self._source('rank_strategy')}={self.rank_strategy!r} is not a rank strategy; "
+                f"valid choices: {', '.join(strategies)}"
+            )
+        samplers = registered_sampling_strategies()
+        if self.sampling_strategy and self.sampling_strategy.strip().lower() not in samplers:
+            raise ValueError(
+                f"{self._source('sampling_strategy')}={self.sampling_strategy!r} is not a sampling strategy; "
+                f"valid choices: (empty), {', '.join(samplers)}"
+            )
+        if str(self.exporter).strip().lower() not in EXPORTERS:
+            raise ValueError(
+                f"{self._source('exporter')}={self.exporter!r} is not an exporter; valid choices: {', '.join(EXPORTERS)}"
+            )
+        if not isinstance(self.service_name, str) or not self.service_name.strip():
+            raise ValueError(f"{self._source('service_name')}: service name must be a non-empty string")
+        self.resolved_span_groups()
+        if self.enabled and str(self.exporter).strip().lower() == "otlp":
+            for signal in ("traces", "metrics", "logs"):
+                otlp_protocol(signal)
+        return self

@@ -1,0 +1,164 @@
+"""Span helpers for instrumented code: gated ``managed_span``, ``span_cm``, ``trace_fn``, attribute filtering."""
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any, Callable, Dict, Mapping, Optional
+
+from . import state as _state
+from .fallbacks import NOOP_TRACER
+
+__all__ = ["managed_span", "span_cm", "trace_fn", "safe_set_span_attributes", "sanitize_attributes",
+           "is_span_group_enabled", "REDACTED"]
+
+REDACTED = "[REDACTED]"
+_SECRET_WORDS = frozenset({
+    "password", "passwd", "pwd", "secret", "token", "apikey", "auth", "authorization", "credential",
+    "credentials", "cookie", "privatekey", "accesskey", "secretkey", "sessionkey", "bearer", "signature",
+})
+_SECRET_SUFFIXES = ("token", "secret", "password", "passwd", "apikey")
+_SPLIT = re.compile(r"[^a-z0-9]+")
+_SCALARS = (bool, int, float, str)
+
+
+def _is_secret_key(key: str) -> bool:
+    parts = [p for p in _SPLIT.split(key.lower()) if p]
+    for i, part in enumerate(parts):
+        if part in _SECRET_WORDS or part.endswith(_SECRET_SUFFIXES):
+            return True
+        if i + 1 < len(parts) and parts[i] + parts[i + 1] in _SECRET_WORDS:
+            return True  # "api_key", "private.key", "access-key"
+    return False
+
+
+def _scalar(value: Any):
+    if isinstance(value, _SCALARS):
+        return value
+    # 0-d torch tensors and numpy scalars, detected by duck typing so torch is never imported here.
+    ndim = getattr(value, "ndim", None)
+    if ndim == 0 and callable(getattr(value, "item", None)):
+        item = value.item()
+        if isinstance(item, _SCALARS):
+            return item
+    return None
+
+
+def sanitize_attributes(attributes: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+    """Keep bool/int/float/str values and homogeneous lists/tuples of them; convert 0-d tensors and
+    numpy scalars with ``.item()``; drop everything else (``None``, dicts, n-d tensors, mixed lists,
+    non-string keys); replace the value of secret-looking keys (``*token``, ``password``,
+    ``api_key``, ``authorization``, ...) with ``"[REDACTED]"``."""
+    out: Dict[str, Any] = {}
+    if not attributes:
+        return out
+    for key, value in attributes.items():
+        if not isinstance(key, str) or not key:
+            continue
+        if isinstance(value, (list, tuple)):
+            items = [_scalar(v) for v in value]
+            if any(v is None for v in items) or len({type(v) for v in items}) > 1:
+                continue
+            clean: Any = items
+        else:
+            clean = _scalar(value)
+            if clean is None:
+                continue
+        out[key] = REDACTED if _is_secret_key(key) else clean
+    return out
+
+
+def safe_set_span_attributes(span, attributes: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> Dict[str, Any]:
+    """Set the sanitized ``attributes`` (plus ``kwargs``) on ``span`` if it is recording.
+
+    ``span`` may be ``None`` (a disabled ``managed_span``). Returns the attributes that were kept
+    (see ``sanitize_attributes``). Never raises for odd values.
+    """
+    if span is None:
+        return {}
+    merged = dict(attributes) if attributes else {}
+    merged.update(kwargs)
+    clean = sanitize_attributes(merged)
+    if clean and span.is_recording():
+        span.set_attributes(clean)
+    return clean
+
+
+def is_span_group_enabled(group: str) -> bool:
+    """Whether spans of ``group`` are emitted here: one frozenset lookup, no lock."""
+    return group in _state.ENABLED_GROUPS
+
+
+class _NullSpanCM:
+    """Shared context manager of the disabled path: enter returns None, nothing is allocated."""
+
+    __slots__ = ()
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, exc_type, exc, tb):
+        return False
+
+
+_NULL_SPAN_CM = _NullSpanCM()
+
+
+class _LiveSpanCM:
+    """Starts ``name`` as the current span on enter; on exit records an exception (then
+    re-raised), sets an error status and ends the span."""
+
+    __slots__ = ("_name", "_tracer", "_context", "_attrs", "_links", "_cm")
+
+    def __init__(self, name: str, tracer, context, attrs: Mapping[str, Any], links=None):
+        self._name, self._tracer, self._context, self._attrs, self._links = name, tracer, context, attrs, links
+        self._cm = None
+
+    def __enter__(self):
+        tracer = self._tracer or _state.TRACER or NOOP_TRACER
+        self._cm = tracer.start_as_current_span(
+            self._name, context=self._context, attributes=sanitize_attributes(self._attrs) or None,
+            links=self._links, record_exception=True, set_status_on_exception=True,
+        )
+        return self._cm.__enter__()
+
+    def __exit__(self, exc_type, exc, tb):
+        return self._cm.__exit__(exc_type, exc, tb)
+
+
+def managed_span(group: str, name: str, tracer=None, context=None, **attrs: Any):
+    """Context manager for a span of ``group``: ``with managed_span("step", "megatron.train_step",
+    **{"megatron.iteration": 3}) as span:``.
+
+    When ``group`` is off (telemetry disabled, rank not exporting, or group not selected) it returns
+    a shared no-op object (no span is created; ``span`` is ``None``; the body always runs). Otherwise
+    the span is current inside the block, ``context`` (an OpenTelemetry Context) optionally sets its
+    parent, and an exception escaping the block is recorded on the span and re-raised.
+    """
+    if group not in _state.ENABLED_GROUPS:
+        return _NULL_SPAN_CM
+    return _LiveSpanCM(name, tracer, context, attrs)
+
+
+def span_cm(name: str, tracer=None, context=None, **attrs: Any):
+    """Context manager that always starts a span (for cold paths), on ``tracer`` or the handle's
+    tracer; on ranks without a real tracer the span is the shared no-op span."""
+    return _LiveSpanCM(name, tracer, context, attrs)
+
+
+def trace_fn(group: str, name: Optional[str] = None) -> Callable[[Callable], Callable]:
+    """Decorator: run the function inside ``managed_span(group, name)``; the default name is
+    ``module.qualname``. The group is checked on every call, so enabling it later takes effect."""
+
+    def decorate(fn: Callable) -> Callable:
+        span_name = name or f"{fn.__module__}.{fn.__qualname__}"
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if group not in _state.ENABLED_GROUPS:
+                return fn(*args, **kwargs)
+            with _LiveSpanCM(span_name, None, None, {}):
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+    return decorate

@@ -1,0 +1,462 @@
+"""The only module that imports the OpenTelemetry SDK: providers, exporters, ids, fork safety, shutdown."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Tuple
+
+from opentelemetry.sdk._logs import LoggerProvider
+from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, LogRecordExporter, LogRecordExportResult
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace import sampling as otel_sampling
+from opentelemetry.sdk.trace.id_generator import IdGenerator
+from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID
+
+from .config import otlp_protocol
+
+__all__ = ["PrivateIdGenerator", "OpenSpanTracker", "Providers", "build_providers", "shutdown_providers",
+           "force_flush_providers", "build_resource", "compact_json_line", "rank_aware_sampler"]
+
+logger = logging.getLogger(__name__)
+TRUNCATED_ATTR = "nemo.span.truncated"
+_ERROR_LOG_INTERVAL_S = 60.0
+
+
+# ----------------------------------------------------------------------------------------------- ids
+class _PrivateRandom:
+    """An RNG owned by telemetry: training's ``random.seed()`` cannot reach it (it would make every
+    data-parallel rank emit the same ids) and a forked child reseeds it (else parent and child
+    would continue the same sequence)."""
+
+    def __init__(self) -> None:
+        self.rng = random.Random(os.urandom(32))
+
+    def reseed(self) -> None:
+        """Replace the generator with a fresh OS-seeded one (run in a forked child)."""
+        self.rng = random.Random(os.urandom(32))
+
+
+_RANDOM = _PrivateRandom()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_RANDOM.reseed)
+
+
+class PrivateIdGenerator(IdGenerator):
+    """Random 128-bit trace ids and 64-bit span ids from telemetry's own OS-seeded RNG."""
+
+    def generate_span_id(self) -> int:
+        span_id = _RANDOM.rng.getrandbits(64)
+        while span_id == INVALID_SPAN_ID:
+            span_id = _RANDOM.rng.getrandbits(64)
+        return span_id
+
+    def generate_trace_id(self) -> int:
+        trace_id = _RANDOM.rng.getrandbits(128)
+        while trace_id == INVALID_TRACE_ID:
+            trace_id = _RANDOM.rng.getrandbits(128)
+        return trace_id
+
+    def is_trace_id_random(self) -> bool:
+        return True
+
+
+# -------------------------------------------------------------------------------------- sampling
+class RankAwareSampler(otel_sampling.Sampler):
+    """All-or-nothing per rank (decided by the caller from the rank hash), composed with the SDK's
+    environment sampler: a kept rank still applies ``OTEL_TRACES_SAMPLER`` (e.g. a trace-id ratio)."""
+
+    def __init__(self, keep_rank: bool, rank: int) -> None:
+        self._keep = bool(keep_rank)
+        self._rank = int(rank)
+        self._inner = otel_sampling._get_from_env_or_default()
+
+    def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None, links=None,
+                      trace_state=None):
+        if not self._keep:
+            return otel_sampling.SamplingResult(otel_sampling.Decision.DROP)
+        return self._inner.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
+
+    def get_description(self) -> str:
+        return f"RankAware{{rank={self._rank},keep={self._keep},inner={self._inner.get_description()}}}"
+
+
+def rank_aware_sampler(keep_rank: bool, rank: int) -> RankAwareSampler:
+    """The ``rank_aware`` Sampler for one rank (see ``sampling.register_sampling_strategy``)."""
+    return RankAwareSampler(keep_rank, rank)
+
+
+# ------------------------------------------------------------------------------- error rate limiting
+class _RateLimitFilter(logging.Filter):
+    """Let through at most one WARNING-or-worse record per logger per minute, so an unreachable
+    collector cannot flood the training log; the next one reports how many were suppressed."""
+
+    def __init__(self, interval_s: float = _ERROR_LOG_INTERVAL_S) -> None:
+        super().__init__()
+        self.interval_s = interval_s
+        self._last: Dict[str, float] = {}
+        self._suppressed: Dict[str, int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        now = time.monotonic()
+        last = self._last.get(record.name)
+        if last is not None and now - last < self.interval_s:
+            self._suppressed[record.name] = self._suppressed.get(record.name, 0) + 1
+            return False
+        self._last[record.name] = now
+        dropped = self._suppressed.pop(record.name, 0)
+        if dropped:
+            record.msg = f"{record.msg} ({dropped} similar telemetry export messages suppressed)"
+        return True
+
+
+_RATE_LIMIT = _RateLimitFilter()
+
+
+def _rate_limit_export_logs() -> None:
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("opentelemetry.exporter", "opentelemetry.sdk")):
+            lg = logging.getLogger(name)
+            if _RATE_LIMIT not in lg.filters:
+                lg.addFilter(_RATE_LIMIT)
+
+
+# ----------------------------------------------------------------------------- fork-safe exporting
+class _ExporterGuard:
+    """Shared logic of the guarded exporters: export only in the creating process, never raise,
+    and ``abort()`` the wrapped exporter (close its channel, stop its retries) at most once."""
+
+    def _guard_init(self, delegate) -> None:
+        self._delegate = delegate
+        self._pid = os.getpid()
+        self._aborted = False
+        self._abort_lock = threading.Lock()
+        self._last_error = 0.0
+
+    def _in_owner(self) -> bool:
+        return os.getpid() == self._pid and not self._aborted
+
+    def _report(self, what: str) -> None:
+        now = time.monotonic()
+        if now - self._last_error >= _ERROR_LOG_INTERVAL_S:
+            self._last_error = now
+            logger.warning("telemetry %s export failed (reported at most once per minute)", what, exc_info=True)
+
+    def abort(self, timeout_millis: float = 0) -> None:
+        """Shut the wrapped exporter down now (interrupts retry back-off, closes connections)."""
+        with self._abort_lock:
+            if self._aborted or os.getpid() != self._pid:
+                return
+            self._aborted = True
+        try:
+            try:
+                self._delegate.shutdown(timeout_millis=timeout_millis)
+            except TypeError:
+                self._delegate.shutdown()
+        except Exception:
+            self._report("shutdown")
+
+
+class GuardedSpanExporter(_ExporterGuard, SpanExporter):
+    """Span exporter wrapper: drops batches in forked children and after abort; never raises."""
+
+    def __init__(self, delegate: SpanExporter) -> None:
+        self._guard_init(delegate)
+
+    def export(self, spans):
+        if not self._in_owner():
+            return SpanExportResult.SUCCESS
+        try:
+            return self._delegate.export(spans)
+        except Exception:
+            self._report("span")
+            return SpanExportResult.FAILURE
+
+    def shutdown(self) -> None:
+        self.abort()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        if not self._in_owner():
+            return True
+        try:
+            return self._delegate.force_flush(timeout_millis)
+        except Exception:
+            return False
+
+
+class GuardedMetricExporter(_ExporterGuard, MetricExporter):
+    """Metric exporter wrapper with the delegate's temporality/aggregation preferences."""
+
+    def __init__(self, delegate: MetricExporter) -> None:
+        MetricExporter.__init__(
+            self,
+            preferred_temporality=getattr(delegate, "_preferred_temporality", None),
+            preferred_aggregation=getattr(delegate, "_preferred_aggregation", None),
+        )
+        self._guard_init(delegate)
+
+    def export(self, metrics_data, timeout_millis: float = 10_000, **kwargs):
+        if not self._in_owner():
+            return MetricExportResult.SUCCESS
+        try:
+            return self._delegate.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
+        except Exception:
+            self._report("metric")
+            return MetricExportResult.FAILURE
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        if not self._in_owner():
+            return True
+        try:
+            return self._delegate.force_flush(timeout_millis=timeout_millis)
+        except Exception:
+            return False
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs) -> None:
+        self.abort(timeout_millis)
+
+
+class GuardedLogExporter(_ExporterGuard, LogRecordExporter):
+    """Log exporter wrapper: drops batches in forked children and after abort; never raises."""
+
+    def __init__(self, delegate: LogRecordExporter) -> None:
+        self._guard_init(delegate)
+
+    def export(self, batch):
+        if not self._in_owner():
+            return LogRecordExportResult.SUCCESS
+        try:
+            return self._delegate.export(batch)
+        except Exception:
+            self._report("log")
+            return LogRecordExportResult.FAILURE
+
+    def shutdown(self) -> None:
+        self.abort()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        if not self._in_owner():
+            return True
+        try:
+            return self._delegate.force_flush(timeout_millis)
+        except Exception:
+            return False
+
+
+class OpenSpanTracker(SpanProcessor):
+    """Front span processor: remembers spans that started and have not ended (so shutdown can end
+    them with ``nemo.span.truncated=true``) and forwards ended spans to ``delegate`` only in the
+    process that created it, so a forked child never re-exports its parent's spans."""
+
+    def __init__(self, delegate: SpanProcessor) -> None:
+        self._delegate = delegate
+        self._pid = os.getpid()
+        # Keyed by (trace_id, span_id): dict set/pop are atomic under the GIL, so no lock to
+        # inherit in a locked state across fork.
+        self._open: Dict[Tuple[int, int], object] = {}
+
+    def on_start(self, span, parent_context=None) -> None:
+        if os.getpid() != self._pid:
+            return
+        ctx = span.get_span_context()
+        self._open[(ctx.trace_id, ctx.span_id)] = span
+        self._delegate.on_start(span, parent_context=parent_context)
+
+    def on_end(self, span) -> None:
+        if os.getpid() != self._pid:
+            return
+        ctx = span.get_span_context()
+        self._open.pop((ctx.trace_id, ctx.span_id), None)
+        self._delegate.on_end(span)
+
+    def end_open_spans(self) -> int:
+        """End every span still open, marked ``nemo.span.truncated=true``; returns how many."""
+        if os.getpid() != self._pid:
+            return 0
+        spans = list(self._open.values())
+        for span in spans:
+            try:
+                span.set_attribute(TRUNCATED_ATTR, True)
+                span.end()
+            except Exception:
+                logger.debug("could not end open span at shutdown", exc_info=True)
+        return len(spans)
+
+    def shutdown(self) -> None:
+        if os.getpid() == self._pid:
+            self._delegate.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        if os.getpid() != self._pid:
+            return True
+        return self._delegate.force_flush(timeout_millis)
+
+
+# ------------------------------------------------------------------------------------- exporters
+def compact_json_line(obj_json: str) -> str:
+    """Re-encode the SDK's JSON text as one compact line (``{"a":1,...}`` + newline)."""
+    return json.dumps(json.loads(obj_json), separators=(",", ":"), default=str) + "\n"
+
+
+def _otlp_module(signal: str):
+    protocol = otlp_protocol(signal)
+    if protocol == "grpc":
+        if signal == "traces":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as cls
+        elif signal == "metrics":
+            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as cls
+        else:
+            from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter as cls
+    else:
+        if signal == "traces":
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as cls
+        elif signal == "metrics":
+            from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as cls
+        else:
+            from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter as cls
+    return cls
+
+
+def _build_exporter(kind: str, signal: str, out):
+    """OTLP exporter for ``signal`` over the configured protocol, or a console one-line-JSON exporter.
+    Endpoint, headers, timeout and TLS come from the standard ``OTEL_EXPORTER_OTLP_*`` variables."""
+    if kind == "console":
+        if signal == "traces":
+            from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+            return ConsoleSpanExporter(out=out, formatter=lambda s: compact_json_line(s.to_json(indent=None)))
+        if signal == "metrics":
+            from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
+
+            return ConsoleMetricExporter(out=out, formatter=lambda m: compact_json_line(m.to_json(indent=None)))
+        from opentelemetry.sdk._logs.export import ConsoleLogRecordExporter
+
+        return ConsoleLogRecordExporter(out=out, formatter=lambda r: compact_json_line(r.to_json(indent=None)))
+    return _otlp_module(signal)()
+
+
+def build_resource(attributes: Mapping[str, object]) -> Resource:
+    """SDK Resource from ``attributes`` merged over ``OTEL_RESOURCE_ATTRIBUTES`` (ours win)."""
+    return Resource.create(dict(attributes))
+
+
+# ------------------------------------------------------------------------------------- providers
+@dataclass
+class Providers:
+    """The SDK objects one exporting process owns."""
+
+    tracer_provider: Optional[TracerProvider] = None
+    meter_provider: Optional[MeterProvider] = None
+    logger_provider: Optional[LoggerProvider] = None
+    span_tracker: Optional[OpenSpanTracker] = None
+    exporters: List[_ExporterGuard] = field(default_factory=list)
+
+
+def build_providers(
+    config,
+    resource_attributes: Mapping[str, object],
+    span_exporter=None,
+    metric_reader=None,
+    log_exporter=None,
+    sampler=None,
+    out=None,
+) -> Providers:
+    """Create tracer/meter/logger providers for the enabled signals of ``config``.
+
+    ``span_exporter``/``log_exporter`` replace the configured exporter; ``metric_reader`` replaces
+    the periodic reader (``OTEL_METRIC_EXPORT_INTERVAL``). Providers are not installed globally and
+    do not register their own (unbounded) ``atexit`` shutdown; ``shutdown_providers`` is bounded.
+    Raises ``ValueError`` for a bad ``OTEL_EXPORTER_OTLP_*PROTOCOL``.
+    """
+    out = sys.stdout if out is None else out
+    resource = build_resource(resource_attributes)
+    providers = Providers()
+    if config.traces_enabled:
+        exporter = GuardedSpanExporter(span_exporter or _build_exporter(config.exporter, "traces", out))
+        tracker = OpenSpanTracker(BatchSpanProcessor(exporter))
+        tp = TracerProvider(sampler=sampler, resource=resource, shutdown_on_exit=False,
+                            id_generator=PrivateIdGenerator())
+        tp.add_span_processor(tracker)
+        providers.tracer_provider, providers.span_tracker = tp, tracker
+        providers.exporters.append(exporter)
+    if config.metrics_enabled:
+        if metric_reader is None:
+            exporter = GuardedMetricExporter(_build_exporter(config.exporter, "metrics", out))
+            metric_reader = PeriodicExportingMetricReader(exporter)
+            providers.exporters.append(exporter)
+        providers.meter_provider = MeterProvider(resource=resource, metric_readers=[metric_reader],
+                                                 shutdown_on_exit=False)
+    if config.logs_enabled:
+        exporter = GuardedLogExporter(log_exporter or _build_exporter(config.exporter, "logs", out))
+        lp = LoggerProvider(resource=resource, shutdown_on_exit=False)
+        lp.add_log_record_processor(BatchLogRecordProcessor(exporter))
+        providers.logger_provider = lp
+        providers.exporters.append(exporter)
+    _rate_limit_export_logs()
+    return providers
+
+
+def force_flush_providers(providers: Providers, timeout_ms: int) -> bool:
+    """Export everything buffered, waiting at most ``timeout_ms`` in total; returns success."""
+    done = threading.Event()
+    result = {"ok": False}
+
+    def work():
+        ok = True
+        for p in (providers.tracer_provider, providers.meter_provider, providers.logger_provider):
+            if p is not None:
+                try:
+                    ok = bool(p.force_flush(timeout_ms)) and ok
+                except Exception:
+                    ok = False
+        result["ok"] = ok
+        done.set()
+
+    threading.Thread(target=work, name="megatron-otel-flush", daemon=True).start()
+    return done.wait(timeout_ms / 1000.0) and result["ok"]
+
+
+def shutdown_providers(providers: Providers, timeout_ms: int) -> bool:
+    """End open spans (marked truncated), flush and shut down every provider, and return within
+    ``timeout_ms`` even when the collector is unreachable or slow: the work runs on a daemon thread;
+    at 80 % of the budget the exporters are aborted (channels closed, retries stopped) and whatever
+    is left is abandoned. Returns whether everything finished in time. Never raises."""
+    deadline = time.monotonic() + max(0, timeout_ms) / 1000.0
+    if providers.span_tracker is not None:
+        providers.span_tracker.end_open_spans()
+    done = threading.Event()
+
+    def work():
+        for name, p in (("metrics", providers.meter_provider), ("traces", providers.tracer_provider),
+                        ("logs", providers.logger_provider)):
+            if p is None:
+                continue
+            remaining_ms = max(0.0, (deadline - time.monotonic()) * 1000.0)
+            try:
+                if name == "metrics":
+                    p.shutdown(timeout_millis=remaining_ms)
+                else:
+                    p.shutdown()
+            except Exception:
+                logger.debug("telemetry %s provider shutdown failed", name, exc_info=True)
+        done.set()
+
+    threading.Thread(target=work, name="megatron-otel-shutdown", daemon=True).start()
+    soft = max(0.0, (deadline - time.monotonic()) * 0.8)
+    if not done.wait(soft):
+        for exporter in providers.exporters:
+            exporter.abort()
+        done.wait(max(0.0, deadline - time.monotonic()))
+    return done.is_set()
+

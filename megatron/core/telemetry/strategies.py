@@ -1,0 +1,130 @@
+"""Rank strategies: which ranks of a job export telemetry, with a registry for custom rules."""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from typing import Callable, Dict, Tuple
+
+__all__ = [
+    "RankStrategyFn", "register_rank_strategy", "register_export_strategy", "unregister_rank_strategy",
+    "registered_rank_strategies", "get_rank_strategy", "should_export", "rank_sample_fraction",
+    "node_local_rank", "BUILTIN_RANK_STRATEGIES",
+]
+
+# fn(config, rank, world_size) -> bool
+RankStrategyFn = Callable[[object, int, int], bool]
+
+
+def rank_sample_fraction(rank: int) -> float:
+    """Deterministic pseudo-uniform number in [0, 1) for ``rank`` (SHA-256 of the rank).
+
+    The same on every rerun and every process, so ``sampled`` and ``rank_aware`` pick the same ranks.
+    """
+    digest = hashlib.sha256(f"megatron.otel.rank/{int(rank)}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def node_local_rank() -> int:
+    """Node-local rank from ``LOCAL_RANK``, else ``SLURM_LOCALID``, else 0.
+
+    Raises ``ValueError`` naming the variable when it is not an integer.
+    """
+    for name in ("LOCAL_RANK", "SLURM_LOCALID"):
+        value = os.environ.get(name, "").strip()
+        if value:
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"{name}={value!r} is not an integer node-local rank") from None
+    return 0
+
+
+def _single_rank(config, rank: int, world_size: int) -> bool:
+    target = int(getattr(config, "export_rank", -1))
+    if target < 0:
+        target = world_size - 1
+    return rank == target
+
+
+def _all_ranks(config, rank: int, world_size: int) -> bool:
+    return True
+
+
+def _sampled(config, rank: int, world_size: int) -> bool:
+    rate = float(getattr(config, "export_sample_rate", 1.0))
+    return rank_sample_fraction(rank) < rate
+
+
+def _first_rank_per_node(config, rank: int, world_size: int) -> bool:
+    return node_local_rank() == 0
+
+
+BUILTIN_RANK_STRATEGIES: Tuple[str, ...] = ("single_rank", "all_ranks", "sampled", "first_rank_per_node")
+_REGISTRY: Dict[str, RankStrategyFn] = {
+    "single_rank": _single_rank,
+    "all_ranks": _all_ranks,
+    "sampled": _sampled,
+    "first_rank_per_node": _first_rank_per_node,
+}
+_LOCK = threading.Lock()
+
+
+def _normalise(name: str) -> str:
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"rank strategy name must be a non-empty string, got {name!r}")
+    return name.strip().lower()
+
+
+def register_rank_strategy(name: str, fn: RankStrategyFn, *, allow_override: bool = False) -> None:
+    """Register ``fn(config, rank, world_size) -> bool`` under ``name`` (case-insensitive).
+
+    Raises ``ValueError`` when the name is empty, names a built-in, or is already registered and
+    ``allow_override`` is false; ``TypeError`` when ``fn`` is not callable.
+    """
+    key = _normalise(name)
+    if not callable(fn):
+        raise TypeError(f"rank strategy {name!r}: fn must be callable, got {type(fn).__name__}")
+    with _LOCK:
+        if key in BUILTIN_RANK_STRATEGIES:
+            raise ValueError(f"rank strategy {key!r} is built in and cannot be replaced")
+        if key in _REGISTRY and not allow_override:
+            raise ValueError(f"rank strategy {key!r} is already registered; pass allow_override=True to replace it")
+        _REGISTRY[key] = fn
+
+
+register_export_strategy = register_rank_strategy
+
+
+def unregister_rank_strategy(name: str) -> bool:
+    """Remove a custom strategy; returns whether it existed. Raises ``ValueError`` for built-ins."""
+    key = _normalise(name)
+    with _LOCK:
+        if key in BUILTIN_RANK_STRATEGIES:
+            raise ValueError(f"rank strategy {key!r} is built in and cannot be unregistered")
+        return _REGISTRY.pop(key, None) is not None
+
+
+def registered_rank_strategies() -> Tuple[str, ...]:
+    """Names of all strategies, built-ins first, then custom ones in registration order."""
+    with _LOCK:
+        return tuple(_REGISTRY)
+
+
+def get_rank_strategy(name: str) -> RankStrategyFn:
+    """The strategy function for ``name``; ``ValueError`` listing the valid names when unknown."""
+    key = _normalise(name)
+    with _LOCK:
+        fn = _REGISTRY.get(key)
+    if fn is None:
+        raise ValueError(f"unknown rank strategy {name!r}; valid choices: " + ", ".join(registered_rank_strategies()))
+    return fn
+
+
+def should_export(config, rank: int, world_size: int, strategy=None) -> bool:
+    """Whether ``rank`` of ``world_size`` exports under ``strategy`` (a name, a callable, or
+    ``None`` for ``config.rank_strategy``). Raises ``ValueError`` for an unknown name."""
+    if strategy is None:
+        strategy = getattr(config, "rank_strategy", "single_rank")
+    fn = strategy if callable(strategy) else get_rank_strategy(strategy)
+    return bool(fn(config, int(rank), int(world_size)))
