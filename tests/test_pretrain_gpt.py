@@ -92,3 +92,43 @@ def test_resume_prints_exactly_the_uninterrupted_losses(shared_data, shakespeare
     resumed = _losses(_pretrain(2, base + ["--load", ckpt], shared_data, shakespeare_prefix, tmp_path))
     assert sorted(resumed) == [5, 6, 7, 8]
     assert {it: full[it] for it in resumed} == resumed
+
+
+def test_telemetry_spans_and_metrics_from_the_training_loop(shared_data, shakespeare_prefix, tmp_path, monkeypatch):
+    """MEGATRON_OTEL_* switches on console export: the span tree and megatron.training.* metrics appear."""
+    import json
+
+    monkeypatch.setenv("MEGATRON_OTEL_ENABLED", "1")
+    monkeypatch.setenv("MEGATRON_OTEL_EXPORTER", "console")
+    monkeypatch.setenv("MEGATRON_OTEL_SPAN_GROUPS", "per_step")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "Authorization=Bearer secret-token")
+    out = _pretrain(2, ["--micro-batch-size", "2", "--train-iters", "3", "--save", str(tmp_path / "ckpt"),
+                        "--save-interval", "3"], shared_data, shakespeare_prefix, tmp_path)
+    assert "secret-token" not in out
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    spans = [r for r in records if "name" in r]
+    by_name = {}
+    for span in spans:
+        by_name.setdefault(span["name"], []).append(span)
+    for name in ("megatron.pretrain", "megatron.model_init", "megatron.train", "megatron.train_step",
+                 "megatron.forward_backward", "megatron.optimizer_step", "megatron.save_checkpoint",
+                 "megatron.evaluate"):
+        assert name in by_name, f"span {name} missing; got {sorted(by_name)}"
+    # Only the default single_rank strategy's rank (the last) exports.
+    assert {s["resource"]["attributes"]["service.instance.id"].rsplit("-", 1)[1] for s in spans} == {"rank1"}
+    steps = by_name["megatron.train_step"]
+    assert [s["attributes"]["megatron.iteration"] for s in steps] == [1, 2, 3]
+    assert all(s["attributes"]["megatron.loss"] > 0 for s in steps)
+    # Child spans hang under their step; each iteration is its own trace (shared across pipeline stages).
+    for step in steps:
+        children = [s for s in by_name["megatron.forward_backward"] if s["parent_id"] == step["context"]["span_id"]]
+        assert len(children) == 1
+    assert len({s["context"]["trace_id"] for s in steps}) == 3
+    metric_names = set()
+    for record in records:
+        for rm in record.get("resource_metrics", []):
+            for sm in rm["scope_metrics"]:
+                metric_names.update(m["name"] for m in sm["metrics"])
+    for name in ("megatron.training.loss", "megatron.training.step_duration_ms", "megatron.training.learning_rate",
+                 "megatron.validation.loss"):
+        assert name in metric_names, f"metric {name} missing; got {sorted(metric_names)}"

@@ -49,10 +49,10 @@ def get_telemetry():
 
 
 def set_global_variables(args, build_tokenizer=True):
-    """Install args and build the microbatch calculator, tokenizer, TensorBoard writer, timers, telemetry.
+    """Install args and build the microbatch calculator, tokenizer, TensorBoard writer and timers.
 
-    Telemetry configuration errors (bad MEGATRON_OTEL_* values) raise ValueError here, on every
-    rank, before the model is built.
+    Telemetry is set up separately by ``set_telemetry`` once the process group exists, so that
+    all ranks can agree on one run id.
     """
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.core.timers import Timers
@@ -68,7 +68,6 @@ def set_global_variables(args, build_tokenizer=True):
     _set_tensorboard_writer(args)
     global _GLOBAL_TIMERS
     _GLOBAL_TIMERS = Timers(args.timing_log_level, args.timing_log_option)
-    _set_telemetry(args)
 
 
 def _build_tokenizer(args):
@@ -91,14 +90,19 @@ def _set_tensorboard_writer(args):
         )
 
 
-def _set_telemetry(args):
-    """Configure OpenTelemetry from MEGATRON_OTEL_* / NEMO_LENS_* variables and the --otel-* flags."""
+def set_telemetry(args):
+    """Configure OpenTelemetry from MEGATRON_OTEL_* / NEMO_LENS_* variables and the --otel-* flags.
+
+    Call on every rank (it may agree on a run id with one broadcast). Bad MEGATRON_OTEL_* values
+    raise ValueError here, on every rank, before the model is built. Returns the handle or None.
+    """
     global _GLOBAL_TELEMETRY
     from megatron.core.telemetry import setup_telemetry_from_args
 
     _GLOBAL_TELEMETRY = setup_telemetry_from_args(
         args, rank=args.rank, world_size=args.world_size, local_rank=getattr(args, "local_rank", 0)
     )
+    return _GLOBAL_TELEMETRY
 
 
 def destroy_global_variables():

@@ -21,7 +21,7 @@ def span(group: str, name: str, **attrs):
 
 
 def step_span(iteration: int, first: bool = False):
-    """The ``megatron.train_step`` span of one iteration.
+    """The ``megatron.train_step`` span of ``iteration`` (1-based, as in the log line).
 
     Its parent is derived from the run id and the iteration, so every pipeline stage's spans of
     this iteration share one trace with no communication (spec section 7). The first iteration of

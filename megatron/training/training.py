@@ -528,7 +528,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             update_num_microbatches(args.consumed_train_samples)
             num_microbatches = get_num_microbatches()
             args.curr_iteration = iteration
-            with telemetry.step_span(iteration, first=(iteration == args.start_iteration)) as step_span:
+            with telemetry.step_span(iteration + 1, first=(iteration == args.start_iteration)) as step_span:
                 loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
                     forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler
                 )

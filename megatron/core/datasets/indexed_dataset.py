@@ -18,7 +18,6 @@ from enum import Enum
 from typing import Optional, Sequence, Union
 
 import numpy
-import torch
 
 _INDEX_MAGIC = b"MMIDIDX\x00\x00"
 _INDEX_VERSION = 1
@@ -123,7 +122,7 @@ class _IndexReader:
             )
 
 
-class IndexedDataset(torch.utils.data.Dataset):
+class IndexedDataset:
     """Random access to the token sequences of a `{prefix}.bin/.idx` pair.
 
     Args:
@@ -140,7 +139,6 @@ class IndexedDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, path_prefix: str, multimodal: bool = False, mmap: bool = True):
-        super().__init__()
         self.path_prefix = path_prefix
         self.multimodal = multimodal
         self.mmap = mmap
@@ -231,7 +229,14 @@ class IndexedDataset(torch.utils.data.Dataset):
         return os.path.isfile(get_idx_path(path_prefix)) and os.path.isfile(get_bin_path(path_prefix))
 
 
-TokenSequence = Union[Sequence[int], numpy.ndarray, torch.Tensor]
+# Sequences of ints, numpy arrays or torch tensors (torch is not imported: preprocessing starts faster).
+TokenSequence = Union[Sequence[int], numpy.ndarray]
+
+
+def _as_numpy(tokens: TokenSequence, dtype) -> numpy.ndarray:
+    if hasattr(tokens, "detach"):  # a torch tensor, possibly on a GPU
+        tokens = tokens.detach().cpu().numpy()
+    return numpy.asarray(tokens, dtype=dtype)
 
 
 class IndexedDatasetBuilder:
@@ -258,9 +263,7 @@ class IndexedDatasetBuilder:
 
     def add_item(self, tokens: TokenSequence, mode: int = 0) -> None:
         """Append one sequence (token ids) to the current document."""
-        if isinstance(tokens, torch.Tensor):
-            tokens = tokens.detach().cpu().numpy()
-        array = numpy.asarray(tokens, dtype=self.dtype)
+        array = _as_numpy(tokens, self.dtype)
         self._stream.write(array.tobytes(order="C"))
         self.sequence_lengths.append(array.size)
         if self.multimodal:
@@ -271,9 +274,7 @@ class IndexedDatasetBuilder:
 
         Raises ValueError if ``sum(lengths)`` differs from the number of tokens.
         """
-        if isinstance(tokens, torch.Tensor):
-            tokens = tokens.detach().cpu().numpy()
-        array = numpy.asarray(tokens, dtype=self.dtype)
+        array = _as_numpy(tokens, self.dtype)
         if int(sum(lengths)) != array.size:
             raise ValueError(f"document lengths sum to {sum(lengths)} but {array.size} tokens were given")
         self._stream.write(array.tobytes(order="C"))

@@ -1,0 +1,13 @@
+"""Tokenizers that turn text into the token ids Megatron trains on."""
+from megatron.core.tokenizers.base import MegatronTokenizer
+from megatron.core.tokenizers.gpt2_bpe import GPT2BPETokenizer
+from megatron.core.tokenizers.null_tokenizer import NullTokenizer
+from megatron.core.tokenizers.sentencepiece_tokenizer import GPTSentencePieceTokenizer, SentencePieceTokenizer
+
+__all__ = [
+    "MegatronTokenizer",
+    "GPT2BPETokenizer",
+    "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
+    "NullTokenizer",
+]

@@ -1,0 +1,89 @@
+"""The interface every tokenizer offers to datasets, preprocessing and training."""
+from __future__ import annotations
+
+import abc
+from collections import OrderedDict
+from typing import Dict, List, Optional, Sequence
+
+
+class MegatronTokenizer(abc.ABC):
+    """Abstract text tokenizer with Megatron's public surface.
+
+    Subclasses map text to a flat list of integer token ids and back. Special ids that a
+    tokenizer does not have are reported as ``None`` (``pad`` as ``-1``, the value Megatron's
+    GPTDataset falls back to), so callers can test for them instead of catching errors.
+
+    Args:
+        *tokenizer_paths: files the tokenizer was built from (vocab, merges, model).
+        **tokenizer_options: options that change the id mapping; recorded in
+            ``unique_identifiers`` so dataset caches built with one tokenizer are never
+            reused with another.
+    """
+
+    def __init__(self, *tokenizer_paths: str, **tokenizer_options) -> None:
+        self.unique_identifiers: "OrderedDict[str, str]" = OrderedDict()
+        self.unique_identifiers["class"] = type(self).__name__
+        self.unique_identifiers["tokenizer_path"] = str([str(path) for path in tokenizer_paths])
+        for name, value in tokenizer_options.items():
+            self.unique_identifiers[name] = str(value)
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """Number of distinct ids the tokenizer can produce (before padding for TP)."""
+
+    @property
+    @abc.abstractmethod
+    def vocab(self) -> Dict[str, int]:
+        """Token string -> id."""
+
+    @property
+    @abc.abstractmethod
+    def inv_vocab(self) -> Dict[int, str]:
+        """Id -> token string."""
+
+    @abc.abstractmethod
+    def tokenize(self, text: str) -> List[int]:
+        """Text -> token ids (no end-of-document id is appended)."""
+
+    @abc.abstractmethod
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Token ids -> text."""
+
+    @property
+    def eod(self) -> Optional[int]:
+        """End-of-document id appended by ``--append-eod``; ``None`` when the tokenizer has none."""
+        return None
+
+    @property
+    def pad(self) -> int:
+        """Padding id; ``-1`` when the tokenizer has none."""
+        return -1
+
+    @property
+    def bos(self) -> Optional[int]:
+        """Beginning-of-sequence id, or ``None``."""
+        return None
+
+    @property
+    def eos(self) -> Optional[int]:
+        """End-of-sequence id, or ``None``."""
+        return None
+
+    @property
+    def cls(self) -> Optional[int]:
+        """Classification id, or ``None``."""
+        return None
+
+    @property
+    def sep(self) -> Optional[int]:
+        """Separator id, or ``None``."""
+        return None
+
+    @property
+    def mask(self) -> Optional[int]:
+        """Mask id, or ``None``."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vocab_size={self.vocab_size})"

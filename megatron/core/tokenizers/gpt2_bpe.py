@@ -1,0 +1,227 @@
+"""GPT-2's byte-level BPE tokenizer, producing the same ids as OpenAI's release and Megatron-LM."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import regex
+
+from megatron.core.tokenizers.base import MegatronTokenizer
+
+# Pre-tokenization of GPT-2 (Radford et al. 2019, "Language Models are Unsupervised Multitask
+# Learners", §2.2): contractions, letter runs, digit runs and other-symbol runs each keep one
+# leading space; a whitespace run gives its last space to the following word.
+GPT2_PRETOKENIZE_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+END_OF_TEXT = "<|endoftext|>"
+
+# Bound on the per-pre-token cache so memory stays flat on huge corpora (it is cleared, not
+# evicted piecemeal: a full refill costs far less than LRU bookkeeping on every lookup).
+_CACHE_LIMIT = 1 << 19
+
+
+def bytes_to_unicode() -> Dict[int, str]:
+    """Byte value (0..255) -> the printable unicode character GPT-2 uses to spell it in its vocab.
+
+    Printable Latin-1 bytes map to themselves; the other 68 bytes map, in increasing byte
+    order, to code points 256, 257, ... (the table of GPT-2's ``encoder.py``).
+    """
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("\u00a1"), ord("\u00ac") + 1))
+        + list(range(ord("\u00ae"), ord("\u00ff") + 1))
+    )
+    table = {byte: chr(byte) for byte in printable}
+    shifted = 256
+    for byte in range(256):
+        if byte not in table:
+            table[byte] = chr(shifted)
+            shifted += 1
+    return table
+
+
+def _require_file(path: Optional[str], flag: str, what: str) -> str:
+    if path is None:
+        raise ValueError(f"GPT2BPETokenizer needs {flag} (the GPT-2 {what})")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{flag}: GPT-2 {what} not found: {path}")
+    return path
+
+
+def _load_vocab(vocab_file: str) -> Dict[str, int]:
+    try:
+        with open(vocab_file, encoding="utf-8") as stream:
+            vocab = json.load(stream)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--vocab-file {vocab_file}: not valid JSON ({error})") from None
+    if not isinstance(vocab, dict) or not all(isinstance(v, int) for v in vocab.values()):
+        raise ValueError(f"--vocab-file {vocab_file}: expected a JSON object mapping token -> integer id")
+    return vocab
+
+
+def _load_merges(merge_file: str) -> Dict[Tuple[str, str], int]:
+    ranks: Dict[Tuple[str, str], int] = {}
+    with open(merge_file, encoding="utf-8") as stream:
+        for line_number, line in enumerate(stream, start=1):
+            line = line.rstrip("\r\n")
+            if not line or (line_number == 1 and line.startswith("#version")):
+                continue
+            parts = line.split(" ")
+            if len(parts) != 2:
+                raise ValueError(f"--merge-file {merge_file}:{line_number}: expected two symbols, got {line!r}")
+            ranks.setdefault((parts[0], parts[1]), len(ranks))
+    return ranks
+
+
+class GPT2BPETokenizer(MegatronTokenizer):
+    """Byte-level BPE (Sennrich et al. 2016, "Neural Machine Translation of Rare Words with
+    Subword Units", §3.1) over UTF-8 bytes as in GPT-2 (Radford et al. 2019, §2.2).
+
+    Text is split by GPT-2's pre-tokenization regex; each piece's UTF-8 bytes are spelled with
+    ``bytes_to_unicode`` and merged greedily, lowest merge rank first. A literal
+    ``<|endoftext|>`` in the text becomes the end-of-text id, as with the HuggingFace GPT-2
+    tokenizer that backs Megatron's.
+
+    Args:
+        vocab_file: ``gpt2-vocab.json`` (token -> id).
+        merge_file: ``gpt2-merges.txt`` (``#version`` header, then one merge per line, by rank).
+
+    Raises:
+        FileNotFoundError: a file is missing (message names ``--vocab-file``/``--merge-file``).
+        ValueError: a file is malformed, or the vocab has no ``<|endoftext|>``.
+    """
+
+    def __init__(self, vocab_file: str, merge_file: str) -> None:
+        _require_file(vocab_file, "--vocab-file", "vocabulary (gpt2-vocab.json)")
+        _require_file(merge_file, "--merge-file", "merges (gpt2-merges.txt)")
+        super().__init__(vocab_file, merge_file)
+        self._vocab_file = vocab_file
+        self._merge_file = merge_file
+        self._encoder = _load_vocab(vocab_file)
+        self._decoder = {token_id: token for token, token_id in self._encoder.items()}
+        self._bpe_ranks = _load_merges(merge_file)
+        if END_OF_TEXT not in self._encoder:
+            raise ValueError(f"--vocab-file {vocab_file}: has no {END_OF_TEXT} token")
+        self._eod_id = self._encoder[END_OF_TEXT]
+        byte_encoder = bytes_to_unicode()
+        # Keyed by byte value, so str.translate over a latin-1 view of a piece's UTF-8 bytes spells
+        # the whole piece in one C call.
+        self._byte_spelling = byte_encoder
+        self._byte_decoder = {char: byte for byte, char in byte_encoder.items()}
+        self._pattern = regex.compile(GPT2_PRETOKENIZE_PATTERN)
+        self._cache: Dict[str, List[int]] = {}
+
+    def __getstate__(self):
+        # Worker processes rebuild from the files rather than receive megabytes of dicts.
+        return {"vocab_file": self._vocab_file, "merge_file": self._merge_file}
+
+    def __setstate__(self, state):
+        self.__init__(state["vocab_file"], state["merge_file"])
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids in the vocabulary file (50,257 for GPT-2)."""
+        return len(self._encoder)
+
+    @property
+    def vocab(self) -> Dict[str, int]:
+        """Byte-spelled token -> id."""
+        return self._encoder
+
+    @property
+    def inv_vocab(self) -> Dict[int, str]:
+        """Id -> byte-spelled token."""
+        return self._decoder
+
+    @property
+    def eod(self) -> int:
+        """Id of ``<|endoftext|>`` (50256 for GPT-2)."""
+        return self._eod_id
+
+    @property
+    def eos(self) -> int:
+        """GPT-2 ends sequences with ``<|endoftext|>`` too."""
+        return self._eod_id
+
+    @property
+    def bos(self) -> int:
+        """GPT-2 starts sequences with ``<|endoftext|>`` too."""
+        return self._eod_id
+
+    def bpe(self, piece: str) -> List[str]:
+        """Merge the byte-spelled ``piece`` into vocabulary symbols, lowest-ranked pair first.
+
+        Every occurrence of the chosen pair is merged left to right without overlap before the
+        next pair is chosen, as in the reference implementation.
+        """
+        symbols = list(piece)
+        ranks = self._bpe_ranks
+        while len(symbols) > 1:
+            best_rank = None
+            best_pair = None
+            for pair in zip(symbols, symbols[1:]):
+                rank = ranks.get(pair)
+                if rank is not None and (best_rank is None or rank < best_rank):
+                    best_rank = rank
+                    best_pair = pair
+            if best_pair is None:
+                break
+            first, second = best_pair
+            merged = first + second
+            out = []
+            i = 0
+            last = len(symbols) - 1
+            while i <= last:
+                if i < last and symbols[i] == first and symbols[i + 1] == second:
+                    out.append(merged)
+                    i += 2
+                else:
+                    out.append(symbols[i])
+                    i += 1
+            symbols = out
+        return symbols
+
+    def _encode_piece(self, piece: str) -> List[int]:
+        spelled = piece.encode("utf-8").decode("latin-1").translate(self._byte_spelling)
+        try:
+            ids = [self._encoder[symbol] for symbol in self.bpe(spelled)]
+        except KeyError as error:
+            raise ValueError(
+                f"--merge-file {self._merge_file} produced symbol {error.args[0]!r}, "
+                f"which --vocab-file {self._vocab_file} does not contain"
+            ) from None
+        if len(self._cache) >= _CACHE_LIMIT:
+            self._cache.clear()
+        self._cache[piece] = ids
+        return ids
+
+    def _encode_plain(self, text: str) -> List[int]:
+        cache = self._cache
+        ids: List[int] = []
+        extend = ids.extend
+        for piece in self._pattern.findall(text):
+            cached = cache.get(piece)
+            extend(cached if cached is not None else self._encode_piece(piece))
+        return ids
+
+    def tokenize(self, text: str) -> List[int]:
+        """Text -> GPT-2 ids, e.g. ``"Hello world, it's me"`` -> ``[15496, 995, 11, 340, 338, 502]``.
+
+        Raises UnicodeEncodeError if ``text`` holds a lone surrogate (it has no UTF-8 bytes).
+        """
+        if END_OF_TEXT not in text:
+            return self._encode_plain(text)
+        ids: List[int] = []
+        chunks = text.split(END_OF_TEXT)
+        for index, chunk in enumerate(chunks):
+            if index:
+                ids.append(self._eod_id)
+            if chunk:
+                ids.extend(self._encode_plain(chunk))
+        return ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """GPT-2 ids -> text; byte sequences that are not valid UTF-8 decode to U+FFFD."""
+        spelled = "".join(self._decoder[int(token_id)] for token_id in ids)
+        return bytes(self._byte_decoder[char] for char in spelled).decode("utf-8", errors="replace")

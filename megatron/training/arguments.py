@@ -1,0 +1,827 @@
+"""The training command line: Megatron-LM's flags, their validation, and args -> TransformerConfig."""
+import argparse
+import dataclasses
+import os
+import signal
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from megatron.training.tokenizer import add_tokenizer_args
+
+# Position embeddings that need a learned table of size --max-position-embeddings.
+_TABLE_POSITION_TYPES = ("learned_absolute", "rope")
+_OPTIMIZERS = ["adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"]
+_AVAILABLE_OPTIMIZERS = ("adam", "sgd")
+_CKPT_FORMATS = ["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"]
+
+
+def parse_args(extra_args_provider=None, ignore_unknown_args=False, args=None):
+    """Parse Megatron-LM's training flags into an argparse.Namespace.
+
+    Args:
+        extra_args_provider: optional ``fn(parser) -> parser`` adding script-specific flags.
+        ignore_unknown_args: when True unknown flags are dropped instead of being an error.
+        args: list of strings to parse instead of ``sys.argv[1:]``.
+
+    Besides the flags, sets ``rank`` and ``world_size`` from the launcher's environment
+    (torchrun's RANK/WORLD_SIZE, else SLURM's SLURM_PROCID/SLURM_NTASKS) and ``local_rank``
+    defaults to LOCAL_RANK (else SLURM_LOCALID). Raises SystemExit (argparse) on a bad flag
+    and ValueError when a rank variable is not an integer.
+    """
+    parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
+    parser = _add_network_size_args(parser)
+    parser = _add_regularization_args(parser)
+    parser = _add_training_args(parser)
+    parser = _add_initialization_args(parser)
+    parser = _add_learning_rate_args(parser)
+    parser = _add_checkpointing_args(parser)
+    parser = _add_mixed_precision_args(parser)
+    parser = _add_distributed_args(parser)
+    parser = _add_validation_args(parser)
+    parser = _add_data_args(parser)
+    parser = add_tokenizer_args(parser)
+    parser = _add_logging_args(parser)
+    parser = _add_opentelemetry_args(parser)
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser)
+
+    if ignore_unknown_args:
+        parsed, _ = parser.parse_known_args(args)
+    else:
+        parsed = parser.parse_args(args)
+
+    parsed.rank, parsed.world_size = _launcher_rank_and_world_size()
+    return parsed
+
+
+def _env_int(name, default):
+    value = os.getenv(name)
+    if value is None or value.strip() == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _launcher_rank_and_world_size():
+    # torchrun's variables win; plain `srun` only sets SLURM's, so fall back to those.
+    if os.getenv("RANK") is None and os.getenv("WORLD_SIZE") is None and os.getenv("SLURM_NTASKS") is not None:
+        return _env_int("SLURM_PROCID", 0), _env_int("SLURM_NTASKS", 1)
+    return _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+
+
+def _default_local_rank():
+    if os.getenv("LOCAL_RANK") is None and os.getenv("SLURM_LOCALID") is not None and os.getenv("RANK") is None:
+        return _env_int("SLURM_LOCALID", 0)
+    return _env_int("LOCAL_RANK", 0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Flag groups (names, dests and defaults are Megatron-LM's)
+# ---------------------------------------------------------------------------------------------------
+
+def _add_network_size_args(parser):
+    group = parser.add_argument_group(title="network size")
+    group.add_argument("--num-layers", type=int, default=None, help="Number of transformer layers.")
+    group.add_argument("--hidden-size", type=int, default=None, help="Transformer hidden size.")
+    group.add_argument("--ffn-hidden-size", type=int, default=None,
+                       help="MLP hidden size; default 4*hidden (SwiGLU: int((4h*2/3)/64)*64).")
+    group.add_argument("--num-attention-heads", type=int, default=None, help="Number of attention heads.")
+    group.add_argument("--attention-backend", type=str, default="auto",
+                       choices=["flash", "fused", "unfused", "local", "auto"], help="Attention kernel choice.")
+    group.add_argument("--kv-channels", type=int, default=None,
+                       help="Per-head projection size; default hidden-size / num-attention-heads.")
+    group.add_argument("--group-query-attention", action="store_true", help="Use grouped-query attention.")
+    group.add_argument("--num-query-groups", type=int, default=1, help="Query groups for GQA.")
+    group.add_argument("--max-position-embeddings", type=int, default=None,
+                       help="Largest sequence length the position embedding supports.")
+    group.add_argument("--position-embedding-type", type=str, default="learned_absolute",
+                       choices=["learned_absolute", "rope", "yarn", "mrope", "relative", "none"],
+                       help="Position embedding type.")
+    group.add_argument("--use-rotary-position-embeddings", action="store_true",
+                       help="Deprecated alias of --position-embedding-type rope.")
+    group.add_argument("--rotary-base", type=int, default=10000, help="RoPE base (inv_freq = 1/base^(2i/dim)).")
+    group.add_argument("--rotary-percent", type=float, default=1.0, help="Fraction of kv_channels rotated.")
+    group.add_argument("--rotary-interleaved", action="store_true",
+                       help="Rotate interleaved pairs instead of halves.")
+    group.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None,
+                       help="Linear RoPE position interpolation factor.")
+    group.add_argument("--use-rope-scaling", action="store_true", help="Llama-3.1 style RoPE scaling.")
+    group.add_argument("--rope-scaling-factor", type=float, default=8.0, help="RoPE scaling factor.")
+    group.add_argument("--no-rope-fusion", action="store_false", dest="apply_rope_fusion",
+                       help="Disable the fused RoPE kernel.")
+    group.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
+                       help="Deprecated: use --position-embedding-type.")
+    group.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                       help="Pad the vocabulary to a multiple of this times the tensor-parallel size.")
+    group.add_argument("--normalization", type=str, default="LayerNorm", choices=["LayerNorm", "RMSNorm"],
+                       help="Normalization layer.")
+    group.add_argument("--norm-epsilon", type=float, default=1e-5, help="Epsilon of the norm layers.")
+    group.add_argument("--apply-layernorm-1p", action="store_true",
+                       help="Zero-centered LayerNorm gamma (weight stored as gamma-1).")
+    group.add_argument("--apply-residual-connection-post-layernorm", action="store_true",
+                       help="Take the residual from the norm output (original BERT style).")
+    group.add_argument("--openai-gelu", action="store_true", help="Use the tanh approximation of GeLU.")
+    group.add_argument("--squared-relu", action="store_true", help="Use squared ReLU activation.")
+    group.add_argument("--swiglu", action="store_true", help="Use the SiLU-gated linear unit MLP.")
+    group.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                       help="Separate output-layer weight instead of reusing the word embedding.")
+    group.add_argument("--qk-layernorm", action="store_true", help="Normalize queries and keys per head.")
+    group.add_argument("--num-experts", type=int, default=None, help="Number of MoE experts (not available).")
+    return parser
+
+
+def _add_regularization_args(parser):
+    group = parser.add_argument_group(title="regularization")
+    group.add_argument("--attention-dropout", type=float, default=0.1, help="Dropout on attention probabilities.")
+    group.add_argument("--hidden-dropout", type=float, default=0.1, help="Dropout on hidden states.")
+    group.add_argument("--weight-decay", type=float, default=0.01, help="Decoupled weight decay coefficient.")
+    group.add_argument("--start-weight-decay", type=float, default=None, help="Initial weight decay.")
+    group.add_argument("--end-weight-decay", type=float, default=None, help="Final weight decay.")
+    group.add_argument("--weight-decay-incr-style", type=str, default="constant",
+                       choices=["constant", "linear", "cosine"], help="Weight decay schedule.")
+    group.add_argument("--apply-wd-to-qk-layernorm", action="store_true",
+                       help="Keep weight decay on q/k layernorm weights.")
+    group.add_argument("--clip-grad", type=float, default=1.0, help="Global L2 grad-norm clip (0 disables).")
+    group.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1.")
+    group.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2.")
+    group.add_argument("--adam-eps", type=float, default=1e-08, help="Adam epsilon.")
+    group.add_argument("--sgd-momentum", type=float, default=0.9, help="SGD momentum.")
+    return parser
+
+
+def _add_training_args(parser):
+    group = parser.add_argument_group(title="training")
+    group.add_argument("--micro-batch-size", type=int, default=None, help="Samples per microbatch per GPU.")
+    group.add_argument("--global-batch-size", type=int, default=None,
+                       help="Samples per optimizer step; default micro-batch-size * data-parallel size.")
+    group.add_argument("--rampup-batch-size", nargs="*", default=None,
+                       help="Deprecated and without effect: start increment samples.")
+    group.add_argument("--decrease-batch-size-if-needed", action="store_true",
+                       help="Round the global batch down to a multiple of mbs*dp instead of failing.")
+    group.add_argument("--recompute-activations", action="store_true",
+                       help="Selective activation recomputation (= --recompute-granularity selective).")
+    group.add_argument("--recompute-granularity", type=str, default=None, choices=["full", "selective"],
+                       help="Activation recomputation granularity.")
+    group.add_argument("--recompute-method", type=str, default=None, choices=["uniform", "block"],
+                       help="How layers are grouped for full recomputation.")
+    group.add_argument("--recompute-num-layers", type=int, default=None, help="Layers per recompute unit.")
+    group.add_argument("--distribute-saved-activations", action="store_true",
+                       help="Split recomputed checkpoints across the tensor-parallel group.")
+    group.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
+                       dest="check_for_nan_in_loss_and_grad", help="Do not check loss and grads for NaN/Inf.")
+    group.add_argument("--train-iters", type=int, default=None, help="Total training iterations.")
+    group.add_argument("--train-samples", type=int, default=None, help="Total training samples.")
+    group.add_argument("--exit-interval", type=int, default=None, help="Save and exit when iteration % N == 0.")
+    group.add_argument("--exit-duration-in-mins", type=int, default=None, help="Save and exit after N minutes.")
+    group.add_argument("--exit-signal-handler", action="store_true",
+                       help="Save and exit when --exit-signal is received.")
+    group.add_argument("--exit-signal", type=str, default="SIGTERM",
+                       help="Signal name caught by --exit-signal-handler (e.g. SIGTERM, SIGUSR1).")
+    group.add_argument("--exit-signal-handler-for-training", action="store_true",
+                       help="Graceful SIGINT/SIGTERM shutdown (barrier, destroy groups, flush telemetry).")
+    group.add_argument("--optimizer", type=str, default="adam", choices=_OPTIMIZERS, help="Optimizer.")
+    group.add_argument("--dataloader-type", type=str, default=None, choices=["single", "cyclic", "external"],
+                       help="Data sampler; default single.")
+    group.add_argument("--no-persist-layer-norm", action="store_true",
+                       help="Disable the persistent fused layer-norm kernel.")
+    group.add_argument("--no-gradient-accumulation-fusion", action="store_false",
+                       dest="gradient_accumulation_fusion", help="Disable fused weight-grad accumulation.")
+    group.add_argument("--use-mcore-models", action="store_true", help="Deprecated no-op: core models are the default.")
+    group.add_argument("--transformer-impl", type=str, default="local", choices=["local", "transformer_engine"],
+                       help="Layer implementation. Default 'local' (Megatron's default transformer_engine is "
+                            "not shipped in this version).")
+    group.add_argument("--calculate-per-token-loss", action="store_true",
+                       help="Scale the loss by the number of non-padded tokens of the global batch.")
+    group.add_argument("--manual-gc", action="store_true", help="Run Python GC at a fixed iteration interval.")
+    group.add_argument("--manual-gc-interval", type=int, default=0, help="Iterations between manual GC runs.")
+    group.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+                       help="Do not collect garbage around evaluation with --manual-gc.")
+    group.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
+                       help="Call torch.cuda.empty_cache() each iteration (1) or also after eval (2).")
+    group.add_argument("--no-masked-softmax-fusion", action="store_false", dest="masked_softmax_fusion",
+                       help="Disable the fused scale-mask-softmax kernel.")
+    group.add_argument("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion",
+                       help="Disable bias+GeLU fusion.")
+    group.add_argument("--no-bias-swiglu-fusion", action="store_false", dest="bias_swiglu_fusion",
+                       help="Disable bias+SwiGLU fusion.")
+    group.add_argument("--no-bias-dropout-fusion", action="store_false", dest="bias_dropout_fusion",
+                       help="Disable bias+dropout+add fusion.")
+    group.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
+                       help="No bias in the linear layers.")
+    group.add_argument("--add-qkv-bias", action="store_true", help="Bias in the QKV projection only.")
+    group.add_argument("--sequence-parallel", action="store_true",
+                       help="Split norm/dropout activations along the sequence across tensor-parallel ranks.")
+    return parser
+
+
+def _add_initialization_args(parser):
+    group = parser.add_argument_group(title="initialization")
+    group.add_argument("--seed", type=int, default=1234, help="Random seed (python, numpy, torch).")
+    group.add_argument("--data-parallel-random-init", action="store_true",
+                       help="Different initial weights on each data-parallel rank.")
+    group.add_argument("--init-method-std", type=float, default=0.02, help="Std of the normal weight init.")
+    group.add_argument("--embedding-init-method-std", type=float, default=None,
+                       help="Std of the embedding init; default --init-method-std.")
+    group.add_argument("--init-method-xavier-uniform", action="store_true", help="Xavier-uniform weight init.")
+    group.add_argument("--use-cpu-initialization", action="store_true",
+                       help="Initialize full weights on the CPU and split them (TP-invariant init).")
+    group.add_argument("--no-initialization", action="store_false", dest="perform_initialization",
+                       help="Skip weight initialization (e.g. before loading a checkpoint).")
+    return parser
+
+
+def _add_learning_rate_args(parser):
+    group = parser.add_argument_group(title="learning rate")
+    group.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
+    group.add_argument("--lr-decay-style", type=str, default="linear",
+                       choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+                       help="Learning rate decay.")
+    group.add_argument("--lr-wsd-decay-style", type=str, default="exponential",
+                       choices=["exponential", "linear", "cosine", "minus_sqrt"], help="Decay inside the WSD window.")
+    group.add_argument("--lr-decay-iters", type=int, default=None, help="Iterations to decay over (default train-iters).")
+    group.add_argument("--lr-decay-samples", type=int, default=None, help="Samples to decay over.")
+    group.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="Iterations of the WSD decay window.")
+    group.add_argument("--lr-wsd-decay-samples", type=int, default=None, help="Samples of the WSD decay window.")
+    group.add_argument("--lr-warmup-fraction", type=float, default=None, help="Warmup as a fraction of decay.")
+    group.add_argument("--lr-warmup-iters", type=int, default=0, help="Warmup iterations.")
+    group.add_argument("--lr-warmup-samples", type=int, default=0, help="Warmup samples.")
+    group.add_argument("--lr-warmup-init", type=float, default=0.0, help="Learning rate at the start of warmup.")
+    group.add_argument("--min-lr", type=float, default=0.0, help="Floor of the learning rate.")
+    group.add_argument("--override-opt-param-scheduler", action="store_true",
+                       help="Use the command-line scheduler values instead of the checkpoint's.")
+    group.add_argument("--use-checkpoint-opt-param-scheduler", action="store_true",
+                       help="Use the checkpoint's scheduler values.")
+    group.add_argument("--decoupled-lr", type=float, default=None, help="Learning rate of embedding/output params.")
+    group.add_argument("--decoupled-min-lr", type=float, default=None, help="Min learning rate of embedding/output.")
+    group.add_argument("--head-lr-mult", type=float, default=1.0, help="Parsed for compatibility; no effect.")
+    return parser
+
+
+def _add_checkpointing_args(parser):
+    group = parser.add_argument_group(title="checkpointing")
+    group.add_argument("--save", type=str, default=None, help="Directory to save checkpoints to.")
+    group.add_argument("--save-interval", "--persistent-save-interval", type=int, default=None,
+                       dest="save_interval", help="Iterations between checkpoint saves.")
+    group.add_argument("--save-retain-interval", type=int, default=None,
+                       help="Keep only checkpoints whose iteration is a multiple of this (plus the latest).")
+    group.add_argument("--non-persistent-save-interval", type=int, default=None,
+                       help="Iterations between non-persistent (local) saves.")
+    group.add_argument("--no-save-optim", action="store_true", default=None, help="Do not save optimizer state.")
+    group.add_argument("--no-save-rng", action="store_true", default=None, help="Do not save RNG state.")
+    group.add_argument("--load", type=str, default=None, help="Directory holding the checkpoint to load.")
+    group.add_argument("--no-load-optim", action="store_true", default=None, help="Do not load optimizer state.")
+    group.add_argument("--no-load-rng", action="store_true", default=None, help="Do not load RNG state.")
+    group.add_argument("--finetune", action="store_true",
+                       help="Load model weights only; start at iteration 0 with fresh optimizer and RNG.")
+    group.add_argument("--pretrained-checkpoint", type=str, default=None, help="Checkpoint to fine-tune from.")
+    group.add_argument("--ckpt-step", type=int, default=None, help="Load this iteration instead of the latest.")
+    group.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                       help="Fail instead of starting from scratch when --load has no checkpoint.")
+    group.add_argument("--use-dist-ckpt", action="store_true", dest="deprecated_use_dist_ckpt",
+                       help="Deprecated no-op: use --ckpt-format.")
+    group.add_argument("--dist-ckpt-format", type=str, default=None, dest="dist_ckpt_format_deprecated",
+                       help="Deprecated no-op: use --ckpt-format.")
+    group.add_argument("--auto-detect-ckpt-format", action="store_true",
+                       help="Detect the format of the checkpoint being loaded.")
+    group.add_argument("--ckpt-format", type=str, default="torch", choices=_CKPT_FORMATS,
+                       help="Checkpoint format. Default 'torch' (legacy per-rank files): it is the only format "
+                            "of this version (Megatron's default is torch_dist).")
+    group.add_argument("--async-save", action="store_true", default=None, help="Save checkpoints asynchronously.")
+    group.add_argument("--use-persistent-ckpt-worker", action="store_true",
+                       help="Use a persistent background process for async saves.")
+    return parser
+
+
+def _add_mixed_precision_args(parser):
+    group = parser.add_argument_group(title="mixed precision")
+    group.add_argument("--fp16", action="store_true", help="fp16 model with fp32 main params.")
+    group.add_argument("--bf16", action="store_true", help="bf16 model with fp32 main params.")
+    group.add_argument("--loss-scale", type=float, default=None, help="Constant loss scale; default dynamic (fp16).")
+    group.add_argument("--initial-loss-scale", type=float, default=2 ** 32, help="Initial dynamic loss scale.")
+    group.add_argument("--min-loss-scale", type=float, default=1.0, help="Minimum dynamic loss scale.")
+    group.add_argument("--loss-scale-window", type=float, default=1000, help="Clean steps before scaling up.")
+    group.add_argument("--hysteresis", type=int, default=2, help="Overflows tolerated before scaling down.")
+    group.add_argument("--fp32-residual-connection", action="store_true", help="Residual stream in fp32.")
+    group.add_argument("--apply-query-key-layer-scaling", action="store_true",
+                       help="Scale Q*K^T by 1/layer-number (forces softmax in fp32).")
+    group.add_argument("--attention-softmax-in-fp32", action="store_true", help="Attention softmax in fp32.")
+    group.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                       help="Accumulate and all-reduce gradients in fp32.")
+    group.add_argument("--grad-reduce-in-bf16", action="store_true", help="Reduce gradients in bf16 with --bf16.")
+    group.add_argument("--fp16-lm-cross-entropy", action="store_true", help="Unfused cross entropy in fp16.")
+    return parser
+
+
+def _add_distributed_args(parser):
+    group = parser.add_argument_group(title="distributed")
+    group.add_argument("--tensor-model-parallel-size", type=int, default=1, help="Tensor-parallel size.")
+    group.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="Pipeline-parallel size.")
+    group.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                       help="Layers on the first pipeline stage.")
+    group.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                       help="Layers on the last pipeline stage.")
+    group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                       help="Layers per virtual stage (interleaved schedule).")
+    group.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                       help="Virtual stages per pipeline rank (interleaved schedule).")
+    group.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm",
+                       help="Do not overlap pipeline send/recv with compute.")
+    group.add_argument("--context-parallel-size", type=int, default=1, help="Context-parallel size.")
+    group.add_argument("--expert-model-parallel-size", type=int, default=1, help="Expert-parallel size.")
+    group.add_argument("--distributed-backend", type=str, choices=["nccl", "gloo"],
+                       default="nccl" if torch.cuda.is_available() else "gloo",
+                       help="torch.distributed backend (default nccl with CUDA, else gloo).")
+    group.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                       help="Timeout of collective operations in minutes.")
+    group.add_argument("--use-distributed-optimizer", action="store_true",
+                       help="Shard optimizer state across data-parallel ranks.")
+    group.add_argument("--overlap-grad-reduce", action="store_true", help="Overlap grad reduction with backward.")
+    group.add_argument("--overlap-param-gather", action="store_true", help="Overlap param all-gather with forward.")
+    group.add_argument("--ddp-bucket-size", type=int, default=None, help="Elements per grad-reduction bucket.")
+    group.add_argument("--ddp-average-in-collective", action="store_true",
+                       help="Average (not sum) gradients inside the collective.")
+    group.add_argument("--local-rank", type=int, default=_default_local_rank(),
+                       help="Local rank (default env LOCAL_RANK).")
+    group.add_argument("--use-tp-pp-dp-mapping", action="store_true",
+                       help="Rank order tp-pp-dp instead of tp-dp-pp.")
+    return parser
+
+
+def _add_validation_args(parser):
+    group = parser.add_argument_group(title="validation")
+    group.add_argument("--eval-iters", type=int, default=100, help="Global batches per evaluation.")
+    group.add_argument("--eval-interval", type=int, default=None, help="Iterations between evaluations.")
+    group.add_argument("--skip-train", action="store_true", help="Only evaluate.")
+    group.add_argument("--full-validation", action="store_true", help="Evaluate on the whole validation set.")
+    group.add_argument("--eval-global-batch-size", type=int, default=None,
+                       help="Global batch of evaluation; default --global-batch-size.")
+    group.add_argument("--eval-micro-batch-size", type=int, default=None,
+                       help="Micro batch of evaluation; default --micro-batch-size.")
+    return parser
+
+
+def _add_data_args(parser):
+    group = parser.add_argument_group(title="data and dataloader")
+    group.add_argument("--data-path", nargs="*", default=None,
+                       help="Dataset prefixes, optionally weighted: 'w1 p1 w2 p2 ...'.")
+    group.add_argument("--split", type=str, default=None, help="Train/valid/test proportions, e.g. '969,30,1'.")
+    group.add_argument("--train-data-path", nargs="*", default=None, help="Training dataset prefixes.")
+    group.add_argument("--valid-data-path", nargs="*", default=None, help="Validation dataset prefixes.")
+    group.add_argument("--test-data-path", nargs="*", default=None, help="Test dataset prefixes.")
+    group.add_argument("--data-cache-path", type=str, default=None, help="Where sample-index caches are written.")
+    group.add_argument("--mock-data", action="store_true", help="Synthetic data instead of files.")
+    group.add_argument("--seq-length", type=int, default=None, help="Tokens per sample.")
+    group.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes.")
+    group.add_argument("--reset-position-ids", action="store_true", help="Restart position ids after EOD.")
+    group.add_argument("--reset-attention-mask", action="store_true", help="Block attention across EOD.")
+    group.add_argument("--eod-mask-loss", action="store_true", help="Mask the loss at EOD inputs.")
+    group.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
+                       dest="create_attention_mask_in_dataloader", help="Let the model build the causal mask.")
+    group.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
+                       help="Read .bin files instead of memory-mapping them.")
+    group.add_argument("--mid-level-dataset-surplus", type=float, default=0.005,
+                       help="Extra fraction of samples built for blended datasets.")
+    group.add_argument("--num-dataset-builder-threads", type=int, default=1, help="Threads building datasets.")
+    return parser
+
+
+def _add_logging_args(parser):
+    group = parser.add_argument_group(title="logging")
+    group.add_argument("--log-interval", type=int, default=100, help="Iterations between log lines.")
+    group.add_argument("--log-params-norm", action="store_true", help="Log the parameter L2 norm.")
+    group.add_argument("--log-num-zeros-in-grad", action="store_true", help="Log the number of zero grads.")
+    group.add_argument("--log-throughput", action="store_true", help="Log TFLOP/s per GPU.")
+    group.add_argument("--log-progress", action="store_true", help="Append progress lines to <save>/progress.txt.")
+    group.add_argument("--log-energy", action="store_true", help="Log GPU energy and power.")
+    group.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2], help="Timer verbosity.")
+    group.add_argument("--timing-log-option", type=str, default="minmax", choices=["max", "minmax", "all"],
+                       help="How timers are reduced across ranks.")
+    group.add_argument("--no-barrier-with-L1-time", action="store_false", dest="barrier_with_L1_time",
+                       help="No barrier before level-1 timers.")
+    group.add_argument("--tensorboard-dir", type=str, default=None, help="TensorBoard event directory.")
+    group.add_argument("--tensorboard-log-interval", type=int, default=1, help="Iterations between TB writes.")
+    group.add_argument("--tensorboard-queue-size", type=int, default=1000, help="TB writer queue size.")
+    group.add_argument("--log-timers-to-tensorboard", action="store_true", help="Write timers to TB.")
+    group.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false",
+                       dest="log_loss_scale_to_tensorboard", help="Do not write the loss scale to TB.")
+    group.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                       help="Write validation perplexity to TB.")
+    group.add_argument("--log-memory-to-tensorboard", action="store_true", help="Write CUDA memory stats to TB.")
+    group.add_argument("--log-world-size-to-tensorboard", action="store_true", help="Write the world size to TB.")
+    group.add_argument("--wandb-project", type=str, default="", help="Weights & Biases project.")
+    group.add_argument("--wandb-exp-name", type=str, default="", help="Weights & Biases run name.")
+    group.add_argument("--wandb-save-dir", type=str, default="", help="Weights & Biases local directory.")
+    group.add_argument("--logging-level", type=int, default=None, help="Python logging level.")
+    return parser
+
+
+def _add_opentelemetry_args(parser):
+    group = parser.add_argument_group(title="opentelemetry")
+    group.add_argument("--otel-enabled", action="store_true",
+                       help="Enable OpenTelemetry (overrides MEGATRON_OTEL_ENABLED).")
+    group.add_argument("--otel-service-name", type=str, default=None,
+                       help="OTel service name (default OTEL_SERVICE_NAME, else megatron-lm).")
+    group.add_argument("--otel-span-groups", type=str, default=None,
+                       help="Span-group spec (overrides MEGATRON_OTEL_SPAN_GROUPS).")
+    return parser
+
+
+# ---------------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------------
+
+def _print_rank_0(args, message):
+    if args.rank == 0:
+        print(message, flush=True)
+
+
+def _require(condition, message):
+    if not condition:
+        raise ValueError(message)
+
+
+def validate_args(args, defaults={}):
+    """Check flag combinations and fill derived values in place (Megatron-LM's validate_args).
+
+    Derives ``data_parallel_size``, ``global_batch_size``, ``ffn_hidden_size``, ``kv_channels``,
+    ``params_dtype``, ``eval_*_batch_size``, ``exit_signal`` (a signal.Signals), the run
+    counters (``consumed_*_samples``, ``iteration``, ...), applies ``defaults`` to flags
+    left at None, and prints the arguments on rank 0. Returns ``args``.
+
+    Raises ValueError naming the offending flag(s) and values, including for features that
+    are not available in this version (pipeline parallelism, the distributed optimizer,
+    non-torch checkpoint formats, Transformer Engine, MoE).
+    """
+    # Applied first so that script defaults take part in every check below; a flag given on
+    # the command line wins over the script default.
+    for key, value in defaults.items():
+        if getattr(args, key, None) is not None:
+            _print_rank_0(args, f"WARNING: overriding default arguments for {key}:{value} "
+                                f"with {key}:{getattr(args, key)}")
+        else:
+            setattr(args, key, value)
+
+    _validate_features(args)
+    _validate_parallel_sizes(args)
+    _validate_data_sources(args)
+    _validate_batch_sizes(args)
+    _validate_precision(args)
+    _validate_schedule(args)
+    _validate_model(args)
+    _validate_checkpointing(args)
+    _validate_misc(args)
+
+    # Run counters: the training loop and checkpoint loading advance/restore them.
+    args.consumed_train_samples = 0
+    args.skipped_train_samples = 0
+    args.consumed_valid_samples = 0
+    args.iteration = 0
+    args.num_floating_point_operations_so_far = 0
+    # Sequence length is constant in GPT pretraining, so pipeline p2p shapes are static.
+    args.variable_seq_lengths = False
+
+    _print_args("arguments", args)
+    return args
+
+
+def _validate_features(args):
+    if args.pipeline_model_parallel_size > 1:
+        raise ValueError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: pipeline "
+                         "parallelism is not available in this version yet (planned in a later issue); use 1")
+    if args.num_layers_per_virtual_pipeline_stage is not None or args.num_virtual_stages_per_pipeline_rank is not None:
+        raise ValueError("--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank need "
+                         "pipeline parallelism, which is not available in this version yet")
+    if args.use_distributed_optimizer:
+        raise ValueError("--use-distributed-optimizer is not available in this version yet "
+                         "(planned in a later issue)")
+    if args.ckpt_format != "torch":
+        raise ValueError(f"--ckpt-format {args.ckpt_format} is not available in this version yet (planned in a "
+                         "later issue); only the legacy 'torch' format is supported")
+    if args.transformer_impl != "local":
+        raise ValueError("--transformer-impl transformer_engine is not available: this version does not ship "
+                         "Transformer Engine layers; use --transformer-impl local")
+    if args.expert_model_parallel_size != 1 or args.num_experts is not None:
+        raise ValueError("mixture of experts (--num-experts / --expert-model-parallel-size) is not available "
+                         "in this version")
+    if args.optimizer not in _AVAILABLE_OPTIMIZERS:
+        raise ValueError(f"--optimizer {args.optimizer} is not available in this version; "
+                         f"choose one of {', '.join(_AVAILABLE_OPTIMIZERS)}")
+
+
+def _validate_parallel_sizes(args):
+    for flag, value in (("--tensor-model-parallel-size", args.tensor_model_parallel_size),
+                        ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
+                        ("--context-parallel-size", args.context_parallel_size)):
+        _require(value >= 1, f"{flag} must be >= 1, got {value}")
+    _require(args.world_size >= 1, f"world size must be >= 1, got {args.world_size} (env WORLD_SIZE)")
+    _require(0 <= args.rank < args.world_size,
+             f"rank {args.rank} is outside the world size {args.world_size} (env RANK/WORLD_SIZE)")
+    total_model_size = (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+                        * args.context_parallel_size)
+    _require(args.world_size % total_model_size == 0,
+             f"world size ({args.world_size}) is not divisible by total_model_size ({total_model_size}) = "
+             f"--tensor-model-parallel-size ({args.tensor_model_parallel_size}) x --pipeline-model-parallel-size "
+             f"({args.pipeline_model_parallel_size}) x --context-parallel-size ({args.context_parallel_size})")
+    args.data_parallel_size = args.world_size // total_model_size
+    args.virtual_pipeline_model_parallel_size = None
+    # P2P overlap only exists in the interleaved schedule (Megatron turns it off without it).
+    args.overlap_p2p_comm = False
+    _print_rank_0(args, f"using world size: {args.world_size}, data-parallel size: {args.data_parallel_size}, "
+                        f"context-parallel size: {args.context_parallel_size}, "
+                        f"tensor-model-parallel size: {args.tensor_model_parallel_size}, "
+                        f"pipeline-model-parallel size: {args.pipeline_model_parallel_size}")
+    # Sequence parallelism only changes numerics (not memory) when tp == 1, so Megatron drops it.
+    if args.tensor_model_parallel_size == 1 and args.sequence_parallel:
+        warnings.warn("Disabling sequence parallelism (--sequence-parallel) because tensor model parallelism "
+                      "is disabled (--tensor-model-parallel-size 1)")
+        args.sequence_parallel = False
+
+
+def _validate_data_sources(args):
+    sources = [name for name, used in (
+        ("--data-path", bool(args.data_path)),
+        ("--mock-data", bool(args.mock_data)),
+        ("--train-data-path/--valid-data-path/--test-data-path",
+         any([args.train_data_path, args.valid_data_path, args.test_data_path])),
+    ) if used]
+    _require(len(sources) <= 1, f"a single data source must be given, got {' and '.join(sources)}")
+    if args.data_path and args.split is None:
+        args.split = "969, 30, 1"
+        _print_rank_0(args, "WARNING: Please specify --split when using --data-path. "
+                            f'Using legacy default value of "{args.split}"')
+    _require(args.num_dataset_builder_threads > 0,
+             f"--num-dataset-builder-threads must be > 0, got {args.num_dataset_builder_threads}")
+    if args.dataloader_type is None:
+        args.dataloader_type = "single"
+
+
+def _validate_batch_sizes(args):
+    _require(args.micro_batch_size is not None, "--micro-batch-size is required")
+    _require(args.micro_batch_size > 0, f"--micro-batch-size must be > 0, got {args.micro_batch_size}")
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+        _print_rank_0(args, f"setting global batch size to {args.global_batch_size}")
+    _require(args.global_batch_size > 0, f"--global-batch-size must be > 0, got {args.global_batch_size}")
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size % per_step != 0:
+        if args.decrease_batch_size_if_needed and args.global_batch_size >= per_step:
+            rounded = args.global_batch_size // per_step * per_step
+            _print_rank_0(args, f"WARNING: decreasing global batch size from {args.global_batch_size} to {rounded} "
+                                "(--decrease-batch-size-if-needed)")
+            args.global_batch_size = rounded
+        else:
+            raise ValueError(
+                f"global batch size ({args.global_batch_size}) is not divisible by micro batch size "
+                f"({args.micro_batch_size}) times data parallel size ({args.data_parallel_size})")
+    if args.rampup_batch_size is not None:
+        _print_rank_0(args, "WARNING: --rampup-batch-size is deprecated and has no effect")
+
+    if args.eval_micro_batch_size is None:
+        args.eval_micro_batch_size = args.micro_batch_size
+    if args.eval_global_batch_size is None:
+        args.eval_global_batch_size = args.global_batch_size
+    _require(args.eval_micro_batch_size > 0, f"--eval-micro-batch-size must be > 0, got {args.eval_micro_batch_size}")
+    _require(args.eval_global_batch_size % (args.eval_micro_batch_size * args.data_parallel_size) == 0,
+             f"eval global batch size ({args.eval_global_batch_size}) is not divisible by eval micro batch size "
+             f"({args.eval_micro_batch_size}) times data parallel size ({args.data_parallel_size})")
+
+
+def _validate_precision(args):
+    _require(not (args.fp16 and args.bf16), "--fp16 and --bf16 are mutually exclusive; give at most one")
+    args.params_dtype = torch.float
+    if args.fp16:
+        args.params_dtype = torch.half
+        # With dynamic loss scaling an Inf/NaN grad is the scaler's signal, not an error.
+        if not args.loss_scale:
+            args.check_for_nan_in_loss_and_grad = False
+            _print_rank_0(args, "WARNING: Setting args.check_for_nan_in_loss_and_grad to False since dynamic "
+                                "loss scaling is being used")
+    if args.bf16:
+        args.params_dtype = torch.bfloat16
+        # bf16 has too few mantissa bits to accumulate gradients in place.
+        if not args.accumulate_allreduce_grads_in_fp32 and not args.grad_reduce_in_bf16:
+            args.accumulate_allreduce_grads_in_fp32 = True
+            _print_rank_0(args, "accumulate and all-reduce gradients in fp32 for bfloat16 data type.")
+    _print_rank_0(args, f"using {args.params_dtype} for parameters ...")
+    if args.fp16_lm_cross_entropy:
+        _require(args.fp16, "--fp16-lm-cross-entropy needs --fp16")
+    if args.fp32_residual_connection:
+        _require(args.fp16 or args.bf16, "--fp32-residual-connection needs --fp16 or --bf16")
+    if args.apply_query_key_layer_scaling:
+        args.attention_softmax_in_fp32 = True
+
+
+def _validate_schedule(args):
+    _require((args.train_iters is None) != (args.train_samples is None),
+             "exactly one of --train-iters and --train-samples must be given "
+             f"(got --train-iters {args.train_iters}, --train-samples {args.train_samples})")
+    if args.train_iters is not None:
+        _require(args.lr_decay_samples is None, "--lr-decay-samples needs sample-based training (--train-samples); "
+                                                "use --lr-decay-iters with --train-iters")
+        _require(args.lr_warmup_samples == 0, "--lr-warmup-samples needs sample-based training (--train-samples); "
+                                              "use --lr-warmup-iters with --train-iters")
+        _require(args.lr_wsd_decay_samples is None, "--lr-wsd-decay-samples needs sample-based training; "
+                                                    "use --lr-wsd-decay-iters with --train-iters")
+        if args.lr_warmup_fraction is not None:
+            _require(args.lr_warmup_iters == 0, "can only specify one of --lr-warmup-fraction and --lr-warmup-iters")
+    else:
+        _require(args.lr_decay_iters is None, "--lr-decay-iters needs iteration-based training (--train-iters); "
+                                              "use --lr-decay-samples with --train-samples")
+        _require(args.lr_warmup_iters == 0, "--lr-warmup-iters needs iteration-based training (--train-iters); "
+                                            "use --lr-warmup-samples with --train-samples")
+        _require(args.lr_wsd_decay_iters is None, "--lr-wsd-decay-iters needs iteration-based training; "
+                                                  "use --lr-wsd-decay-samples with --train-samples")
+        if args.lr_warmup_fraction is not None:
+            _require(args.lr_warmup_samples == 0,
+                     "can only specify one of --lr-warmup-fraction and --lr-warmup-samples")
+    if not args.skip_train:
+        _require(args.lr is not None, "--lr is required for training")
+    if args.lr is not None:
+        _require(args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
+    _require(not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
+             "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are mutually exclusive")
+    if args.weight_decay_incr_style == "constant":
+        _require(args.start_weight_decay is None and args.end_weight_decay is None,
+                 "--start-weight-decay/--end-weight-decay need --weight-decay-incr-style linear or cosine")
+        args.start_weight_decay = args.weight_decay
+        args.end_weight_decay = args.weight_decay
+    else:
+        _require(args.start_weight_decay is not None and args.end_weight_decay is not None,
+                 f"--weight-decay-incr-style {args.weight_decay_incr_style} needs --start-weight-decay "
+                 "and --end-weight-decay")
+
+
+def _validate_model(args):
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    if not args.add_position_embedding and args.position_embedding_type != "rope":
+        raise ValueError("--no-position-embedding is deprecated, use --position-embedding-type none")
+    for flag, dest in (("--num-layers", "num_layers"), ("--hidden-size", "hidden_size"),
+                       ("--num-attention-heads", "num_attention_heads")):
+        _require(getattr(args, dest) is not None, f"{flag} is required ({dest} argument is None)")
+        _require(getattr(args, dest) > 0, f"{flag} must be > 0, got {getattr(args, dest)}")
+    _require(args.seq_length is not None, "--seq-length is required")
+    _require(args.seq_length > 0, f"--seq-length must be > 0, got {args.seq_length}")
+    if args.position_embedding_type == "learned_absolute":
+        _require(args.max_position_embeddings is not None,
+                 "--max-position-embeddings is required with --position-embedding-type learned_absolute")
+    elif args.max_position_embeddings is None:
+        # Table-free position encodings have no length limit of their own.
+        args.max_position_embeddings = args.seq_length
+    if args.position_embedding_type in _TABLE_POSITION_TYPES:
+        _require(args.max_position_embeddings >= args.seq_length,
+                 f"--max-position-embeddings ({args.max_position_embeddings}) must be greater than or equal to "
+                 f"--seq-length ({args.seq_length})")
+    if args.context_parallel_size > 1:
+        _require(args.seq_length % (args.context_parallel_size * 2) == 0,
+                 f"--seq-length ({args.seq_length}) must be divisible by 2 x --context-parallel-size "
+                 f"({args.context_parallel_size}) for load balancing")
+
+    tp = args.tensor_model_parallel_size
+    _require(args.num_attention_heads % tp == 0,
+             f"--num-attention-heads ({args.num_attention_heads}) is not divisible by "
+             f"--tensor-model-parallel-size ({tp})")
+    if args.group_query_attention:
+        groups = args.num_query_groups
+        _require(groups is not None and groups > 0, f"--num-query-groups must be > 0, got {groups}")
+        _require(args.num_attention_heads % groups == 0,
+                 f"--num-attention-heads ({args.num_attention_heads}) is not divisible by "
+                 f"--num-query-groups ({groups})")
+        _require(groups % tp == 0,
+                 f"--num-query-groups ({groups}) is not divisible by --tensor-model-parallel-size ({tp})")
+
+    activations = [flag for flag, on in (("--swiglu", args.swiglu), ("--squared-relu", args.squared_relu),
+                                         ("--openai-gelu", args.openai_gelu)) if on]
+    _require(len(activations) <= 1, f"{' and '.join(activations)} are mutually exclusive activations")
+    if args.ffn_hidden_size is None:
+        if args.swiglu:
+            # Two input projections: shrink to keep ~the parameter count of 4h, rounded to 64.
+            args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
+        else:
+            args.ffn_hidden_size = 4 * args.hidden_size
+    if args.kv_channels is None:
+        _require(args.hidden_size % args.num_attention_heads == 0,
+                 f"--hidden-size ({args.hidden_size}) is not divisible by --num-attention-heads "
+                 f"({args.num_attention_heads}); give --kv-channels explicitly")
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    if args.swiglu:
+        args.gated_linear_unit = True
+        args.activation_func = F.silu
+    if args.add_bias_linear:
+        args.add_qkv_bias = True
+    if args.recompute_activations:
+        args.recompute_granularity = "selective"
+    if args.recompute_granularity == "selective":
+        _require(args.recompute_method is None,
+                 "--recompute-method is not supported with --recompute-granularity selective")
+
+
+def _validate_checkpointing(args):
+    if args.save is not None:
+        _require(args.save_interval is not None, "--save requires --save-interval")
+    if args.save_interval is not None:
+        _require(args.save_interval > 0, f"--save-interval must be > 0, got {args.save_interval}")
+    if args.async_save:
+        raise ValueError("--async-save is not supported with --ckpt-format torch")
+    if args.deprecated_use_dist_ckpt or args.dist_ckpt_format_deprecated is not None:
+        _print_rank_0(args, "WARNING: --use-dist-ckpt and --dist-ckpt-format are deprecated and ignored; "
+                            "use --ckpt-format")
+    args.use_dist_ckpt = args.ckpt_format != "torch"
+
+
+def _validate_misc(args):
+    try:
+        args.exit_signal = signal.Signals[args.exit_signal] if isinstance(args.exit_signal, str) \
+            else signal.Signals(args.exit_signal)
+    except (KeyError, ValueError):
+        names = ", ".join(sorted(s.name for s in signal.Signals))
+        raise ValueError(f"--exit-signal {args.exit_signal!r} is not a signal name; choose one of {names}") from None
+    if args.seed is not None:
+        _require(args.seed > 0, f"--seed must be > 0, got {args.seed}")
+
+
+def _print_args(title, args):
+    """Print every argument, sorted by name, in Megatron-LM's dotted layout on rank 0."""
+    if args.rank != 0:
+        return
+    lines = []
+    for name, value in vars(args).items():
+        dots = "." * (48 - len(name))
+        lines.append(f"  {name} {dots} {value}")
+    print(f"------------------------ {title} ------------------------", flush=True)
+    for line in sorted(lines, key=lambda x: x.lower()):
+        print(line, flush=True)
+    print(f"-------------------- end of {title} ---------------------", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# args -> TransformerConfig
+# ---------------------------------------------------------------------------------------------------
+
+def _squared_relu(x):
+    """ReLU(x)^2 (Primer, So et al. 2021, section 2)."""
+    return torch.pow(F.relu(x), 2)
+
+
+def _openai_gelu(x):
+    """GeLU with the tanh approximation used by OpenAI GPT (Hendrycks & Gimpel 2016, section 2)."""
+    return F.gelu(x, approximate="tanh")
+
+
+def core_transformer_config_from_args(args, config_class=None):
+    """Build a TransformerConfig from validated args.
+
+    Every args attribute whose name is a field of ``config_class`` is copied; then Megatron's
+    translations are applied (only for fields the class has): persist_layer_norm,
+    layernorm_zero_centered_gamma (--apply-layernorm-1p), layernorm_epsilon (--norm-epsilon),
+    deallocate_pipeline_outputs, pipeline_dtype (= params_dtype), batch_p2p_comm, the activation
+    (SiLU + gated for --swiglu, squared ReLU, tanh GeLU), num_query_groups (None without
+    --group-query-attention) and the xavier-uniform init methods.
+
+    Args:
+        args: the Namespace returned by validate_args.
+        config_class: a dataclass; default megatron.core.transformer.transformer_config.TransformerConfig.
+    Raises TypeError if ``config_class`` is not a dataclass.
+    """
+    if config_class is None:
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        config_class = TransformerConfig
+    if not dataclasses.is_dataclass(config_class):
+        raise TypeError(f"config_class {config_class!r} is not a dataclass")
+    fields = {f.name for f in dataclasses.fields(config_class) if f.init}
+    kw_args = {name: getattr(args, name) for name in fields if hasattr(args, name)}
+
+    special = {
+        "persist_layer_norm": not getattr(args, "no_persist_layer_norm", False),
+        "layernorm_zero_centered_gamma": getattr(args, "apply_layernorm_1p", False),
+        "layernorm_epsilon": getattr(args, "norm_epsilon", 1e-5),
+        "deallocate_pipeline_outputs": True,
+        "pipeline_dtype": getattr(args, "params_dtype", torch.float),
+        "batch_p2p_comm": not getattr(args, "overlap_p2p_comm", True),
+        "num_moe_experts": getattr(args, "num_experts", None),
+        "num_layers_in_first_pipeline_stage": getattr(args, "decoder_first_pipeline_num_layers", None),
+        "num_layers_in_last_pipeline_stage": getattr(args, "decoder_last_pipeline_num_layers", None),
+        "num_query_groups": args.num_query_groups if getattr(args, "group_query_attention", False) else None,
+    }
+    if getattr(args, "swiglu", False):
+        special["activation_func"] = F.silu
+        special["gated_linear_unit"] = True
+        special["bias_activation_fusion"] = getattr(args, "bias_swiglu_fusion", True)
+    else:
+        special["bias_activation_fusion"] = getattr(args, "bias_gelu_fusion", True)
+    if getattr(args, "squared_relu", False):
+        special["activation_func"] = _squared_relu
+    if getattr(args, "openai_gelu", False):
+        special["activation_func"] = _openai_gelu
+    # A config that knows init_method_xavier_uniform builds its own (TP-aware) xavier init.
+    if getattr(args, "init_method_xavier_uniform", False) and "init_method_xavier_uniform" not in fields:
+        special["init_method"] = torch.nn.init.xavier_uniform_
+        special["output_layer_init_method"] = torch.nn.init.xavier_uniform_
+        special["scaled_init_method"] = torch.nn.init.xavier_uniform_
+    kw_args.update({name: value for name, value in special.items() if name in fields})
+    return config_class(**kw_args)

@@ -1,0 +1,638 @@
+"""Save and load Megatron-LM legacy ('torch' format) checkpoints atomically, one file per (tp, pp) rank."""
+import argparse
+import enum
+import os
+import pickle
+import random
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.training.global_vars import get_args
+from megatron.training.utils import print_rank_0
+
+CHECKPOINT_VERSION = 3.0
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+CHECKPOINT_BASENAME = "model_optim_rng.pt"
+
+_CHECKPOINT_VERSION = None
+
+
+def set_checkpoint_version(value):
+    """Remember the version of the checkpoint being loaded (Megatron's global)."""
+    global _CHECKPOINT_VERSION
+    _CHECKPOINT_VERSION = value
+
+
+def get_checkpoint_version():
+    """Version of the last loaded checkpoint, or None before any load."""
+    return _CHECKPOINT_VERSION
+
+
+# ---------------------------------------------------------------------------------------------------
+# Names and tracker
+# ---------------------------------------------------------------------------------------------------
+
+def get_checkpoint_tracker_filename(checkpoints_path):
+    """``<checkpoints_path>/latest_checkpointed_iteration.txt``: holds the last complete iteration."""
+    return os.path.join(checkpoints_path, TRACKER_FILENAME)
+
+
+def _iteration_dirname(iteration, release):
+    return "release" if release else "iter_{:07d}".format(iteration)
+
+
+def get_checkpoint_name(checkpoints_path, iteration, release=False, pipeline_parallel=None,
+                        tensor_rank=None, pipeline_rank=None):
+    """Path of this rank's checkpoint file.
+
+    ``<path>/iter_{iteration:07d}/mp_rank_{tp:02d}/model_optim_rng.pt`` without pipeline
+    parallelism, ``.../mp_rank_{tp:02d}_{pp:03d}/...`` with it, ``release`` instead of the
+    iteration directory when ``release``. Ranks not given are read from parallel_state
+    (0 in a single process without groups).
+    """
+    if pipeline_parallel is None:
+        pipeline_parallel = parallel_state.get_pipeline_model_parallel_world_size() > 1
+    if tensor_rank is None:
+        tensor_rank = parallel_state.get_tensor_model_parallel_rank()
+    if pipeline_rank is None:
+        pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
+    if pipeline_parallel:
+        rank_dir = f"mp_rank_{tensor_rank:02d}_{pipeline_rank:03d}"
+    else:
+        rank_dir = f"mp_rank_{tensor_rank:02d}"
+    return os.path.join(checkpoints_path, _iteration_dirname(iteration, release), rank_dir, CHECKPOINT_BASENAME)
+
+
+def read_metadata(tracker_filename):
+    """Read a tracker file. Returns ``(iteration, release)``.
+
+    When torch.distributed is initialised the maximum iteration over all ranks is returned
+    (a rank reading a stale copy on a non-shared file system prints a warning).
+    Raises FileNotFoundError if the file is missing and ValueError naming the file when it
+    holds neither a positive integer nor ``release``.
+    """
+    with open(tracker_filename, "r") as f:
+        metastring = f.read().strip()
+    release = False
+    try:
+        iteration = int(metastring)
+    except ValueError:
+        if metastring != "release":
+            raise ValueError(f"invalid checkpoint tracker file {tracker_filename}: expected an iteration number "
+                             f"or 'release', found {metastring[:80]!r}") from None
+        iteration, release = 0, True
+    if iteration <= 0 and not release:
+        raise ValueError(f"invalid checkpoint tracker file {tracker_filename}: iteration {iteration} is not positive")
+
+    if dist.is_initialized():
+        iters = torch.tensor([iteration], dtype=torch.long, device=_collective_device())
+        dist.all_reduce(iters, op=dist.ReduceOp.MAX)
+        max_iter = int(iters.item())
+        if max_iter != iteration:
+            print(f"WARNING: on rank {dist.get_rank()} found iteration {iteration} in the metadata while max "
+                  f"iteration across the ranks is {max_iter}, replacing it with max iteration.", flush=True)
+        iteration = max_iter
+    return iteration, release
+
+
+# ---------------------------------------------------------------------------------------------------
+# Collective helpers (no-ops in a single process)
+# ---------------------------------------------------------------------------------------------------
+
+def _collective_device():
+    # NCCL only moves CUDA tensors; gloo only CPU ones.
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _world_rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _any_rank(flag):
+    if not dist.is_initialized():
+        return bool(flag)
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_collective_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def _broadcast_int_from_rank_0(value):
+    if not dist.is_initialized():
+        return value
+    tensor = torch.tensor([value], dtype=torch.long, device=_collective_device())
+    dist.broadcast(tensor, src=0)
+    return int(tensor.item())
+
+
+# ---------------------------------------------------------------------------------------------------
+# State pieces
+# ---------------------------------------------------------------------------------------------------
+
+def _unwrap(model):
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    try:
+        from megatron.core.utils import unwrap_model
+
+        return unwrap_model(chunks)
+    except ImportError:
+        # Without megatron.core.utils (or its wrapper classes) strip `.module` chains by hand.
+        unwrapped = []
+        for chunk in chunks:
+            while isinstance(getattr(chunk, "module", None), torch.nn.Module):
+                chunk = chunk.module
+            unwrapped.append(chunk)
+        return unwrapped
+
+
+def _rng_tracker():
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.get_cuda_rng_tracker()
+
+
+def get_rng_state(data_parallel_random_init=False):
+    """RNG states of this rank as Megatron stores them: a list of dicts.
+
+    Each dict holds ``random_rng_state`` (python), ``np_rng_state``, ``torch_rng_state``
+    (CPU), ``cuda_rng_state`` (only when CUDA is available) and ``rng_tracker_states``
+    (the tensor-parallel RNG tracker). The list has one entry, or one per data-parallel
+    rank (gathered over the data-parallel group) with ``data_parallel_random_init``.
+    """
+    state = {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "rng_tracker_states": _rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    if (data_parallel_random_init and dist.is_initialized()
+            and parallel_state.get_data_parallel_world_size() > 1):
+        states = [None] * parallel_state.get_data_parallel_world_size()
+        dist.all_gather_object(states, state, group=parallel_state.get_data_parallel_group())
+        return states
+    return [state]
+
+
+def _set_rng_state(rng_state, checkpoint_name):
+    random.setstate(_as_python_rng_state(rng_state["random_rng_state"]))
+    np.random.set_state(rng_state["np_rng_state"])
+    torch.set_rng_state(rng_state["torch_rng_state"])
+    if torch.cuda.is_available():
+        if "cuda_rng_state" in rng_state:
+            torch.cuda.set_rng_state(rng_state["cuda_rng_state"])
+        else:
+            print_rank_0(f"WARNING: {checkpoint_name} has no CUDA RNG state (saved without CUDA); "
+                         "the CUDA generator keeps its current state")
+    if rng_state.get("rng_tracker_states"):
+        _rng_tracker().set_states(rng_state["rng_tracker_states"])
+
+
+def _as_python_rng_state(value):
+    # random.setstate insists on tuples; keep it robust if a converter stored lists.
+    version, internal, gauss = value
+    return version, tuple(internal), gauss
+
+
+def _sanitize(value):
+    """``value`` reduced to types torch.load(weights_only=True) accepts, or _DROP."""
+    if isinstance(value, enum.Enum):
+        return value.name
+    if value is None or type(value) in (bool, int, float, str) or isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        items = [_sanitize(v) for v in value]
+        items = [v for v in items if v is not _DROP]
+        return items if isinstance(value, list) else tuple(items)
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            k, v = _sanitize(k), _sanitize(v)
+            if k is not _DROP and v is not _DROP:
+                out[k] = v
+        return out
+    return _DROP
+
+
+_DROP = object()
+
+
+def _sanitized_args(args):
+    """A Namespace copy of ``args`` holding only plain values (functions, objects dropped; enums as names)."""
+    clean = argparse.Namespace()
+    for name, value in vars(args).items():
+        value = _sanitize(value)
+        if value is not _DROP:
+            setattr(clean, name, value)
+    return clean
+
+
+def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, iteration,
+                        num_floating_point_operations_so_far):
+    """The dict written per (tp, pp) rank: args, checkpoint_version, iteration, model (``model0..``
+    for several chunks), optimizer (unless --no-save-optim), opt_param_scheduler, rng_state
+    (unless ``rng_state`` is None), num_floating_point_operations_so_far."""
+    state_dict = {
+        "args": _sanitized_args(args),
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": iteration,
+    }
+    if len(model) == 1:
+        state_dict["model"] = model[0].state_dict()
+    else:
+        for i, chunk in enumerate(model):
+            state_dict[f"model{i}"] = chunk.state_dict()
+    if not args.no_save_optim:
+        if optimizer is not None:
+            state_dict["optimizer"] = optimizer.state_dict()
+        if opt_param_scheduler is not None:
+            state_dict["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+    if rng_state is not None:
+        state_dict["rng_state"] = rng_state
+    state_dict["num_floating_point_operations_so_far"] = num_floating_point_operations_so_far
+    return state_dict
+
+
+# ---------------------------------------------------------------------------------------------------
+# Durable file-system steps
+# ---------------------------------------------------------------------------------------------------
+
+def _fsync_dir(path):
+    # A rename is only durable once the directory holding the entry is flushed.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_durably(state_dict, path):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        torch.save(state_dict, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(os.path.dirname(path))
+
+
+def _replace_dir(src, dst):
+    """Move directory ``src`` to ``dst``; an existing ``dst`` is moved aside first, then removed."""
+    parent, name = os.path.split(dst)
+    old = None
+    if os.path.exists(dst):
+        # rename() cannot replace a non-empty directory, so the old one steps aside first.
+        old = os.path.join(parent, f".{name}.old-{os.getpid()}")
+        os.rename(dst, old)
+    os.rename(src, dst)
+    _fsync_dir(parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_tracker(save_dir, text):
+    tracker = get_checkpoint_tracker_filename(save_dir)
+    tmp = os.path.join(save_dir, f".{TRACKER_FILENAME}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, tracker)
+    _fsync_dir(save_dir)
+
+
+def _remove_stale_temporaries(save_dir, dirname):
+    # Leftovers of a save of the same iteration that died before its rename.
+    prefixes = (f".{dirname}.tmp-", f".{dirname}.old-")
+    for entry in os.listdir(save_dir):
+        if entry.startswith(prefixes):
+            shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
+
+
+def _remove_unretained(save_dir, iteration, retain_interval):
+    """--save-retain-interval: drop earlier iter_* directories whose iteration is not a multiple."""
+    for entry in os.listdir(save_dir):
+        if not (entry.startswith("iter_") and entry[5:].isdigit()):
+            continue
+        old_iteration = int(entry[5:])
+        if old_iteration < iteration and old_iteration % retain_interval != 0:
+            shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Save
+# ---------------------------------------------------------------------------------------------------
+
+def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+                    checkpointing_context=None):
+    """Write a legacy 'torch' format checkpoint of ``iteration`` under ``--save``; all ranks call it.
+
+    Layout (spec §8.8): ``<save>/iter_{iteration:07d}/mp_rank_XX[_YYY]/model_optim_rng.pt``, one
+    file per (tp, pp) rank written by data-parallel rank 0, then ``latest_checkpointed_iteration.txt``.
+    Atomic: files go to a hidden ``.iter_XXXXXXX.tmp-<pid>`` directory in the same parent, are
+    fsynced, and after every rank has finished rank 0 renames it to ``iter_XXXXXXX`` (an existing
+    one is replaced) and only then atomically replaces the tracker. A failure on any rank leaves
+    the previous checkpoint and tracker untouched and raises on every rank.
+
+    Args:
+        iteration: training iteration (int) the state belongs to.
+        model: list of model chunks (wrapped or not).
+        optimizer: object with ``state_dict()`` or None.
+        opt_param_scheduler: object with ``state_dict()`` or None.
+        num_floating_point_operations_so_far: FLOPs done so far (int), stored for throughput logs.
+        checkpointing_context: accepted for Megatron's signature; unused by the torch format.
+    Raises ValueError without ``--save`` or with a non-torch ``--ckpt-format``; RuntimeError
+    (or the original error on the failing rank) when writing fails.
+    """
+    args = get_args()
+    save_dir = args.save
+    if save_dir is None:
+        raise ValueError("save_checkpoint needs --save")
+    ckpt_format = getattr(args, "ckpt_format", "torch")
+    if ckpt_format != "torch":
+        raise ValueError(f"--ckpt-format {ckpt_format} is not available in this version; use torch")
+    model = _unwrap(model)
+    print_rank_0("saving checkpoint at iteration {:7d} to {} in {} format".format(iteration, save_dir, ckpt_format))
+
+    # Every rank takes part: with --data-parallel-random-init this is a collective.
+    rng_state = None if args.no_save_rng else get_rng_state(getattr(args, "data_parallel_random_init", False))
+
+    dirname = _iteration_dirname(iteration, release=False)
+    final_dir = os.path.join(save_dir, dirname)
+    rank = _world_rank()
+    # All writers must agree on one temporary directory: use rank 0's pid.
+    owner_pid = _broadcast_int_from_rank_0(os.getpid())
+    tmp_dir = os.path.join(save_dir, f".{dirname}.tmp-{owner_pid}")
+
+    error = None
+    if rank == 0:
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            _remove_stale_temporaries(save_dir, dirname)
+            os.makedirs(tmp_dir)
+        except Exception as exc:  # reported to every rank below instead of leaving them in a barrier
+            error = exc
+    if _any_rank(error is not None):
+        _raise_save_failure(error, iteration, final_dir)
+
+    try:
+        if parallel_state.get_data_parallel_rank() == 0:
+            final_name = get_checkpoint_name(save_dir, iteration)
+            tmp_name = os.path.join(tmp_dir, os.path.relpath(final_name, final_dir))
+            state_dict = generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state,
+                                             iteration, num_floating_point_operations_so_far)
+            _write_durably(state_dict, tmp_name)
+    except Exception as exc:
+        error = exc
+    if _any_rank(error is not None):
+        if rank == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        _raise_save_failure(error, iteration, final_dir)
+
+    if rank == 0:
+        try:
+            _replace_dir(tmp_dir, final_dir)
+            # The tracker moves last, so it never names an incomplete directory.
+            _write_tracker(save_dir, str(iteration))
+            retain = getattr(args, "save_retain_interval", None)
+            if retain:
+                _remove_unretained(save_dir, iteration, retain)
+        except Exception as exc:
+            error = exc
+    if _any_rank(error is not None):
+        _raise_save_failure(error, iteration, final_dir)
+    print_rank_0("  successfully saved checkpoint from iteration {:7d} to {}".format(iteration, save_dir))
+
+
+def _raise_save_failure(error, iteration, final_dir):
+    if error is not None:
+        raise error
+    raise RuntimeError(f"saving checkpoint at iteration {iteration} to {final_dir} failed on another rank; "
+                       "the previous checkpoint and tracker were left unchanged")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Load
+# ---------------------------------------------------------------------------------------------------
+
+def _safe_globals():
+    """Non-tensor types a checkpoint may hold: the args Namespace and numpy's RNG state pieces."""
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct
+    allowed = [argparse.Namespace, _reconstruct, np.ndarray, np.dtype]
+    uint32_dtype = getattr(getattr(np, "dtypes", None), "UInt32DType", None)
+    if uint32_dtype is not None:  # numpy >= 1.25 pickles dtypes through their classes
+        allowed.append(uint32_dtype)
+    return allowed
+
+
+def load_state_dict_file(path):
+    """``torch.load(path, weights_only=True)`` on the CPU, allowing only the globals of _safe_globals.
+
+    Raises pickle.UnpicklingError naming the file when it holds anything else (arbitrary
+    pickled objects are never executed) and RuntimeError naming the file when it is truncated
+    or corrupt.
+    """
+    try:
+        with torch.serialization.safe_globals(_safe_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise pickle.UnpicklingError(
+            f"refusing to load checkpoint {path}: it holds objects other than tensors and plain data, "
+            f"which a weights-only load does not execute ({exc})") from exc
+    except RuntimeError as exc:
+        raise RuntimeError(f"cannot read checkpoint file {path} (truncated or corrupt?): {exc}") from exc
+
+
+def _layout_hint(iteration_dir):
+    found = sorted(e for e in os.listdir(iteration_dir) if e.startswith("mp_rank_"))
+    return ", ".join(found) if found else "no mp_rank_* directories"
+
+
+def _checkpoint_path_to_load(args, load_dir):
+    """(checkpoint file, iteration, release), or None when there is nothing to load."""
+    tracker = get_checkpoint_tracker_filename(load_dir)
+    if args.ckpt_step is not None:
+        iteration, release, source = args.ckpt_step, False, f"--ckpt-step {args.ckpt_step}"
+    elif not os.path.isfile(tracker):
+        if args.exit_on_missing_checkpoint:
+            raise FileNotFoundError(f"--exit-on-missing-checkpoint: no checkpoint tracker {tracker} "
+                                    f"in --load directory {load_dir}")
+        print_rank_0(f"WARNING: could not find the metadata file {tracker}")
+        print_rank_0("    will not load any checkpoints and will start from random")
+        return None
+    else:
+        iteration, release = read_metadata(tracker)
+        source = f"tracker {tracker}"
+
+    name = get_checkpoint_name(load_dir, iteration, release)
+    iteration_dir = os.path.dirname(os.path.dirname(name))
+    if not os.path.isdir(iteration_dir):
+        raise FileNotFoundError(f"checkpoint directory {iteration_dir} (iteration {iteration}, from {source}) "
+                                "does not exist")
+    if not os.path.isfile(name):
+        raise FileNotFoundError(
+            f"checkpoint file {name} does not exist: expected for tensor-parallel rank "
+            f"{parallel_state.get_tensor_model_parallel_rank()} of "
+            f"{parallel_state.get_tensor_model_parallel_world_size()} and pipeline rank "
+            f"{parallel_state.get_pipeline_model_parallel_rank()} of "
+            f"{parallel_state.get_pipeline_model_parallel_world_size()}, but {iteration_dir} holds "
+            f"{_layout_hint(iteration_dir)}; it was saved with a different tensor/pipeline-parallel layout "
+            "(the torch format cannot reshard)")
+    return name, iteration, release
+
+
+def _check_layout(checkpoint_args, checkpoint_name):
+    for name, current in (("tensor_model_parallel_size", parallel_state.get_tensor_model_parallel_world_size()),
+                          ("pipeline_model_parallel_size", parallel_state.get_pipeline_model_parallel_world_size())):
+        saved = getattr(checkpoint_args, name, None)
+        if saved is not None and saved != current:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"checkpoint {checkpoint_name} was saved with {flag} {saved} but this run uses "
+                             f"{current}; the torch format cannot reshard, use {flag} {saved}")
+
+
+def check_checkpoint_args(checkpoint_args):
+    """Fail when the model shape stored in the checkpoint differs from the command line.
+
+    Compares num_layers, hidden_size, num_attention_heads, max_position_embeddings,
+    make_vocab_size_divisible_by, padded_vocab_size and tokenizer_type (each only when both
+    sides have it). Raises ValueError naming the flag and both values.
+    """
+    args = get_args()
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings",
+                 "make_vocab_size_divisible_by", "padded_vocab_size", "tokenizer_type"):
+        saved, current = getattr(checkpoint_args, name, None), getattr(args, name, None)
+        if saved is not None and current is not None and saved != current:
+            raise ValueError(f"{name} value from checkpoint ({saved}) is not equal to the input argument value "
+                             f"({current}) (--{name.replace('_', '-')})")
+
+
+def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
+    """Load the checkpoint named by ``args.<load_arg>`` into model, optimizer and scheduler; all ranks call it.
+
+    Picks the iteration from ``--ckpt-step`` or the tracker. Without a tracker: prints a warning
+    and returns ``(0, 0)`` (FileNotFoundError with ``--exit-on-missing-checkpoint``).
+    ``--finetune``: weights only, iteration 0, counters not restored. ``--no-load-optim`` /
+    ``--no-load-rng`` skip those parts. Otherwise restores the iteration,
+    ``args.consumed_train_samples``, ``args.skipped_train_samples``, ``args.consumed_valid_samples``,
+    ``args.num_floating_point_operations_so_far``, optimizer + scheduler state and every RNG
+    (python, numpy, torch CPU, CUDA when available, the TP tracker).
+
+    Args:
+        model: list of model chunks (wrapped or not).
+        optimizer: object with ``load_state_dict`` or None.
+        opt_param_scheduler: object with ``load_state_dict`` or None.
+        load_arg: name of the args attribute holding the directory.
+        strict: passed to ``Module.load_state_dict``.
+    Returns ``(iteration, num_floating_point_operations_so_far)``.
+    Raises FileNotFoundError (directory or rank file missing, naming the expected file),
+    ValueError (bad tracker, tp/pp or model-shape mismatch), pickle.UnpicklingError (non
+    weights-only content), RuntimeError (corrupt file, model mismatch, missing optimizer/RNG
+    state without --no-load-optim / --no-load-rng).
+    """
+    args = get_args()
+    load_dir = getattr(args, load_arg)
+    if load_dir is None:
+        raise ValueError(f"load_checkpoint needs --{load_arg.replace('_', '-')}")
+    model = _unwrap(model)
+
+    found = _checkpoint_path_to_load(args, load_dir)
+    if found is None:
+        return 0, 0
+    checkpoint_name, iteration, release = found
+    state_dict = load_state_dict_file(checkpoint_name)
+    set_checkpoint_version(state_dict.get("checkpoint_version", 0))
+
+    checkpoint_args = state_dict.get("args")
+    if checkpoint_args is not None:
+        _check_layout(checkpoint_args, checkpoint_name)
+
+    if args.finetune or release:
+        iteration = 0
+    else:
+        try:
+            iteration = state_dict["iteration"]
+        except KeyError:
+            raise RuntimeError(f"checkpoint {checkpoint_name} has no 'iteration' entry; load it with "
+                               "--finetune to start from iteration 0") from None
+
+    if args.finetune:
+        num_floating_point_operations_so_far = 0
+    else:
+        if checkpoint_args is not None:
+            check_checkpoint_args(checkpoint_args)
+            args.consumed_train_samples = getattr(checkpoint_args, "consumed_train_samples", 0)
+            args.skipped_train_samples = getattr(checkpoint_args, "skipped_train_samples", 0)
+            args.consumed_valid_samples = getattr(checkpoint_args, "consumed_valid_samples", 0)
+        else:
+            print_rank_0("could not find arguments in the checkpoint ...")
+        num_floating_point_operations_so_far = state_dict.get("num_floating_point_operations_so_far", 0)
+    args.num_floating_point_operations_so_far = num_floating_point_operations_so_far
+
+    _load_model(model, state_dict, strict, checkpoint_name)
+
+    if not release and not args.finetune and not args.no_load_optim:
+        try:
+            if optimizer is not None:
+                optimizer.load_state_dict(state_dict["optimizer"])
+            if opt_param_scheduler is not None:
+                opt_param_scheduler.load_state_dict(state_dict["opt_param_scheduler"])
+        except KeyError as exc:
+            raise RuntimeError(f"unable to load optimizer state ({exc} missing) from checkpoint {checkpoint_name}; "
+                               "specify --no-load-optim or --finetune to skip it") from None
+    elif (args.fp16 or args.bf16) and optimizer is not None and hasattr(optimizer, "reload_model_params"):
+        # Fresh fp32 main params must start from the loaded (low-precision) weights.
+        optimizer.reload_model_params()
+
+    if not release and not args.finetune and not args.no_load_rng:
+        try:
+            rng_states = state_dict["rng_state"]
+            index = 0
+            if getattr(args, "data_parallel_random_init", False) and len(rng_states) > 1:
+                index = parallel_state.get_data_parallel_rank()
+            _set_rng_state(rng_states[index], checkpoint_name)
+        except (KeyError, IndexError) as exc:
+            raise RuntimeError(f"unable to load rng state ({exc} missing) from checkpoint {checkpoint_name}; "
+                               "specify --no-load-rng or --finetune to skip it") from None
+
+    _barrier()
+    print_rank_0(f"  successfully loaded checkpoint from {load_dir} at iteration {iteration}")
+    return iteration, num_floating_point_operations_so_far
+
+
+def _load_model(model, state_dict, strict, checkpoint_name):
+    keys = ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
+    for chunk, key in zip(model, keys):
+        if key not in state_dict:
+            raise RuntimeError(f"checkpoint {checkpoint_name} has no '{key}' entry for {len(model)} model chunk(s)")
+        try:
+            chunk.load_state_dict(state_dict[key], strict=strict)
+        except RuntimeError as exc:
+            raise RuntimeError(f"checkpoint {checkpoint_name} does not match the model: {exc}") from exc
+
+
+__all__ = [
+    "CHECKPOINT_VERSION", "get_checkpoint_name", "get_checkpoint_tracker_filename", "read_metadata",
+    "get_rng_state", "generate_state_dict", "save_checkpoint", "load_checkpoint", "load_state_dict_file",
+    "check_checkpoint_args", "get_checkpoint_version", "set_checkpoint_version",
+]

@@ -1,0 +1,328 @@
+"""Tests for tools/preprocess_data.py: golden byte identity, flags, partitions and the bad-input policy."""
+import gzip
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy
+import pytest
+
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.tokenizers import GPT2BPETokenizer, MegatronTokenizer
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_tool(name):
+    spec = importlib.util.spec_from_file_location(f"_tool_{name}", REPO_ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # pool workers unpickle functions by module name
+    spec.loader.exec_module(module)
+    return module
+
+
+preprocess = _load_tool("preprocess_data")
+
+
+@pytest.fixture(scope="module")
+def gpt2_flags(shared_data):
+    return ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(shared_data / "gpt2-vocab.json"),
+            "--merge-file", str(shared_data / "gpt2-merges.txt")]
+
+
+@pytest.fixture(scope="module")
+def gpt2(shared_data):
+    return GPT2BPETokenizer(str(shared_data / "gpt2-vocab.json"), str(shared_data / "gpt2-merges.txt"))
+
+
+@pytest.fixture(scope="module")
+def shakespeare_lines(shared_data):
+    return (shared_data / "tinyshakespeare.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+
+
+def _run(input_path, prefix, flags, *extra):
+    return preprocess.main(["--input", str(input_path), "--output-prefix", str(prefix), *flags, *extra])
+
+
+def _documents(prefix):
+    """Reader view: list of documents, each a list of sequences (lists of ids)."""
+    dataset = IndexedDataset(str(prefix))
+    bounds = dataset.document_indices
+    return [[dataset[i].tolist() for i in range(bounds[d], bounds[d + 1])] for d in range(len(bounds) - 1)]
+
+
+def _reference_documents(tokenizer, texts, append_eod=True):
+    docs = []
+    for text in texts:
+        ids = tokenizer.tokenize(text)
+        docs.append([ids + [tokenizer.eod]] if ids and append_eod else ([ids] if ids else []))
+    return docs
+
+
+def _write_jsonl(path, records):
+    path.write_text("".join(json.dumps(record) + "\n" for record in records), encoding="utf-8")
+    return path
+
+
+# ------------------------------------------------------------------ golden byte identity
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_golden_gpt2(shared_data, tmp_path, gpt2_flags, workers):
+    prefix = tmp_path / "shakes"
+    assert _run(shared_data / "tinyshakespeare.jsonl", prefix, gpt2_flags, "--append-eod", "--workers", str(workers)) == 0
+    for ext in ("bin", "idx"):
+        golden = (shared_data / "golden" / f"shakes_text_document.{ext}").read_bytes()
+        assert (tmp_path / f"shakes_text_document.{ext}").read_bytes() == golden
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shakes_text_document.bin", "shakes_text_document.idx"]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_golden_sentencepiece(shared_data, tmp_path, workers):
+    prefix = tmp_path / "shakes_sp"
+    flags = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(shared_data / "shakespeare-sp8k.model")]
+    assert _run(shared_data / "tinyshakespeare.jsonl", prefix, flags, "--append-eod", "--workers", str(workers)) == 0
+    for ext in ("bin", "idx"):
+        golden = (shared_data / "golden" / f"shakes_sp_text_document.{ext}").read_bytes()
+        assert (tmp_path / f"shakes_sp_text_document.{ext}").read_bytes() == golden
+
+
+# ------------------------------------------------------------------ input forms and flags
+
+
+def test_gzip_input_and_progress_lines(tmp_path, gpt2_flags, gpt2, shakespeare_lines, capsys):
+    lines = shakespeare_lines[:120]
+    source = tmp_path / "part.jsonl.gz"
+    with gzip.open(source, "wt", encoding="utf-8") as stream:
+        stream.writelines(lines)
+    assert _run(source, tmp_path / "gz", gpt2_flags, "--append-eod", "--workers", "1", "--log-interval", "50") == 0
+    texts = [json.loads(line)["text"] for line in lines]
+    assert _documents(tmp_path / "gz_text_document") == _reference_documents(gpt2, texts)
+    progress = re.findall(r"^Processed (\d+) documents \([\d.]+ docs/s, [\d.]+ MB/s\)\.$",
+                          capsys.readouterr().err, re.MULTILINE)
+    assert progress == ["50", "100"]
+
+
+def test_multiple_keys_empty_text_and_no_eod(tmp_path, gpt2_flags, gpt2):
+    records = [{"text": "Hello world", "title": "One"}, {"text": "", "title": "Two words"},
+               {"text": "Bye", "title": ""}]
+    source = _write_jsonl(tmp_path / "in.jsonl", records)
+    assert _run(source, tmp_path / "out", gpt2_flags, "--json-keys", "text", "title", "--workers", "1") == 0
+    for key in ("text", "title"):
+        docs = _documents(tmp_path / f"out_{key}_document")
+        assert docs == _reference_documents(gpt2, [r[key] for r in records], append_eod=False)
+        assert [len(d) for d in docs].count(0) == 1  # the empty text is a document without sequences
+    assert IndexedDataset(str(tmp_path / "out_text_document")).dtype == numpy.uint16
+
+
+def test_null_tokenizer_and_pre_split_sentences(tmp_path):
+    records = [{"text": "1 2 3"}, {"text": ["4 5", "", "6"]}, {"text": ""}]
+    source = _write_jsonl(tmp_path / "ids.jsonl", records)
+    flags = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "70000"]
+    assert _run(source, tmp_path / "ids", flags, "--append-eod", "--workers", "1") == 0
+    dataset = IndexedDataset(str(tmp_path / "ids_text_document"))
+    assert dataset.dtype == numpy.int32  # 70,000 ids do not fit Megatron's uint16 threshold
+    assert _documents(tmp_path / "ids_text_document") == [[[1, 2, 3, 69999]], [[4, 5], [6, 69999]], []]
+
+
+def test_sentence_splitting_with_stand_in_splitter(tmp_path, gpt2_flags, gpt2, monkeypatch):
+    class PeriodSplitter:
+        def tokenize(self, text):
+            return [part + "." for part in text.split(".") if part.strip()]
+
+    monkeypatch.setattr(preprocess, "_build_sentence_splitter", lambda lang, keep_newlines: PeriodSplitter())
+    records = [{"text": "One fish. Two fish. Red"}, {"text": "Blue."}]
+    source = _write_jsonl(tmp_path / "s.jsonl", records)
+    assert _run(source, tmp_path / "s", gpt2_flags, "--split-sentences", "--append-eod", "--workers", "1") == 0
+    expected = []
+    for record in records:
+        sentences = [gpt2.tokenize(s) for s in PeriodSplitter().tokenize(record["text"])]
+        sentences[-1] = sentences[-1] + [gpt2.eod]
+        expected.append(sentences)
+    assert _documents(tmp_path / "s_text_sentence") == expected
+
+
+def test_split_sentences_without_nltk_is_a_clear_error(tmp_path, gpt2_flags, capsys):
+    if importlib.util.find_spec("nltk") is not None:
+        pytest.skip("nltk is installed; the missing-package message cannot be exercised")
+    source = _write_jsonl(tmp_path / "s.jsonl", [{"text": "A. B."}])
+    assert _run(source, tmp_path / "s", gpt2_flags, "--split-sentences", "--workers", "1") == 1
+    assert "nltk" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == [source]
+
+
+@pytest.mark.parametrize("sequential", [True, False])
+def test_partitions(tmp_path, gpt2_flags, gpt2, shakespeare_lines, sequential):
+    lines = shakespeare_lines[:101]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(lines), encoding="utf-8")
+    extra = ["--keep-sequential-samples"] if sequential else []
+    out = tmp_path / "out"
+    out.mkdir()
+    assert _run(source, out / "p", gpt2_flags, "--append-eod", "--workers", "2", "--partitions", "2", *extra) == 0
+    texts = [json.loads(line)["text"] for line in lines]
+    # Round robin puts even lines in partition 0 and odd lines in partition 1; merging keeps partition order.
+    order = texts if sequential else texts[0::2] + texts[1::2]
+    assert _documents(out / "p_text_document") == _reference_documents(gpt2, order)
+    assert (out / "in_0.jsonl").is_file() and (out / "p_1_text_document.idx").is_file()
+
+
+def test_workers_must_divide_by_partitions(tmp_path, gpt2_flags):
+    with pytest.raises(SystemExit):
+        _run(tmp_path / "x.jsonl", tmp_path / "x", gpt2_flags, "--workers", "3", "--partitions", "2")
+
+
+# ------------------------------------------------------------------ bad input policy
+
+
+BAD_LINES = {
+    "not_json": ('{"text": "fine"}\n{"text": oops}\n', 2, "not JSON"),
+    "missing_key": ('{"text": "fine"}\n{"body": "x"}\n', 2, "missing key 'text'"),
+    "non_string": ('{"text": 5}\n', 1, "holds int"),
+    "lone_surrogate": ('{"text": "fine"}\n{"text": "fine"}\n{"text": "a \\ud800 b"}\n', 3, "lone surrogate"),
+    "not_object": ('["text"]\n', 1, "not a JSON object"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_LINES))
+def test_bad_line_is_an_error_and_leaves_no_output(tmp_path, gpt2_flags, capsys, case):
+    content, line_number, reason = BAD_LINES[case]
+    source = tmp_path / "bad.jsonl"
+    source.write_text(content, encoding="utf-8")
+    assert _run(source, tmp_path / "bad", gpt2_flags, "--append-eod", "--workers", "1") == 1
+    err = capsys.readouterr().err
+    assert f"{source}:{line_number}:" in err and reason in err
+    assert list(tmp_path.iterdir()) == [source]
+
+
+def test_invalid_utf8_is_a_bad_line(tmp_path, gpt2_flags, capsys):
+    source = tmp_path / "bytes.jsonl"
+    source.write_bytes(b'{"text": "ok"}\n{"text": "\xff\xfe"}\n')
+    assert _run(source, tmp_path / "b", gpt2_flags, "--workers", "2") == 1
+    assert f"{source}:2: not UTF-8" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == [source]
+
+
+def test_skip_bad_lines(tmp_path, gpt2_flags, gpt2, capsys):
+    content = '{"text": "Hello"}\nnot json\n{"text": 7}\n{"text": "world"}\n'
+    source = tmp_path / "mixed.jsonl"
+    source.write_text(content, encoding="utf-8")
+    assert _run(source, tmp_path / "m", gpt2_flags, "--append-eod", "--workers", "2", "--skip-bad-lines") == 0
+    err = capsys.readouterr().err
+    assert "Skipped 2 bad line(s)" in err and f"{source}:2:" in err and f"{source}:3:" in err
+    assert _documents(tmp_path / "m_text_document") == _reference_documents(gpt2, ["Hello", "world"])
+
+
+def test_no_usable_document_is_an_error(tmp_path, gpt2_flags, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("", encoding="utf-8")
+    assert _run(empty, tmp_path / "e", gpt2_flags, "--workers", "1") == 1
+    assert "no usable document" in capsys.readouterr().err
+    all_bad = tmp_path / "bad.jsonl"
+    all_bad.write_text("x\ny\n", encoding="utf-8")
+    assert _run(all_bad, tmp_path / "b", gpt2_flags, "--workers", "1", "--skip-bad-lines") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "empty.jsonl"]
+
+
+def test_append_eod_refused_without_eod_id(tmp_path, gpt2_flags, monkeypatch, capsys):
+    class NoEod(MegatronTokenizer):
+        vocab_size = property(lambda self: 10)
+        vocab = property(lambda self: {})
+        inv_vocab = property(lambda self: {})
+
+        def tokenize(self, text):
+            raise AssertionError("no work may start before the refusal")
+
+        def detokenize(self, ids):
+            return ""
+
+    monkeypatch.setattr(preprocess, "build_tokenizer", lambda args: NoEod())
+    source = _write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}])
+    assert _run(source, tmp_path / "o", gpt2_flags, "--append-eod", "--workers", "1") == 1
+    assert "--append-eod" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == [source]
+
+
+def test_missing_input_and_command_line_exit_status(tmp_path, gpt2_flags):
+    source = _write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}])
+    source.write_text(source.read_text() + "{broken\n", encoding="utf-8")
+    command = [sys.executable, str(REPO_ROOT / "tools" / "preprocess_data.py"), "--input", str(source),
+               "--output-prefix", str(tmp_path / "o"), *gpt2_flags, "--workers", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    assert result.returncode == 1 and f"{source}:2: not JSON" in result.stderr
+    assert list(tmp_path.iterdir()) == [source]
+    assert _run(tmp_path / "nope.jsonl", tmp_path / "o", gpt2_flags, "--workers", "1") == 1
+
+
+def test_skip_bad_lines_across_partitions(tmp_path, gpt2_flags, gpt2, capsys):
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"text": "a"}\n{"text": "b"}\nbroken\n{"text": "c"}\n', encoding="utf-8")
+    out = tmp_path / "out"
+    out.mkdir()
+    assert _run(source, out / "p", gpt2_flags, "--workers", "2", "--partitions", "2", "--skip-bad-lines") == 0
+    err = capsys.readouterr().err
+    assert "Skipped 1 bad line(s)" in err and f"{out / 'in_0.jsonl'}:2: not JSON" in err
+    assert _documents(out / "p_text_document") == _reference_documents(gpt2, ["a", "b", "c"], append_eod=False)
+
+
+def test_find_optimal_num_workers(tmp_path, gpt2_flags, shakespeare_lines, capsys):
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(shakespeare_lines[:40]), encoding="utf-8")
+    assert _run(source, tmp_path / "o", gpt2_flags, "--workers", "1", "--find-optimal-num-workers",
+                "--workers-to-check", "1", "2", "--max-documents", "20") == 0
+    out = capsys.readouterr().out
+    timings = {int(w): float(s) for w, s in re.findall(r"^workers=(\d+): ([\d.]+) s$", out, re.MULTILINE)}
+    assert sorted(timings) == [1, 2]
+    assert f"Optimal number of workers: {min(timings, key=timings.get)}" in out
+    assert list(tmp_path.iterdir()) == [source]
+
+
+def _stand_in_nltk(monkeypatch, has_data=True):
+    """A private stand-in for nltk's punkt module: records how the splitter is assembled."""
+    import types
+
+    punkt = types.ModuleType("nltk.tokenize.punkt")
+
+    class PunktLanguageVars:
+        _period_context_fmt = "original"
+
+    class PunktTokenizer:
+        def __init__(self, lang):
+            if not has_data:
+                raise LookupError(f"Resource punkt_tab/{lang} not found")
+            self.lang, self._params = lang, f"params-{lang}"
+
+    class PunktSentenceTokenizer:
+        def __init__(self, train_text, lang_vars):
+            self.train_text, self.lang_vars = train_text, lang_vars
+
+    punkt.PunktLanguageVars, punkt.PunktTokenizer = PunktLanguageVars, PunktTokenizer
+    punkt.PunktSentenceTokenizer = PunktSentenceTokenizer
+    tokenize = types.ModuleType("nltk.tokenize")
+    tokenize.punkt = punkt
+    nltk = types.ModuleType("nltk")
+    nltk.tokenize = tokenize
+    monkeypatch.setitem(sys.modules, "nltk", nltk)
+    monkeypatch.setitem(sys.modules, "nltk.tokenize", tokenize)
+    monkeypatch.setitem(sys.modules, "nltk.tokenize.punkt", punkt)
+    return punkt
+
+
+def test_sentence_splitter_assembly(monkeypatch):
+    punkt = _stand_in_nltk(monkeypatch)
+    plain = preprocess._build_sentence_splitter("german", keep_newlines=False)
+    assert isinstance(plain, punkt.PunktTokenizer) and plain.lang == "german"
+    kept = preprocess._build_sentence_splitter("german", keep_newlines=True)
+    assert isinstance(kept, punkt.PunktSentenceTokenizer) and kept.train_text == "params-german"
+    assert isinstance(kept.lang_vars, punkt.PunktLanguageVars)
+    # The end-of-sentence context must swallow trailing whitespace without requiring it.
+    assert r"\s*" in kept.lang_vars._period_context_fmt and r"\s+" not in kept.lang_vars._period_context_fmt
+
+
+def test_sentence_splitter_without_punkt_data(monkeypatch):
+    _stand_in_nltk(monkeypatch, has_data=False)
+    with pytest.raises(preprocess.PreprocessError, match=r"--lang english.*punkt"):
+        preprocess._build_sentence_splitter("english", keep_newlines=False)

@@ -1,0 +1,576 @@
+"""Tokenize a JSON-lines corpus into Megatron's indexed dataset files (`{prefix}_{key}_{level}.bin/.idx`).
+
+Each input line is one JSON object; the text under every ``--json-keys`` key becomes one
+document (without ``--split-sentences``: one sequence; with it: one sequence per non-empty
+sentence). ``--append-eod`` adds the tokenizer's end-of-document id to the last sequence of each
+non-empty document. Output is byte-identical to Megatron-LM's ``tools/preprocess_data.py``
+whatever ``--workers`` is: documents keep input order.
+
+Bad input policy. A line that is not UTF-8 JSON, is not a JSON object, lacks a key, holds a value
+that is neither a string nor a list of strings (pre-split sentences), or holds a lone surrogate
+(``"\\ud800"``) is an error: the tool names the file and line, exits with status 1, and removes
+its partial output (files are written under temporary names and renamed only on success). With
+``--skip-bad-lines`` such lines are skipped, counted and reported at the end instead. Empty text
+gives a document with zero sequences (as Megatron does). An input with no usable document is an
+error. A tokenizer without an end-of-document id is refused with ``--append-eod`` before any work.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import math
+import multiprocessing
+import os
+import queue as queue_module
+import sys
+import tempfile
+import time
+import zlib
+from typing import Dict, List, Optional, Tuple
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+
+import numpy  # noqa: E402
+
+from megatron.core.datasets.indexed_dataset import (  # noqa: E402
+    DType,
+    IndexedDatasetBuilder,
+    get_bin_path,
+    get_idx_path,
+)
+from megatron.training.tokenizer import add_tokenizer_args, build_tokenizer  # noqa: E402
+
+# Megatron splits texts longer than this many characters before sentence splitting.
+_SENTENCE_SPLIT_CHUNK = 1_000_000
+# Lines handed to a worker per task: large enough to amortise pickling, small enough to keep order cheap.
+_IMAP_CHUNKSIZE = 32
+# Bad lines named in the final report under --skip-bad-lines (the rest are only counted).
+_SKIPPED_EXAMPLES = 20
+
+
+class PreprocessError(Exception):
+    """A user-facing failure: bad input, bad flags or a missing dependency."""
+
+
+# --------------------------------------------------------------------------------------------
+# Sentence splitting (NLTK punkt)
+
+
+def _build_sentence_splitter(lang: str, keep_newlines: bool):
+    """NLTK punkt splitter for ``lang``; with ``keep_newlines`` whitespace after a sentence end is kept.
+
+    Raises PreprocessError if nltk or its punkt data is missing.
+    """
+    try:
+        import nltk
+        from nltk.tokenize import punkt
+    except ImportError:
+        raise PreprocessError(
+            "--split-sentences needs the nltk package (pip install nltk) and its punkt data "
+            "(python -m nltk.downloader punkt_tab)"
+        ) from None
+    try:
+        if hasattr(punkt, "PunktTokenizer"):
+            splitter = punkt.PunktTokenizer(lang)
+        else:
+            splitter = nltk.load(f"tokenizers/punkt/{lang}.pickle")
+    except (LookupError, OSError, ValueError) as error:
+        raise PreprocessError(
+            f"--lang {lang}: NLTK punkt data not found ({error.__class__.__name__}); "
+            "install it with python -m nltk.downloader punkt_tab"
+        ) from None
+    if not keep_newlines:
+        return splitter
+
+    class _NewlineKeepingVars(punkt.PunktLanguageVars):
+        # Punkt normally requires whitespace (and swallows it) after a sentence end; letting the
+        # end be followed by any whitespace run keeps newlines attached to the sentence.
+        _period_context_fmt = r"""
+            \S*
+            %(SentEndChars)s
+            \s*
+            (?=(?P<after_tok>
+                %(NonWord)s
+                |
+                (?P<next_tok>\S+)
+            ))"""
+
+    return punkt.PunktSentenceTokenizer(train_text=splitter._params, lang_vars=_NewlineKeepingVars())
+
+
+# --------------------------------------------------------------------------------------------
+# Per-line encoding (runs in workers)
+
+
+class Encoder:
+    """Turns one input line into token ids per key; lives once per worker process.
+
+    Args:
+        tokenizer: a ``MegatronTokenizer``.
+        json_keys: keys whose text is tokenized, each into its own output.
+        append_eod: append ``tokenizer.eod`` to each non-empty document.
+        dtype: numpy dtype of the output tokens.
+        splitter: sentence splitter with ``.tokenize(text) -> list[str]`` or ``None``.
+    """
+
+    def __init__(self, tokenizer, json_keys: List[str], append_eod: bool, dtype, splitter=None) -> None:
+        self.tokenizer = tokenizer
+        self.json_keys = json_keys
+        self.append_eod = append_eod
+        self.dtype = numpy.dtype(dtype)
+        self.splitter = splitter
+
+    def _sentences(self, text) -> List[str]:
+        if isinstance(text, list):
+            return text
+        if self.splitter is None:
+            return [text]
+        sentences: List[str] = []
+        for start in range(0, len(text), _SENTENCE_SPLIT_CHUNK):
+            sentences.extend(self.splitter.tokenize(text[start:start + _SENTENCE_SPLIT_CHUNK]))
+        return sentences
+
+    def parse(self, raw: bytes) -> Dict[str, object]:
+        """Decode and validate one line. Raises ValueError with a message fit for ``file:line: ``."""
+        try:
+            data = json.loads(raw)
+        except UnicodeDecodeError as error:
+            raise ValueError(f"not UTF-8 ({error.reason} at byte {error.start})") from None
+        except json.JSONDecodeError as error:
+            raise ValueError(f"not JSON ({error.msg} at column {error.colno})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"not a JSON object (got {type(data).__name__})")
+        texts = {}
+        for key in self.json_keys:
+            if key not in data:
+                raise ValueError(f"missing key {key!r} (see --json-keys)")
+            value = data[key]
+            if isinstance(value, list) and all(isinstance(item, str) for item in value):
+                pieces = value
+            elif isinstance(value, str):
+                pieces = [value]
+            else:
+                raise ValueError(f"key {key!r} holds {type(value).__name__}, expected a string")
+            for piece in pieces:
+                try:
+                    piece.encode("utf-8")
+                except UnicodeEncodeError as error:
+                    raise ValueError(
+                        f"key {key!r} holds a lone surrogate {piece[error.start]!r} at character {error.start}"
+                    ) from None
+            texts[key] = value
+        return texts
+
+    def encode(self, item: Tuple[int, bytes]):
+        """``(line_number, raw_line)`` -> ``(line_number, docs, n_bytes, error)``.
+
+        ``docs`` maps key -> ``(tokens [n] in self.dtype, sequence lengths)``; on a bad line ``docs``
+        is ``None`` and ``error`` says why (returned, not raised, so the parent reports lines in order).
+        """
+        line_number, raw = item
+        try:
+            texts = self.parse(raw)
+        except ValueError as error:
+            return line_number, None, len(raw), str(error)
+        docs = {}
+        for key, text in texts.items():
+            doc_ids: List[int] = []
+            lengths: List[int] = []
+            for sentence in self._sentences(text):
+                sentence_ids = self.tokenizer.tokenize(sentence)
+                if sentence_ids:
+                    doc_ids.extend(sentence_ids)
+                    lengths.append(len(sentence_ids))
+            if doc_ids and self.append_eod:
+                doc_ids.append(self.tokenizer.eod)
+                lengths[-1] += 1
+            docs[key] = (numpy.asarray(doc_ids, dtype=self.dtype), lengths)
+        return line_number, docs, len(raw), None
+
+
+_WORKER_ENCODER: Optional[Encoder] = None
+
+
+def _init_worker(encoder: Encoder) -> None:
+    global _WORKER_ENCODER
+    _WORKER_ENCODER = encoder
+
+
+def _encode_in_worker(item):
+    return _WORKER_ENCODER.encode(item)
+
+
+# --------------------------------------------------------------------------------------------
+# Files
+
+
+def _open_lines(path: str):
+    """Binary line reader; ``.gz`` files are decompressed on the fly."""
+    if path.endswith(".gz"):
+        return gzip.open(path, "rb")
+    return open(path, "rb")
+
+
+def _output_prefix(output_prefix: str, key: str, level: str) -> str:
+    return f"{output_prefix}_{key}_{level}"
+
+
+def _temporary(path: str) -> str:
+    return f"{path}.tmp{os.getpid()}"
+
+
+def _remove_quietly(*paths: str) -> None:
+    for path in paths:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+
+
+class _Outputs:
+    """One builder per key, written under temporary names and renamed on ``commit``."""
+
+    def __init__(self, output_prefix: str, keys: List[str], level: str, dtype) -> None:
+        self.finals = {key: _output_prefix(output_prefix, key, level) for key in keys}
+        self.temps = {key: {"bin": _temporary(get_bin_path(p)), "idx": _temporary(get_idx_path(p))}
+                      for key, p in self.finals.items()}
+        self.builders: Dict[str, IndexedDatasetBuilder] = {}
+        try:
+            for key in keys:
+                self.builders[key] = IndexedDatasetBuilder(self.temps[key]["bin"], dtype=dtype)
+        except OSError as error:
+            self.abort()
+            raise PreprocessError(f"--output-prefix {output_prefix}: cannot write output ({error})") from None
+
+    def commit(self) -> None:
+        for key, builder in self.builders.items():
+            builder.finalize(self.temps[key]["idx"])
+        for key, final in self.finals.items():
+            os.replace(self.temps[key]["bin"], get_bin_path(final))
+            os.replace(self.temps[key]["idx"], get_idx_path(final))
+
+    def abort(self) -> None:
+        for key, builder in self.builders.items():
+            try:  # finalize is the builder's only way to close its stream; the result is deleted below
+                builder.finalize(self.temps[key]["idx"])
+            except OSError:
+                pass
+        for temps in self.temps.values():
+            _remove_quietly(temps["bin"], temps["idx"])
+
+
+class _Stats:
+    def __init__(self, log_interval: int) -> None:
+        self.log_interval = log_interval
+        self.start = time.time()
+        self.documents = 0
+        self.bytes = 0
+        self.skipped = 0
+        self.skipped_examples: List[str] = []  # the first few only, so memory stays flat
+
+    def report(self) -> None:
+        if self.documents % self.log_interval:
+            return
+        elapsed = max(time.time() - self.start, 1e-9)
+        print(f"Processed {self.documents} documents ({self.documents / elapsed:.2f} docs/s, "
+              f"{self.bytes / elapsed / 1024 / 1024:.2f} MB/s).", file=sys.stderr, flush=True)
+
+
+def process_file(input_path: str, output_prefix: str, encoder: Encoder, workers: int, level: str,
+                 log_interval: int = 1000, skip_bad_lines: bool = False) -> _Stats:
+    """Tokenize one JSON-lines file into ``{output_prefix}_{key}_{level}.bin/.idx`` for each key.
+
+    Streams: lines are read lazily and each document goes straight to the ``.bin``. With
+    ``workers > 1`` lines are encoded by a process pool in order (``imap``).
+
+    Raises PreprocessError on a bad line (unless ``skip_bad_lines``), on an input with no
+    usable document, or when the input or output cannot be opened; nothing is left at the
+    output paths then.
+    """
+    try:
+        source = _open_lines(input_path)
+    except OSError as error:
+        raise PreprocessError(f"--input {input_path}: cannot open ({error.strerror})") from None
+    try:
+        outputs = _Outputs(output_prefix, encoder.json_keys, level, encoder.dtype)
+    except BaseException:
+        source.close()
+        raise
+    stats = _Stats(log_interval)
+    pool = None
+    try:
+        numbered = enumerate(source, start=1)
+        if workers > 1:
+            pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=(encoder,))
+            results = pool.imap(_encode_in_worker, numbered, _IMAP_CHUNKSIZE)
+        else:
+            results = map(encoder.encode, numbered)
+        for line_number, docs, n_bytes, error in results:
+            stats.bytes += n_bytes
+            if error is not None:
+                if not skip_bad_lines:
+                    raise PreprocessError(f"{input_path}:{line_number}: {error} "
+                                          "(use --skip-bad-lines to skip such lines)")
+                stats.skipped += 1
+                if len(stats.skipped_examples) < _SKIPPED_EXAMPLES:
+                    stats.skipped_examples.append(f"{input_path}:{line_number}: {error}")
+                continue
+            for key, (tokens, lengths) in docs.items():
+                outputs.builders[key].add_document(tokens, lengths)
+            stats.documents += 1
+            stats.report()
+        if stats.documents == 0:
+            raise PreprocessError(f"{input_path}: no usable document (empty input or every line was bad)")
+        outputs.commit()
+    except BaseException as error:
+        outputs.abort()
+        if isinstance(error, (gzip.BadGzipFile, EOFError, zlib.error)):
+            raise PreprocessError(f"--input {input_path}: damaged gzip file ({error})") from None
+        raise
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+        source.close()
+    return stats
+
+
+# --------------------------------------------------------------------------------------------
+# Partitions
+
+
+def _partition_paths(input_path: str, output_prefix: str, partitions: int) -> List[str]:
+    stem = os.path.basename(input_path)
+    if stem.endswith(".gz"):
+        stem = stem[:-3]
+    stem, ext = os.path.splitext(stem)
+    directory = os.path.dirname(os.path.abspath(output_prefix))
+    return [os.path.join(directory, f"{stem}_{i}{ext}") for i in range(partitions)]
+
+
+def _split_into_partitions(input_files: List[str], targets: List[str], keep_sequential: bool) -> None:
+    """Distribute lines round robin, or in contiguous blocks with ``keep_sequential``."""
+    per_partition = 0
+    if keep_sequential:
+        total = 0
+        for path in input_files:
+            with _open_lines(path) as source:
+                total += sum(1 for _ in source)
+        per_partition = max(1, math.ceil(total / len(targets)))
+    sinks = [open(path, "wb") for path in targets]
+    try:
+        index = 0
+        for path in input_files:
+            with _open_lines(path) as source:
+                for line in source:
+                    if not line.endswith(b"\n"):
+                        line += b"\n"
+                    if keep_sequential:
+                        sinks[index // per_partition].write(line)
+                    else:
+                        sinks[index % len(sinks)].write(line)
+                    index += 1
+    finally:
+        for sink in sinks:
+            sink.close()
+
+
+def _partition_main(queue, input_path, output_prefix, encoder, workers, level, log_interval, skip_bad_lines):
+    try:
+        stats = process_file(input_path, output_prefix, encoder, workers, level, log_interval, skip_bad_lines)
+        queue.put((None, stats.documents, stats.skipped, stats.skipped_examples))
+    except PreprocessError as error:
+        queue.put((str(error), 0, 0, []))
+    except BaseException as error:  # report anything, so the parent never waits on a dead child
+        queue.put((f"{type(error).__name__}: {error}", 0, 0, []))
+
+
+def process_partitioned(args, encoder: Encoder, level: str) -> Tuple[int, int, List[str]]:
+    """``--partitions N``: split the ``--input`` glob into N files, tokenize them in parallel, merge.
+
+    Each partition gets ``workers // partitions`` workers; partition ``i`` writes
+    ``{output_prefix}_{i}_{key}_{level}``, then all are merged in partition order into
+    ``{output_prefix}_{key}_{level}``. Partition inputs ``{input_stem}_{i}{ext}`` are written next to
+    the output prefix (the input folder may be read-only). Returns (documents, skipped lines,
+    the first few skipped lines as ``file:line: reason``).
+
+    Raises PreprocessError if the glob matches nothing or a partition fails.
+    """
+    input_files = sorted(glob.glob(args.input))
+    if not input_files:
+        raise PreprocessError(f"--input {args.input}: no file matches")
+    partition_inputs = _partition_paths(input_files[0], args.output_prefix, args.partitions)
+    _split_into_partitions(input_files, partition_inputs, args.keep_sequential_samples)
+    partition_prefixes = [f"{args.output_prefix}_{i}" for i in range(args.partitions)]
+    context = multiprocessing.get_context()
+    queue = context.Queue()
+    processes = [
+        context.Process(target=_partition_main, args=(queue, path, prefix, encoder, args.workers // args.partitions,
+                                                       level, args.log_interval, args.skip_bad_lines))
+        for path, prefix in zip(partition_inputs, partition_prefixes)
+    ]
+    for process in processes:
+        process.start()
+    outcomes = []
+    while len(outcomes) < len(processes):
+        try:
+            outcomes.append(queue.get(timeout=1.0))
+        except queue_module.Empty:
+            if not any(process.is_alive() for process in processes) and queue.empty():
+                codes = [process.exitcode for process in processes]
+                raise PreprocessError(f"a partition process died without reporting (exit codes {codes})") from None
+    for process in processes:
+        process.join()
+    errors = [outcome[0] for outcome in outcomes if outcome[0] is not None]
+    if errors:
+        raise PreprocessError("; ".join(errors))
+    outputs = _Outputs(args.output_prefix, encoder.json_keys, level, encoder.dtype)
+    try:
+        for key, builder in outputs.builders.items():
+            for prefix in partition_prefixes:
+                builder.add_index(_output_prefix(prefix, key, level))
+        outputs.commit()
+    except BaseException:
+        outputs.abort()
+        raise
+    documents = sum(outcome[1] for outcome in outcomes)
+    skipped = sum(outcome[2] for outcome in outcomes)
+    examples = [entry for outcome in outcomes for entry in outcome[3]][:_SKIPPED_EXAMPLES]
+    return documents, skipped, examples
+
+
+# --------------------------------------------------------------------------------------------
+# Benchmark mode
+
+
+def find_optimal_num_workers(args, encoder: Encoder, level: str) -> int:
+    """Time the first ``--max-documents`` lines with each of ``--workers-to-check``; print and return the fastest."""
+    timings = []
+    with tempfile.TemporaryDirectory() as scratch:
+        sample = os.path.join(scratch, "sample.jsonl")
+        with _open_lines(args.input) as source, open(sample, "wb") as sink:
+            for count, line in enumerate(source):
+                if count >= args.max_documents:
+                    break
+                sink.write(line)
+        for workers in args.workers_to_check:
+            start = time.time()
+            process_file(sample, os.path.join(scratch, f"w{workers}"), encoder, workers, level,
+                         log_interval=args.log_interval, skip_bad_lines=args.skip_bad_lines)
+            elapsed = time.time() - start
+            timings.append((elapsed, workers))
+            print(f"workers={workers}: {elapsed:.3f} s", flush=True)
+    best = min(timings)[1]
+    print(f"Optimal number of workers: {best}", flush=True)
+    return best
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+
+
+def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """Parse Megatron's preprocess_data flags (plus ``--skip-bad-lines``); see the module docstring."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    group = parser.add_argument_group(title="input data")
+    group.add_argument("--input", type=str, required=True,
+                       help="Path to input JSON lines (.jsonl or .jsonl.gz; a glob with --partitions > 1).")
+    group.add_argument("--json-keys", nargs="+", default=["text"], help="space separate listed of keys to extract from json")
+    group.add_argument("--split-sentences", action="store_true", help="Split documents into sentences (needs nltk).")
+    group.add_argument("--keep-newlines", action="store_true",
+                       help="Keep newlines between sentences when splitting.")
+    group.add_argument("--skip-bad-lines", action="store_true",
+                       help="Skip (and count) malformed lines instead of stopping at the first one.")
+    add_tokenizer_args(parser)
+    group = parser.add_argument_group(title="tokenization process")
+    group.add_argument("--append-eod", action="store_true", help="Append an <eod> token to the end of a document.")
+    group.add_argument("--lang", type=str, default="english", help="Language to use for NLTK-powered sentence splitting.")
+    group = parser.add_argument_group(title="output data")
+    group.add_argument("--output-prefix", type=str, required=True, help="Path to binary output file without suffix")
+    group = parser.add_argument_group(title="runtime")
+    group.add_argument("--workers", type=int, required=True,
+                       help="Number of worker processes to launch (1 encodes in the main process).")
+    group.add_argument("--partitions", type=int, default=1, help="Number of file partitions")
+    group.add_argument("--log-interval", type=int, default=1000, help="Interval between progress updates")
+    group.add_argument("--keep-sequential-samples", action="store_true",
+                       help="Ensure ordering of samples in .jsonl files is preserved when using partitions>1.")
+    group.add_argument("--find-optimal-num-workers", action="store_true",
+                       help="Time --workers-to-check on the first --max-documents lines and report the fastest.")
+    group.add_argument("--workers-to-check", nargs="+", type=int, default=[16, 32, 64],
+                       help="Worker counts tried by --find-optimal-num-workers.")
+    group.add_argument("--max-documents", type=int, default=100000,
+                       help="Lines used by --find-optimal-num-workers.")
+    args = parser.parse_args(argv)
+    if args.tokenizer_type is None:
+        parser.error("--tokenizer-type is required")
+    if args.workers < 1:
+        parser.error(f"--workers must be >= 1, got {args.workers}")
+    if args.partitions < 1:
+        parser.error(f"--partitions must be >= 1, got {args.partitions}")
+    if args.workers % args.partitions:
+        parser.error(f"--workers ({args.workers}) must be divisible by --partitions ({args.partitions})")
+    if len(set(args.json_keys)) != len(args.json_keys):
+        parser.error(f"--json-keys lists a key twice: {' '.join(args.json_keys)}")
+    if args.log_interval < 1:
+        parser.error(f"--log-interval must be >= 1, got {args.log_interval}")
+    if args.tokenizer_type.lower().startswith("bert") and not args.split_sentences:
+        print("Are you sure you don't want to split sentences?", file=sys.stderr)
+    # Fixed as in Megatron's tool: no TP padding beyond 128, and rank 1 silences build messages.
+    args.rank = 1
+    args.make_vocab_size_divisible_by = 128
+    args.tensor_model_parallel_size = 1
+    args.vocab_extra_ids = 0
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run the tool; returns the process exit status (0 ok, 1 bad input or failure)."""
+    args = get_args(argv)
+    try:
+        try:
+            tokenizer = build_tokenizer(args)
+        except (ValueError, FileNotFoundError) as error:
+            raise PreprocessError(str(error)) from None
+        if args.append_eod and tokenizer.eod is None:
+            raise PreprocessError(f"--append-eod: {args.tokenizer_type} has no end-of-document id")
+        if args.partitions == 1 and not os.path.isfile(args.input):
+            raise PreprocessError(f"--input {args.input}: no such file")
+        output_dir = os.path.dirname(os.path.abspath(args.output_prefix))
+        if not os.path.isdir(output_dir):
+            raise PreprocessError(f"--output-prefix {args.output_prefix}: folder {output_dir} does not exist")
+        splitter = _build_sentence_splitter(args.lang, args.keep_newlines) if args.split_sentences else None
+        level = "sentence" if args.split_sentences else "document"
+        encoder = Encoder(tokenizer, args.json_keys, args.append_eod,
+                          DType.optimal_dtype(tokenizer.vocab_size), splitter)
+        if args.find_optimal_num_workers:
+            find_optimal_num_workers(args, encoder, level)
+            return 0
+        start = time.time()
+        if args.partitions == 1:
+            stats = process_file(args.input, args.output_prefix, encoder, args.workers, level,
+                                 args.log_interval, args.skip_bad_lines)
+            documents, skipped, examples = stats.documents, stats.skipped, stats.skipped_examples
+        else:
+            documents, skipped, examples = process_partitioned(args, encoder, level)
+    except PreprocessError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    elapsed = time.time() - start
+    print(f"Done: {documents} documents in {elapsed:.2f} s.", file=sys.stderr)
+    if skipped:
+        print(f"Skipped {skipped} bad line(s) (--skip-bad-lines):", file=sys.stderr)
+        for entry in examples:
+            print(f"  {entry}", file=sys.stderr)
+        if skipped > len(examples):
+            print(f"  ... and {skipped - len(examples)} more", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
