@@ -1,0 +1,1 @@
+"""Building blocks shared by language models (embeddings)."""

@@ -1,0 +1,121 @@
+"""Cross entropy over vocabulary-parallel logits without gathering the full vocabulary."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.parallel_state import (
+    get_tensor_model_parallel_group,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
+from megatron.core.tensor_parallel.utils import VocabUtility
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross entropy for logits split on the vocab dim over TP (Megatron-LM section 3).
+
+    Forward (fp32): global row max via all-reduce MAX, target logit picked on the owning rank and
+    all-reduced (SUM) together with sum(exp); loss = log(sum_exp) - target_logit. Backward:
+    (softmax - onehot) * grad, each rank writing only its own vocab slice.
+    """
+
+    @staticmethod
+    def forward(ctx, vocab_parallel_logits, target, label_smoothing=0.0):
+        world_size = get_tensor_model_parallel_world_size()
+        group = get_tensor_model_parallel_group() if world_size > 1 else None
+        input_dtype = vocab_parallel_logits.dtype
+        # float() copies low-precision logits; for fp32 input clone so the caller's tensor is untouched.
+        logits = vocab_parallel_logits.float()
+        if logits.data_ptr() == vocab_parallel_logits.data_ptr():
+            logits = logits.clone()
+
+        logits_max = logits.amax(dim=-1)
+        if world_size > 1:
+            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        logits.sub_(logits_max.unsqueeze(-1))
+
+        partition_vocab_size = logits.size(-1)
+        vocab_start, vocab_end = VocabUtility.vocab_range_from_per_partition_vocab_size(
+            partition_vocab_size, get_tensor_model_parallel_rank(), world_size
+        )
+        vocab_size = partition_vocab_size * world_size
+        if world_size > 1:
+            target_mask = (target < vocab_start) | (target >= vocab_end)
+            masked_target = (target - vocab_start).masked_fill(target_mask, 0)
+        else:
+            target_mask = None
+            masked_target = target
+
+        logits_2d = logits.view(-1, partition_vocab_size)
+        masked_target_1d = masked_target.reshape(-1)
+        arange_1d = torch.arange(logits_2d.size(0), device=logits_2d.device)
+        predicted_logits = logits_2d[arange_1d, masked_target_1d].view_as(target)
+        if target_mask is not None:
+            predicted_logits = predicted_logits.masked_fill(target_mask, 0.0)
+
+        exp_logits = logits.exp_()
+        sum_exp_logits = exp_logits.sum(dim=-1)
+        if world_size > 1:
+            # One collective for both sums.
+            packed = torch.stack([predicted_logits, sum_exp_logits])
+            dist.all_reduce(packed, group=group)
+            predicted_logits, sum_exp_logits = packed[0], packed[1]
+
+        loss = torch.log(sum_exp_logits) - predicted_logits
+        softmax = exp_logits.div_(sum_exp_logits.unsqueeze(-1))
+
+        smoothing = 0.0
+        if label_smoothing > 0:
+            if not 0.0 < label_smoothing < 1.0:
+                raise ValueError(f"label_smoothing must be in (0, 1), got {label_smoothing}")
+            smoothing = label_smoothing * vocab_size / (vocab_size - 1)
+            # Mean over the full vocabulary (Megatron averages only the local shard under TP>1).
+            sum_log_probs = torch.log(softmax).sum(dim=-1)
+            if world_size > 1:
+                dist.all_reduce(sum_log_probs, group=group)
+            loss = (1.0 - smoothing) * loss - smoothing * (sum_log_probs / vocab_size)
+
+        ctx.label_smoothing = label_smoothing
+        ctx.smoothing = smoothing
+        ctx.vocab_size = vocab_size
+        ctx.input_dtype = input_dtype
+        ctx.save_for_backward(softmax, target_mask if target_mask is not None else torch.empty(0),
+                              masked_target_1d)
+        ctx.has_mask = target_mask is not None
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        softmax, target_mask, masked_target_1d = ctx.saved_tensors
+        grad_input = softmax  # reuse the saved buffer; it is not needed afterwards
+        partition_vocab_size = softmax.size(-1)
+        grad_2d = grad_input.view(-1, partition_vocab_size)
+        arange_1d = torch.arange(grad_2d.size(0), device=grad_2d.device)
+        if ctx.has_mask:
+            update = 1.0 - target_mask.reshape(-1).float()
+        else:
+            update = torch.ones(grad_2d.size(0), device=grad_2d.device)
+        grad_2d[arange_1d, masked_target_1d] -= (1.0 - ctx.smoothing) * update
+        if ctx.smoothing > 0:
+            grad_2d.sub_(ctx.smoothing / ctx.vocab_size)
+        grad_input.mul_(grad_output.unsqueeze(-1))
+        return grad_input.to(ctx.input_dtype), None, None
+
+
+def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
+                                 label_smoothing: float = 0.0) -> torch.Tensor:
+    """Per-token loss [s, b] (fp32) from logits [s, b, V/tp] and target ids [s, b].
+
+    Math is in fp32 whatever the logits dtype; no reduction over tokens is applied. Label smoothing
+    alpha gives ``(1 - a') * nll - a' * mean_v(log p_v)`` with ``a' = alpha * V / (V - 1)``.
+
+    Raises ValueError if target's shape differs from logits' leading dims or label_smoothing is
+    outside [0, 1).
+    """
+    if target.shape != vocab_parallel_logits.shape[:-1]:
+        raise ValueError(
+            f"target shape {tuple(target.shape)} does not match logits shape "
+            f"{tuple(vocab_parallel_logits.shape)} without its vocab dim"
+        )
+    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing)

@@ -1,0 +1,51 @@
+"""Feed-forward block: column-parallel fc1, GeLU or gated (SwiGLU) activation, row-parallel fc2."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from megatron.core import tensor_parallel
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class MLP(MegatronModule):
+    """h -> ffn -> h MLP (Vaswani et al. 2017, section 3.3; gated variant per Shazeer 2020, "GLU Variants").
+
+    linear_fc1: ColumnParallelLinear [ffn/tp, h] ([2*ffn/tp, h] with ``gated_linear_unit``, rows
+    ``[gate_r; up_r]`` per rank, activation applied to the gate half); linear_fc2: RowParallelLinear
+    [h, ffn/tp]. forward(hidden [s, b, h]) -> (output [s, b, h], fc2 bias [h] or None), the bias
+    returned separately for bias-dropout-add.
+    """
+
+    def __init__(self, config: TransformerConfig, is_expert: bool = False, input_size: Optional[int] = None):
+        super().__init__(config)
+        self.input_size = input_size if input_size is not None else config.hidden_size
+        ffn_hidden_size = config.ffn_hidden_size
+        if config.gated_linear_unit:
+            ffn_hidden_size *= 2
+        # stride 2 keeps gate and up halves paired per TP rank when splitting the master weight.
+        self.linear_fc1 = tensor_parallel.ColumnParallelLinear(
+            self.input_size, ffn_hidden_size, config=config, init_method=config.init_method,
+            gather_output=False, bias=config.add_bias_linear, skip_bias_add=True, is_expert=is_expert,
+            stride=2 if config.gated_linear_unit else 1,
+        )
+        self.activation_func = config.activation_func
+        self.linear_fc2 = tensor_parallel.RowParallelLinear(
+            config.ffn_hidden_size, config.hidden_size, config=config,
+            init_method=config.output_layer_init_method, bias=config.add_bias_linear,
+            input_is_parallel=True, skip_bias_add=True, is_expert=is_expert,
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """hidden [s, b, h] -> (output [s, b, h], bias [h] or None)."""
+        intermediate, bias = self.linear_fc1(hidden_states)
+        if bias is not None:
+            intermediate = intermediate + bias
+        if self.config.gated_linear_unit:
+            gate, up = torch.chunk(intermediate, 2, dim=-1)
+            intermediate = self.activation_func(gate) * up
+        else:
+            intermediate = self.activation_func(intermediate)
+        return self.linear_fc2(intermediate)

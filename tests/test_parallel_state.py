@@ -1,0 +1,159 @@
+"""parallel_state: Megatron rank layout (pure arithmetic) and real gloo groups on 2 and 4 processes."""
+import pytest
+import torch.distributed as dist
+
+from dist_utils import run_distributed
+from megatron.core import parallel_state as ps
+from megatron.core.parallel_state import RankGenerator, generate_masked_orthogonal_rank_groups
+
+# The verified Megatron-LM table for world=16, tp=2, cp=2, dp=2, pp=2 (spec section 3.1).
+VERIFIED_16 = {
+    "tp": [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]],
+    "cp": [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]],
+    "dp": [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]],
+    "dp-cp": [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]],
+    "pp": [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]],
+    "tp-pp": [[0, 1, 8, 9], [2, 3, 10, 11], [4, 5, 12, 13], [6, 7, 14, 15]],
+    "tp-cp": [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]],
+    "tp-dp-cp": [list(range(8)), list(range(8, 16))],
+}
+
+
+@pytest.mark.parametrize("token", sorted(VERIFIED_16))
+def test_verified_layout_world16(token):
+    gen = RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=2, order="tp-cp-ep-dp-pp")
+    assert gen.get_ranks(token) == VERIFIED_16[token]
+
+
+def _coords(rank, tp, cp, dp):
+    return rank % tp, (rank // tp) % cp, (rank // (tp * cp)) % dp, rank // (tp * cp * dp)
+
+
+@pytest.mark.parametrize("tp,cp,dp,pp", [(2, 1, 3, 2), (4, 1, 1, 2), (1, 2, 2, 3), (2, 2, 2, 1)])
+def test_groups_partition_world_and_vary_only_masked_axes(tp, cp, dp, pp):
+    world = tp * cp * dp * pp
+    gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+    axes = {"tp": 0, "cp": 1, "dp": 2, "pp": 3}
+    for token in ("tp", "cp", "dp", "pp", "dp-cp", "tp-pp", "tp-dp-cp"):
+        groups = gen.get_ranks(token)
+        assert sorted(r for g in groups for r in g) == list(range(world))
+        fixed = [a for name, a in axes.items() if name not in token.split("-")]
+        for group in groups:
+            keys = {tuple(_coords(r, tp, cp, dp)[a] for a in fixed) for r in group}
+            assert len(keys) == 1, f"{token} group {group} mixes fixed coordinates"
+            assert group == sorted(group)
+
+
+def test_tp_pp_dp_order_puts_dp_slowest():
+    gen = RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=1, order="tp-cp-ep-pp-dp")
+    assert gen.get_ranks("pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert gen.get_ranks("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_missing_axis_in_order_raises():
+    with pytest.raises(RuntimeError, match=r"The size of \(pp\) is \(2\), but you haven't specified the order"):
+        RankGenerator(tp=2, ep=1, dp=1, pp=2, cp=1, order="tp-dp")
+
+
+def test_masked_generator_rejects_bad_world():
+    with pytest.raises(ValueError, match="world_size"):
+        generate_masked_orthogonal_rank_groups(8, [2, 2], [True, False])
+
+
+def test_getters_without_groups_are_single_process():
+    assert ps.get_tensor_model_parallel_world_size() == 1
+    assert ps.get_tensor_model_parallel_rank() == 0
+    assert ps.get_data_parallel_world_size() == 1
+    assert ps.is_pipeline_first_stage() and ps.is_pipeline_last_stage()
+    assert not ps.model_parallel_is_initialized()
+    with pytest.raises(AssertionError, match="tensor model parallel group is not initialized"):
+        ps.get_tensor_model_parallel_group()
+
+
+def _ranks(group):
+    return dist.get_process_group_ranks(group)
+
+
+def _two_ranks(rank, world):
+    out = {}
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    out["tp"] = _ranks(ps.get_tensor_model_parallel_group())
+    out["tp_rank"] = ps.get_tensor_model_parallel_rank()
+    out["dp"] = _ranks(ps.get_data_parallel_group())
+    out["dp_gloo"] = _ranks(ps.get_data_parallel_group_gloo())
+    out["pp_world"] = ps.get_pipeline_model_parallel_world_size()
+    out["src"] = ps.get_tensor_model_parallel_src_rank()
+    try:
+        ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    except AssertionError as exc:
+        out["double"] = str(exc)
+    ps.destroy_model_parallel()
+
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    out["first"] = ps.is_pipeline_first_stage()
+    out["last"] = ps.is_pipeline_last_stage()
+    ps.set_virtual_pipeline_model_parallel_rank(1)
+    out["first_virtual"] = ps.is_pipeline_first_stage(ignore_virtual=False)
+    out["next"], out["prev"] = ps.get_pipeline_model_parallel_next_rank(), ps.get_pipeline_model_parallel_prev_rank()
+    out["emb"] = _ranks(ps.get_embedding_group())
+    out["pos_emb"] = _ranks(ps.get_position_embedding_group())
+    out["in_pos"] = ps.is_rank_in_position_embedding_group()
+    ps.destroy_model_parallel()
+
+    errors = []
+    for kwargs in ({"tensor_model_parallel_size": 3}, {"virtual_pipeline_model_parallel_size": 2}):
+        try:
+            ps.initialize_model_parallel(**kwargs)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+        ps.destroy_model_parallel()
+    out["errors"] = errors
+    return out
+
+
+def test_two_process_groups():
+    r0, r1 = run_distributed(_two_ranks, 2)
+    assert r0["tp"] == r1["tp"] == [0, 1]
+    assert (r0["tp_rank"], r1["tp_rank"]) == (0, 1)
+    assert r0["dp"] == [0] and r1["dp"] == [1] and r1["dp_gloo"] == [1]
+    assert r0["pp_world"] == 1 and r0["src"] == r1["src"] == 0
+    assert "already initialized" in r0["double"]
+    assert (r0["first"], r0["last"], r1["first"], r1["last"]) == (True, False, False, True)
+    assert r0["first_virtual"] is False
+    assert (r0["next"], r0["prev"], r1["next"], r1["prev"]) == (1, 1, 0, 0)
+    assert r0["emb"] == [0, 1] and r0["pos_emb"] == [0]
+    assert r0["in_pos"] and not r1["in_pos"]
+    assert "world_size (2) is not divisible by 3" in r0["errors"][0]
+    assert "pipeline-model-parallel size should be greater than 1 with interleaved schedule" in r0["errors"][1]
+
+
+def _four_ranks(rank, world):
+    names = {
+        "tp": ps.get_tensor_model_parallel_group, "pp": ps.get_pipeline_model_parallel_group,
+        "dp": ps.get_data_parallel_group, "cp": ps.get_context_parallel_group,
+        "dp-cp": lambda: ps.get_data_parallel_group(with_context_parallel=True),
+        "tp-pp": ps.get_model_parallel_group,
+        "tp-dp-cp": lambda: ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
+        "tp-cp": ps.get_tensor_and_context_parallel_group,
+    }
+    out = {}
+    for label, kwargs in (("tp2pp2", dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)),
+                          ("cp2", dict(context_parallel_size=2))):
+        ps.initialize_model_parallel(**kwargs)
+        out[label] = {name: _ranks(get()) for name, get in names.items()}
+        out[label]["dp_world"] = ps.get_data_parallel_world_size()
+        out[label]["dp_cp_world"] = ps.get_data_parallel_world_size(with_context_parallel=True)
+        ps.destroy_model_parallel()
+    return out
+
+
+def test_four_process_groups_match_generator():
+    results = run_distributed(_four_ranks, 4)
+    for label, (tp, cp, dp, pp) in (("tp2pp2", (2, 1, 1, 2)), ("cp2", (1, 2, 2, 1))):
+        gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+        for rank, result in enumerate(results):
+            for token in ("tp", "pp", "dp", "cp", "dp-cp", "tp-pp", "tp-dp-cp", "tp-cp"):
+                expected = next(g for g in gen.get_ranks(token) if rank in g)
+                assert result[label][token] == expected, (label, rank, token)
+            assert result[label]["dp_world"] == dp
+            assert result[label]["dp_cp_world"] == dp * cp
