@@ -115,6 +115,11 @@ class GPTModel(MegatronModule):
             self.output_layer.weight.is_embedding_or_output_parameter = True
         if not self.share_embeddings_and_output_weights:
             return
+        if self.pre_process:
+            # The embedding lookup's grad arrives through autograd while the output layer's fused
+            # wgrad goes straight into main_grad: the dummy wgrad must be zeros so the DDP hook can
+            # still add the lookup's part.
+            self.embedding.word_embeddings.weight.zero_out_wgrad = True
         if self.pre_process and self.post_process:
             self.shared_embedding_or_output_weight().shared_embedding = True
             return
