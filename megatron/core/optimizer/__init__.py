@@ -1,0 +1,127 @@
+"""Build the Megatron optimizer: param groups (weight-decay / lr multipliers), inner optimizer, wrapper."""
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .clip_grads import clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32
+from .grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
+from .optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer, MegatronOptimizer
+from .optimizer_config import OptimizerConfig
+
+__all__ = [
+    "OptimizerConfig", "MegatronOptimizer", "FP32Optimizer", "Float16OptimizerWithFloat16Params",
+    "MegatronGradScaler", "ConstantGradScaler", "DynamicGradScaler", "get_megatron_optimizer",
+    "get_grad_norm_fp32", "clip_grad_by_total_norm_fp32", "count_zeros_fp32",
+]
+
+
+def _get_param_groups(model_chunks: List[torch.nn.Module], no_weight_decay_cond: Optional[Callable],
+                      scale_lr_cond: Optional[Callable], lr_mult: float, lr: float, min_lr: float,
+                      decoupled_lr: Optional[float], decoupled_min_lr: Optional[float]) -> List[Dict]:
+    """Group trainable params by (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr).
+
+    Without ``no_weight_decay_cond``, params with ndim == 1 or a name ending in '.bias' get wd_mult 0.
+    Params matching ``scale_lr_cond`` get ``lr_mult``. The default group (wd_mult 1, lr_mult 1, no
+    decoupled lr) comes first.
+    """
+    groups: Dict[Tuple[float, float, bool, bool], List[torch.nn.Parameter]] = {}
+    seen = set()
+    for chunk in model_chunks:
+        for name, param in chunk.named_parameters():
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            is_expert_parallel = not getattr(param, "allreduce", True)
+            if no_weight_decay_cond is not None:
+                no_wd = bool(no_weight_decay_cond(name, param))
+            else:
+                no_wd = name.endswith(".bias") or param.dim() == 1
+            scale_lr = bool(scale_lr_cond(name, param)) if scale_lr_cond is not None else False
+            wd_mult = 0.0 if no_wd else 1.0
+            group_lr_mult = lr_mult if scale_lr else 1.0
+            is_decoupled_lr = decoupled_lr is not None and getattr(param, "is_embedding_or_output_parameter", False)
+            groups.setdefault((wd_mult, group_lr_mult, is_expert_parallel, is_decoupled_lr), []).append(param)
+
+    param_groups = []
+    for (wd_mult, group_lr_mult, is_expert_parallel, is_decoupled_lr), params in groups.items():
+        if is_decoupled_lr:
+            max_lr = decoupled_lr
+            group_min_lr = decoupled_min_lr if decoupled_min_lr is not None else min_lr
+        else:
+            max_lr, group_min_lr = lr, min_lr
+        param_groups.append({
+            "params": params,
+            "wd_mult": wd_mult,
+            "lr_mult": group_lr_mult,
+            "is_expert_parallel": is_expert_parallel,
+            "is_decoupled_lr": is_decoupled_lr,
+            "max_lr": max_lr,
+            "min_lr": group_min_lr,
+            "default_config": wd_mult == 1.0 and group_lr_mult == 1.0 and not is_decoupled_lr,
+        })
+    # Stable sort: the default group first, others keep their discovery order.
+    param_groups.sort(key=lambda g: not g["default_config"])
+    return param_groups
+
+
+def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.Module],
+                           no_weight_decay_cond: Optional[Callable] = None,
+                           scale_lr_cond: Optional[Callable] = None, lr_mult: float = 1.0) -> MegatronOptimizer:
+    """Build the optimizer for ``model_chunks`` (usually DistributedDataParallel-wrapped chunks).
+
+    Inner optimizer: ``adam`` -> ``torch.optim.AdamW`` (decoupled weight decay, Loshchilov & Hutter,
+    "Decoupled Weight Decay Regularization", ICLR 2019, Algorithm 2), ``sgd`` -> ``torch.optim.SGD``
+    with momentum. Wrapper: :class:`Float16OptimizerWithFloat16Params` for fp16/bf16 (constant scaler
+    with ``loss_scale``, dynamic for fp16 otherwise, none for bf16), else :class:`FP32Optimizer`.
+    Each group's 'lr' / 'weight_decay' is set by OptimizerParamScheduler from max_lr/min_lr,
+    lr_mult and wd_mult.
+
+    Raises:
+        ValueError: ``config.lr`` is None, the optimizer name is unknown, the distributed optimizer
+            is requested, or no trainable params exist.
+    """
+    if config.lr is None:
+        raise ValueError("OptimizerConfig.lr is None: set --lr")
+    if config.use_distributed_optimizer:
+        raise ValueError("--use-distributed-optimizer is not available yet in this framework")
+    min_lr = config.min_lr if config.min_lr is not None else 0.0
+    if not isinstance(model_chunks, (list, tuple)):
+        model_chunks = [model_chunks]
+    param_groups = _get_param_groups(model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult,
+                                     config.lr, min_lr, config.decoupled_lr, config.decoupled_min_lr)
+    if not param_groups:
+        raise ValueError("get_megatron_optimizer: the model has no trainable params")
+    # Sensible values until the scheduler's first step overwrites them.
+    for group in param_groups:
+        group["lr"] = group["max_lr"] * group["lr_mult"]
+        group["weight_decay"] = config.weight_decay * group["wd_mult"]
+
+    if config.optimizer == "adam":
+        inner = torch.optim.AdamW(param_groups, lr=config.lr, weight_decay=config.weight_decay,
+                                  betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+
+        def init_state_fn(opt):
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if len(opt.state[p]) == 0:
+                        opt.state[p]["exp_avg"] = torch.zeros_like(p.data)
+                        opt.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
+    elif config.optimizer == "sgd":
+        inner = torch.optim.SGD(param_groups, lr=config.lr, weight_decay=config.weight_decay,
+                                momentum=config.sgd_momentum)
+        init_state_fn = None
+    else:
+        raise ValueError(f"--optimizer {config.optimizer!r} is not supported; choose 'adam' or 'sgd'")
+    init_state_fn = init_state_fn or (lambda opt: None)
+
+    if config.fp16 or config.bf16:
+        grad_scaler: Optional[MegatronGradScaler] = None
+        if config.loss_scale:
+            grad_scaler = ConstantGradScaler(config.loss_scale)
+        elif config.fp16:
+            grad_scaler = DynamicGradScaler(
+                initial_scale=config.initial_loss_scale, min_scale=config.min_loss_scale, growth_factor=2.0,
+                backoff_factor=0.5, growth_interval=config.loss_scale_window, hysteresis=config.hysteresis,
+            )
+        return Float16OptimizerWithFloat16Params(inner, config, grad_scaler, init_state_fn)
+    return FP32Optimizer(inner, config, init_state_fn)

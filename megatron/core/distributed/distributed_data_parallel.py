@@ -1,0 +1,162 @@
+"""Data-parallel wrapper: contiguous grad buffers (``param.main_grad``) and bucketed grad all-reduce."""
+from contextlib import contextmanager
+from typing import Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .distributed_data_parallel_config import DistributedDataParallelConfig
+from .param_and_grad_buffer import _ParamAndGradBuffer, partition_buckets
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Wrap ``module`` so that its grads accumulate in fp32-capable buffers and are reduced over data-parallel ranks.
+
+    Every trainable param gets ``param.main_grad`` (a view into a contiguous buffer grouped by
+    (param dtype, grad dtype)); a post-accumulate-grad hook adds ``param.grad`` into it and frees
+    ``param.grad``. :meth:`finish_grad_sync` all-reduces each bucket over the data-parallel group
+    with context parallelism (grads pre-scaled by 1/dp and summed, or averaged in the collective).
+
+    Args:
+        config: the model's ModelParallelConfig (``calculate_per_token_loss`` disables the 1/dp scale).
+        ddp_config: buffer / bucketing / overlap options.
+        module: the model to wrap; its state-dict keys are exposed unchanged (no ``module.`` prefix).
+        disable_bucketing: force a single bucket per buffer.
+
+    Raises:
+        ValueError: ``average_in_collective`` combined with ``calculate_per_token_loss``, or no
+            trainable params.
+    """
+
+    def __init__(self, config, ddp_config: DistributedDataParallelConfig, module: torch.nn.Module,
+                 disable_bucketing: bool = False):
+        super().__init__()
+        from megatron.core import parallel_state
+
+        self.config = config
+        self.ddp_config = ddp_config
+        self.module = module
+        calculate_per_token_loss = getattr(config, "calculate_per_token_loss", False)
+        if calculate_per_token_loss and ddp_config.average_in_collective:
+            raise ValueError("--ddp-average-in-collective cannot be combined with --calculate-per-token-loss")
+
+        self.data_parallel_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+
+        bucket_size = ddp_config.bucket_size
+        if bucket_size is None:
+            bucket_size = max(40_000_000, 1_000_000 * dp_size)
+        # Without overlap there is nothing to gain from several collectives; later pipeline stages
+        # finish backward last, so they also use one bucket (Megatron-LM behaviour).
+        if not ddp_config.overlap_grad_reduce or disable_bucketing or not parallel_state.is_pipeline_first_stage():
+            bucket_size = None
+        self.bucket_size = bucket_size
+
+        if calculate_per_token_loss or ddp_config.average_in_collective:
+            gradient_scaling_factor = 1.0
+        else:
+            gradient_scaling_factor = 1.0 / dp_size
+
+        param_to_name: Dict[torch.nn.Parameter, str] = {}
+        params_by_dtype: Dict[Tuple[torch.dtype, torch.dtype], List[torch.nn.Parameter]] = {}
+        for name, param in module.named_parameters():
+            if not param.requires_grad:
+                continue
+            param.grad_added_to_main_grad = False
+            if not hasattr(param, "zero_out_wgrad"):
+                param.zero_out_wgrad = False
+            param_to_name[param] = name
+            grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else param.dtype
+            params_by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
+        if not param_to_name:
+            raise ValueError(f"DistributedDataParallel: {type(module).__name__} has no trainable params")
+
+        self.buffers = [
+            _ParamAndGradBuffer(ddp_config, param_dtype, grad_dtype, params, self.data_parallel_group,
+                                bucket_size, param_to_name, gradient_scaling_factor, dp_size)
+            for (param_dtype, grad_dtype), params in params_by_dtype.items()
+        ]
+        self.bucket_groups = partition_buckets(self.buffers)
+        self.param_to_bucket_group = {p: group for group in self.bucket_groups for p in group.params}
+        self._grad_hook_handles = [
+            param.register_post_accumulate_grad_hook(self._make_backward_post_hook())
+            for param in param_to_name
+        ]
+
+    def _make_backward_post_hook(self):
+        overlap = self.ddp_config.overlap_grad_reduce
+        param_to_bucket_group = self.param_to_bucket_group
+
+        def hook(param: torch.nn.Parameter):
+            # A fused wgrad kernel may already have written into main_grad (grad_added_to_main_grad);
+            # a weight marked zero_out_wgrad (tied embedding) still carries other grads in .grad.
+            if param.grad is not None and (not param.grad_added_to_main_grad or param.zero_out_wgrad):
+                param.main_grad.add_(param.grad)
+            param.grad = None
+            if overlap:
+                param_to_bucket_group[param].register_grad_ready(param)
+
+        return hook
+
+    def forward(self, *inputs, **kwargs):
+        """Run the wrapped module unchanged."""
+        return self.module(*inputs, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """Accumulate grads without launching data-parallel collectives (all but the last microbatch)."""
+        for group in self.bucket_groups:
+            group.is_last_microbatch = False
+        try:
+            yield
+        finally:
+            for group in self.bucket_groups:
+                group.is_last_microbatch = True
+
+    def start_grad_sync(self, *unused):
+        """Launch the all-reduce of every bucket now (async with ``overlap_grad_reduce``)."""
+        for group in self.bucket_groups:
+            group.start_grad_sync()
+
+    def finish_grad_sync(self):
+        """Complete (or, without overlap, perform) the all-reduce of every bucket; main_grads are then reduced."""
+        for group in self.bucket_groups:
+            group.finish_grad_sync()
+
+    def scale_gradients(self, scaling_factor: float):
+        """Multiply every main_grad by ``scaling_factor`` (used for per-token loss normalisation)."""
+        for buffer in self.buffers:
+            buffer.scale_gradients(scaling_factor)
+
+    def zero_grad_buffer(self):
+        """Zero all main_grads and reset bucket state; call at the start of every iteration."""
+        for buffer in self.buffers:
+            for param in buffer.params:
+                param.grad_added_to_main_grad = False
+                # An optimizer may have aliased param.grad to main_grad; autograd would then
+                # accumulate into the buffer and the hook would add the grad a second time.
+                param.grad = None
+            buffer.reset()
+        for group in self.bucket_groups:
+            group.reset()
+
+    def broadcast_params(self):
+        """Copy every param from the first rank of the data-parallel (with context-parallel) group."""
+        src = dist.get_global_rank(self.data_parallel_group, 0)
+        for param in self.module.parameters():
+            dist.broadcast(param.data, src=src, group=self.data_parallel_group)
+
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        """The wrapped module's state dict (keys without a ``module.`` prefix)."""
+        return self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
+        """The wrapped module's checkpoint state dict (its own method when it has one)."""
+        inner = getattr(self.module, "state_dict_for_save_checkpoint", None)
+        if inner is not None:
+            return inner(prefix=prefix, keep_vars=keep_vars)
+        return self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        """Load into the wrapped module (keys as produced by :meth:`state_dict`)."""
+        return self.module.load_state_dict(state_dict, strict=strict)

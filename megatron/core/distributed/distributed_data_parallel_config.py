@@ -1,0 +1,38 @@
+"""Configuration of the data-parallel wrapper (grad buffer dtype, bucketing, overlap, NaN checks)."""
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class DistributedDataParallelConfig:
+    """Options of :class:`DistributedDataParallel`; names and defaults follow Megatron-LM.
+
+    Attributes:
+        grad_reduce_in_fp32: keep the grad buffer (``param.main_grad``) in fp32 and all-reduce in fp32
+            (``--accumulate-allreduce-grads-in-fp32``).
+        overlap_grad_reduce: launch each bucket's all-reduce asynchronously as soon as all of its grads
+            are ready during the last microbatch's backward (``--overlap-grad-reduce``).
+        overlap_param_gather: gather params in forward pre-hooks (needs the distributed optimizer).
+        use_distributed_optimizer: lay the buffer out for a sharded optimizer (param starts padded to
+            64 elements, bucket ends to lcm(dp, 128)).
+        check_for_nan_in_grad: fail before the collective if a bucket's grad norm is NaN/Inf.
+        bucket_size: elements per bucket; None -> max(40e6, 1e6 * dp) when overlapping, else one bucket.
+        average_in_collective: reduce with AVG instead of pre-scaling by 1/dp and SUM
+            (``--ddp-average-in-collective``).
+    """
+
+    grad_reduce_in_fp32: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    use_distributed_optimizer: bool = False
+    check_for_nan_in_grad: bool = False
+    bucket_size: Optional[int] = None
+    average_in_collective: bool = False
+
+    def __post_init__(self):
+        if self.bucket_size is not None and self.bucket_size <= 0:
+            raise ValueError(f"--ddp-bucket-size must be positive, got {self.bucket_size}")
+        if self.overlap_param_gather and not (self.use_distributed_optimizer and self.overlap_grad_reduce):
+            raise ValueError(
+                "--overlap-param-gather requires --use-distributed-optimizer and --overlap-grad-reduce"
+            )

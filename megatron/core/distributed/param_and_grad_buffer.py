@@ -1,0 +1,273 @@
+"""Contiguous grad buffers, their buckets, and the per-bucket data-parallel all-reduce."""
+import logging
+import math
+from typing import Dict, List, Optional, Set, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .distributed_data_parallel_config import DistributedDataParallelConfig
+
+logger = logging.getLogger(__name__)
+
+# With the distributed optimizer every param starts on a 64-element boundary so that shard
+# boundaries fall on aligned addresses (Megatron-LM layout).
+_PARAM_START_ALIGNMENT = 64
+_BUCKET_END_ALIGNMENT = 128
+
+
+class _ParamAndGradBucket:
+    """One bucket: a contiguous slice of a grad buffer covering whole params.
+
+    Attributes:
+        params: the params whose ``main_grad`` lives in this bucket (buffer order).
+        grad_data: 1-D view of the buffer slice, ``[numel]`` (padding included).
+        offset: index of ``grad_data[0]`` in the buffer.
+        numel_unpadded: elements actually used by params.
+        gradient_scaling_factor: multiplier applied to ``grad_data`` before the collective.
+        bucket_id: position of the bucket in its buffer.
+    """
+
+    def __init__(self, params: List[torch.nn.Parameter], grad_data: torch.Tensor, offset: int,
+                 numel_unpadded: int, gradient_scaling_factor: float, bucket_id: int):
+        self.params = params
+        self.grad_data = grad_data
+        self.offset = offset
+        self.numel_unpadded = numel_unpadded
+        self.gradient_scaling_factor = gradient_scaling_factor
+        self.bucket_id = bucket_id
+
+
+class _ParamAndGradBucketGroup:
+    """Buckets whose grads are reduced together, plus the state of their (possibly async) all-reduce.
+
+    Each bucket of a buffer forms its own group. With ``overlap_grad_reduce`` the all-reduce is
+    launched asynchronously by :meth:`register_grad_ready` once every param of the group has its
+    grad for the last microbatch, and awaited in :meth:`finish_grad_sync`.
+
+    Args:
+        buckets: the buckets of this group.
+        ddp_config: the wrapper's options.
+        collective_group: process group of the reduction (data-parallel with context-parallel).
+        collective_group_size: number of ranks in ``collective_group``.
+    """
+
+    def __init__(self, buckets: List[_ParamAndGradBucket], ddp_config: DistributedDataParallelConfig,
+                 collective_group, collective_group_size: int):
+        self.buckets = buckets
+        self.ddp_config = ddp_config
+        self.intra_distributed_optimizer_instance_group = collective_group
+        self.intra_distributed_optimizer_instance_size = collective_group_size
+        self.params: Set[torch.nn.Parameter] = set()
+        for bucket in buckets:
+            self.params.update(bucket.params)
+        self.params_with_grad: Set[torch.nn.Parameter] = set()
+        # True outside no_sync(): only then does a ready grad count towards launching the collective.
+        self.is_last_microbatch = True
+        self.grad_reduce_handle: Optional[list] = None
+        self._sync_launched = False
+        self._reduce_op, self._post_scale = self._choose_reduce_op()
+
+    def _choose_reduce_op(self) -> Tuple[object, float]:
+        """(reduce op, factor applied after the collective); AVG is emulated where unsupported."""
+        if not self.ddp_config.average_in_collective:
+            return dist.ReduceOp.SUM, 1.0
+        # gloo has no AVG; SUM followed by 1/n gives the same mean.
+        if dist.get_backend(self.intra_distributed_optimizer_instance_group) == "nccl":
+            return dist.ReduceOp.AVG, 1.0
+        return dist.ReduceOp.SUM, 1.0 / self.intra_distributed_optimizer_instance_size
+
+    def reset(self):
+        """Forget ready grads and pending collectives (called when the grad buffer is zeroed)."""
+        self.params_with_grad.clear()
+        self.is_last_microbatch = True
+        self.grad_reduce_handle = None
+        self._sync_launched = False
+
+    def check_for_nan_in_grad(self):
+        """Raise RuntimeError if any bucket's local grad norm is NaN or Inf (before communication)."""
+        norms = torch.stack([bucket.grad_data.float().norm(p=2) for bucket in self.buckets])
+        if not bool(torch.isfinite(norms).all()):
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            raise RuntimeError(
+                f"Rank {rank}: found NaN or Inf in local grad norm ({norms.tolist()}) in backward pass "
+                f"before data-parallel communication collective"
+            )
+
+    def start_grad_sync(self):
+        """Scale the buckets' grads and launch their all-reduce (async when overlapping).
+
+        Raises:
+            RuntimeError: the collective of this group was already launched since the last reset,
+                or ``check_for_nan_in_grad`` found a non-finite grad norm.
+        """
+        if self._sync_launched:
+            raise RuntimeError("grad sync of this bucket group was already started; call zero_grad_buffer() first")
+        if self.ddp_config.check_for_nan_in_grad:
+            self.check_for_nan_in_grad()
+        for bucket in self.buckets:
+            if bucket.gradient_scaling_factor != 1.0:
+                bucket.grad_data.mul_(bucket.gradient_scaling_factor)
+        async_op = self.ddp_config.overlap_grad_reduce
+        handles = []
+        for bucket in self.buckets:
+            handle = dist.all_reduce(
+                bucket.grad_data, op=self._reduce_op,
+                group=self.intra_distributed_optimizer_instance_group, async_op=async_op,
+            )
+            if async_op:
+                handles.append(handle)
+        self.grad_reduce_handle = handles if async_op else None
+        self._sync_launched = True
+        if not async_op:
+            self._apply_post_scale()
+
+    def _apply_post_scale(self):
+        if self._post_scale != 1.0:
+            for bucket in self.buckets:
+                bucket.grad_data.mul_(self._post_scale)
+
+    def finish_grad_sync(self):
+        """Complete this group's all-reduce; launch it first (synchronously) when not overlapping.
+
+        Raises:
+            RuntimeError: with ``overlap_grad_reduce``, the collective was never launched because some
+                params of the bucket did not receive a grad in the last microbatch's backward.
+        """
+        if not self._sync_launched:
+            if self.ddp_config.overlap_grad_reduce:
+                raise RuntimeError(
+                    "communication call has not been issued for this bucket "
+                    f"({len(self.params_with_grad)}/{len(self.params)} params have grad available); "
+                    "every trainable param must get a grad in the last microbatch with --overlap-grad-reduce"
+                )
+            self.start_grad_sync()
+        if self.grad_reduce_handle is not None:
+            for handle in self.grad_reduce_handle:
+                handle.wait()
+            self.grad_reduce_handle = None
+            self._apply_post_scale()
+        # A later microbatch cycle may launch again only after zero_grad_buffer(); keep launched=True.
+
+    def register_grad_ready(self, param: torch.nn.Parameter):
+        """Mark ``param``'s grad as final; launch the collective when the whole group is ready.
+
+        Only counts during the last microbatch (outside ``no_sync``) with ``overlap_grad_reduce``.
+
+        Raises:
+            RuntimeError: the same param reports a ready grad twice in one backward.
+        """
+        if not (self.ddp_config.overlap_grad_reduce and self.is_last_microbatch):
+            return
+        if param in self.params_with_grad:
+            raise RuntimeError("cannot set grad twice: a param reported a ready grad twice in one iteration")
+        self.params_with_grad.add(param)
+        if len(self.params_with_grad) == len(self.params):
+            self.start_grad_sync()
+
+
+def _pad(value: int, multiple: int) -> int:
+    return int(math.ceil(value / multiple)) * multiple
+
+
+class _ParamAndGradBuffer:
+    """A contiguous grad buffer for params of one (param dtype, grad dtype) pair, split into buckets.
+
+    Params are laid out in **reverse** order (the order in which backward produces their grads),
+    and a bucket closes as soon as it holds at least ``bucket_size`` elements (Megatron-LM layout).
+    Each param gets ``param.main_grad``, a view of shape ``param.shape`` into ``grad_data``.
+
+    Args:
+        ddp_config: the wrapper's options (padding is applied only with ``use_distributed_optimizer``).
+        param_dtype: dtype of the params.
+        grad_dtype: dtype of ``grad_data`` / ``main_grad``.
+        params: the params in module order.
+        data_parallel_group: group the grads are reduced over.
+        bucket_size: elements per bucket, or None for a single bucket.
+        param_to_name: names used in debug logging.
+        gradient_scaling_factor: multiplier applied before the collective (1/dp or 1.0).
+        data_parallel_world_size: size of ``data_parallel_group``.
+    """
+
+    def __init__(self, ddp_config: DistributedDataParallelConfig, param_dtype: torch.dtype,
+                 grad_dtype: torch.dtype, params: List[torch.nn.Parameter], data_parallel_group,
+                 bucket_size: Optional[int], param_to_name: Dict[torch.nn.Parameter, str],
+                 gradient_scaling_factor: float, data_parallel_world_size: int):
+        if not params:
+            raise ValueError("a grad buffer needs at least one param")
+        self.ddp_config = ddp_config
+        self.param_dtype = param_dtype
+        self.grad_dtype = grad_dtype
+        self.params = params
+        self.data_parallel_group = data_parallel_group
+        self.data_parallel_world_size = data_parallel_world_size
+        self.gradient_scaling_factor = gradient_scaling_factor
+        self.param_index_map: Dict[torch.nn.Parameter, Tuple[int, int, int]] = {}
+        pad = ddp_config.use_distributed_optimizer
+        bucket_end_multiple = math.lcm(data_parallel_world_size, _BUCKET_END_ALIGNMENT)
+
+        bucket_ranges: List[Tuple[int, int, int, List[torch.nn.Parameter]]] = []
+        index = 0
+        bucket_start = 0
+        bucket_params: List[torch.nn.Parameter] = []
+
+        def close_bucket(end_unpadded: int) -> int:
+            end = _pad(end_unpadded, bucket_end_multiple) if pad else end_unpadded
+            bucket_ranges.append((bucket_start, end, end_unpadded - bucket_start, list(bucket_params)))
+            bucket_params.clear()
+            return end
+
+        for param in reversed(params):
+            start = _pad(index, _PARAM_START_ALIGNMENT) if pad else index
+            end = start + param.numel()
+            self.param_index_map[param] = (start, end, len(bucket_ranges))
+            bucket_params.append(param)
+            index = end
+            if bucket_size is not None and end - bucket_start >= bucket_size:
+                index = close_bucket(end)
+                bucket_start = index
+        if bucket_params:
+            index = close_bucket(index)
+        self.numel = index
+        self.numel_unpadded = sum(p.numel() for p in params)
+
+        device = params[0].device
+        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        for param in params:
+            start, end, _ = self.param_index_map[param]
+            param.main_grad = self.grad_data[start:end].view(param.shape)
+
+        self.buckets: List[_ParamAndGradBucket] = []
+        self.param_to_bucket: Dict[torch.nn.Parameter, _ParamAndGradBucket] = {}
+        for bucket_id, (start, end, numel_unpadded, bparams) in enumerate(bucket_ranges):
+            bucket = _ParamAndGradBucket(
+                bparams, self.grad_data[start:end], start, numel_unpadded, gradient_scaling_factor, bucket_id
+            )
+            self.buckets.append(bucket)
+            for p in bparams:
+                self.param_to_bucket[p] = bucket
+
+        if logger.isEnabledFor(logging.DEBUG):
+            for bucket in self.buckets:
+                names = [param_to_name.get(p, "?") for p in bucket.params]
+                logger.debug("grad buffer %s/%s bucket %d (%d elements): %s", param_dtype, grad_dtype,
+                             bucket.bucket_id, bucket.grad_data.numel(), names)
+
+    def scale_gradients(self, scaling_factor: float):
+        """Multiply every grad in the buffer by ``scaling_factor``."""
+        self.grad_data.mul_(scaling_factor)
+
+    def reset(self):
+        """Zero the whole grad buffer."""
+        self.grad_data.zero_()
+
+
+def partition_buckets(buffers: List[_ParamAndGradBuffer]) -> List[_ParamAndGradBucketGroup]:
+    """One bucket group per bucket, in buffer order then bucket order (the order of their collectives)."""
+    groups = []
+    for buffer in buffers:
+        for bucket in buffer.buckets:
+            groups.append(_ParamAndGradBucketGroup(
+                [bucket], buffer.ddp_config, buffer.data_parallel_group, buffer.data_parallel_world_size
+            ))
+    return groups

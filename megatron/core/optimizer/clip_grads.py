@@ -1,0 +1,98 @@
+"""Global grad norm across model-parallel ranks, clipping by that norm, and zero counting."""
+import math
+from typing import Iterable, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _tp_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank()
+
+
+def param_is_not_shared(param: torch.nn.Parameter) -> bool:
+    """False for the tied output-layer copy of the embedding (its grad is counted on the first stage)."""
+    return not getattr(param, "shared", False)
+
+
+def param_is_not_tensor_parallel_duplicate(param: torch.nn.Parameter, tp_rank: Optional[int] = None) -> bool:
+    """True if ``param`` is TP-partitioned, or it is replicated across TP and this is TP rank 0."""
+    if getattr(param, "tensor_model_parallel", False):
+        return True
+    return (_tp_rank() if tp_rank is None else tp_rank) == 0
+
+
+def get_grad_norm_fp32(grads_for_norm: Union[List[torch.Tensor], torch.Tensor], norm_type: float = 2,
+                       model_parallel_group=None) -> float:
+    """Norm of all grads together, reduced over ``model_parallel_group``.
+
+    The caller passes only the grads that count (see ``param_is_not_shared`` and
+    ``param_is_not_tensor_parallel_duplicate``); each rank contributes its local part.
+    L-p norms sum ``|g|^p`` locally, all-reduce SUM, then take the p-th root; the inf-norm uses MAX.
+
+    Args:
+        grads_for_norm: grad tensors of any shape/dtype (accumulated in fp32).
+        norm_type: p (2 by default) or ``inf``.
+        model_parallel_group: group to reduce over; None reduces nothing (single process).
+
+    Returns:
+        The total norm as a Python float (NaN/Inf when a grad is non-finite).
+    """
+    if isinstance(grads_for_norm, torch.Tensor):
+        grads_for_norm = [grads_for_norm]
+    norm_type = float(norm_type)
+    device = grads_for_norm[0].device if grads_for_norm else _default_device()
+    if norm_type == math.inf:
+        if grads_for_norm:
+            total = torch.stack([g.detach().abs().max().float() for g in grads_for_norm]).max().reshape(1)
+        else:
+            total = torch.zeros(1, dtype=torch.float, device=device)
+        if model_parallel_group is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=model_parallel_group)
+        return total.item()
+    if grads_for_norm:
+        norms = torch._foreach_norm([g.detach() for g in grads_for_norm], norm_type, dtype=torch.float32)
+        total = torch.stack(list(norms)).pow(norm_type).sum().reshape(1)
+    else:
+        total = torch.zeros(1, dtype=torch.float, device=device)
+    if model_parallel_group is not None:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=model_parallel_group)
+    return total.item() ** (1.0 / norm_type)
+
+
+def clip_grad_by_total_norm_fp32(parameters: Union[Iterable[torch.nn.Parameter], torch.nn.Parameter],
+                                 max_norm: float, total_norm: float):
+    """Scale all grads by ``max_norm / (total_norm + 1e-6)`` when that is below 1.
+
+    A NaN ``total_norm`` gives a NaN coefficient, which is not < 1, so nothing is touched.
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = [p.grad.detach() for p in parameters if p.grad is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+def count_zeros_fp32(parameters: Iterable[torch.nn.Parameter], grad_stats_parallel_group=None) -> int:
+    """Number of zero grad entries over the counted params (same filter as the norm), summed over the group."""
+    tp_rank = _tp_rank()
+    total = None
+    for param in parameters:
+        grad = param.grad
+        if grad is None or not param_is_not_shared(param) or not param_is_not_tensor_parallel_duplicate(param, tp_rank):
+            continue
+        zeros = grad.numel() - torch.count_nonzero(grad)
+        total = zeros if total is None else total + zeros
+    if total is None:
+        total = torch.zeros((), dtype=torch.long, device=_default_device())
+    total = total.reshape(1).to(torch.long)
+    if grad_stats_parallel_group is not None:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=grad_stats_parallel_group)
+    return int(total.item())

@@ -1,0 +1,393 @@
+"""Optimizer wrappers: fp32 (grads from main_grad) and fp16/bf16 with fp32 main params and loss scaling."""
+import logging
+from abc import ABC, abstractmethod
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .clip_grads import (
+    clip_grad_by_total_norm_fp32,
+    count_zeros_fp32,
+    get_grad_norm_fp32,
+    param_is_not_shared,
+    param_is_not_tensor_parallel_duplicate,
+)
+from .grad_scaler import MegatronGradScaler
+from .optimizer_config import OptimizerConfig
+
+logger = logging.getLogger(__name__)
+
+# Attributes that describe how a param is split or shared; fp32 main copies must carry them so that
+# grad-norm and zero counting treat the copy exactly like the model param.
+_PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel",
+                     "shared", "allreduce", "is_embedding_or_output_parameter")
+
+
+def _copy_param_attributes(destination: torch.Tensor, source: torch.Tensor):
+    for name in _PARAM_ATTRIBUTES:
+        if hasattr(source, name):
+            setattr(destination, name, getattr(source, name))
+
+
+def _zero_grad_group_helper(group: List[torch.nn.Parameter], set_to_none: bool):
+    for param in group:
+        if param.grad is None:
+            continue
+        if set_to_none:
+            param.grad = None
+        else:
+            if param.grad.grad_fn is not None:
+                param.grad.detach_()
+            else:
+                param.grad.requires_grad_(False)
+            param.grad.zero_()
+
+
+class MegatronOptimizer(ABC):
+    """Base wrapper around a ``torch.optim`` optimizer: grad norm, clipping, zero counting, loss scale.
+
+    Args:
+        optimizer: the inner torch optimizer (its ``param_groups`` are exposed unchanged).
+        config: the optimizer options (``clip_grad``, ``log_num_zeros_in_grad``, ``timers``).
+        init_state_fn: fills empty optimizer state for a param (used by checkpoint loaders).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig,
+                 init_state_fn: Callable = lambda x: None):
+        self.optimizer = optimizer
+        self.config = config
+        self.init_state_fn = init_state_fn
+
+    def _timer(self, name: str):
+        timers = self.config.timers
+        return None if timers is None else timers(name, log_level=1)
+
+    def _start_timer(self, name: str):
+        timer = self._timer(name)
+        if timer is not None:
+            timer.start(barrier=getattr(self.config, "barrier_with_L1_time", False))
+        return timer
+
+    def get_parameters(self) -> List[torch.nn.Parameter]:
+        """The params the inner optimizer updates (fp32 main params for mixed precision)."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def get_main_grads_for_grad_norm(self) -> List[torch.Tensor]:
+        """Grads that count towards the norm: not ``shared``, and TP-partitioned or on TP rank 0."""
+        from .clip_grads import _tp_rank
+
+        tp_rank = _tp_rank()
+        return [
+            p.grad for p in self.get_parameters()
+            if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p, tp_rank)
+        ]
+
+    def get_grad_stats_parallel_group(self):
+        """Group over which grad norm, found-inf and zero counts are reduced (model-parallel = tp x pp)."""
+        from megatron.core import parallel_state
+
+        if not dist.is_initialized():
+            return None
+        if dist.get_world_size() == 1 and not parallel_state.model_parallel_is_initialized():
+            return None
+        return parallel_state.get_model_parallel_group()
+
+    def get_grad_norm(self) -> float:
+        """Global L2 norm of the counted main grads."""
+        return get_grad_norm_fp32(self.get_main_grads_for_grad_norm(),
+                                  model_parallel_group=self.get_grad_stats_parallel_group())
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        """Clip all grads to global norm ``clip_grad``; returns the norm before clipping."""
+        grad_norm = self.get_grad_norm()
+        clip_grad_by_total_norm_fp32(self.get_parameters(), clip_grad, grad_norm)
+        return grad_norm
+
+    def count_zeros(self) -> int:
+        """Zero entries in the counted grads, summed over the grad-stats group."""
+        return count_zeros_fp32(self.get_parameters(), self.get_grad_stats_parallel_group())
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * loss_scale`` (what backward is run on)."""
+        return self.get_loss_scale() * loss
+
+    @abstractmethod
+    def get_loss_scale(self) -> torch.Tensor:
+        """Current loss scale, a ``[1]`` fp32 tensor."""
+
+    @abstractmethod
+    def zero_grad(self, set_to_none: bool = True):
+        """Clear the grads of model and main params."""
+
+    @abstractmethod
+    def reload_model_params(self):
+        """Refresh main params from the model params (after the model was loaded from a checkpoint)."""
+
+    @abstractmethod
+    def state_dict(self) -> Dict:
+        """Checkpointable state."""
+
+    @abstractmethod
+    def load_state_dict(self, state_dict: Dict):
+        """Restore :meth:`state_dict` output."""
+
+    @abstractmethod
+    def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
+        """One update; returns ``(update_successful, grad_norm, num_zeros_in_grad)``."""
+
+    @property
+    def param_groups(self) -> List[Dict]:
+        """The inner optimizer's param groups (lr / weight_decay are set here by the scheduler)."""
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: List[Dict]):
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):
+        """The inner optimizer's per-param state."""
+        return self.optimizer.state
+
+    def _clip_count_and_step(self) -> Tuple[float, Optional[int]]:
+        timer = self._start_timer("optimizer-clip-main-grad")
+        grad_norm = self.clip_grad_norm(self.config.clip_grad) if self.config.clip_grad > 0.0 else 0.0
+        if timer is not None:
+            timer.stop()
+        timer = self._start_timer("optimizer-count-zeros")
+        num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
+        if timer is not None:
+            timer.stop()
+        timer = self._start_timer("optimizer-inner-step")
+        self.optimizer.step()
+        if timer is not None:
+            timer.stop()
+        return grad_norm, num_zeros
+
+
+class FP32Optimizer(MegatronOptimizer):
+    """Plain fp32 training: the inner optimizer reads ``param.main_grad`` (no loss scale, scale 1.0)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig,
+                 init_state_fn: Callable = lambda x: None):
+        super().__init__(optimizer, config, init_state_fn)
+        params = self.get_parameters()
+        device = params[0].device if params else torch.device("cpu")
+        self._scale = torch.tensor([1.0], dtype=torch.float, device=device)
+
+    def zero_grad(self, set_to_none: bool = True):
+        """Clear ``param.grad`` of every optimized param."""
+        for group in self.optimizer.param_groups:
+            _zero_grad_group_helper(group["params"], set_to_none)
+
+    def get_loss_scale(self) -> torch.Tensor:
+        """Always 1.0."""
+        return self._scale
+
+    def prepare_grads(self):
+        """Point ``param.grad`` at the DDP buffer's ``main_grad`` (no copy: same dtype)."""
+        timer = self._start_timer("optimizer-copy-to-main-grad")
+        for param in self.get_parameters():
+            main_grad = getattr(param, "main_grad", None)
+            if main_grad is not None:
+                param.grad = main_grad if main_grad.dtype == param.dtype else main_grad.to(param.dtype)
+        if timer is not None:
+            timer.stop()
+
+    @torch.no_grad()
+    def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
+        """Clip, optionally count zeros, step. Returns ``(True, grad_norm, num_zeros or None)``.
+
+        A non-finite grad norm is returned as is (the caller counts it as a NaN iteration).
+        """
+        self.prepare_grads()
+        grad_norm, num_zeros = self._clip_count_and_step()
+        return True, grad_norm, num_zeros
+
+    def reload_model_params(self):
+        """Nothing to do: the optimizer updates the model params directly."""
+
+    def state_dict(self) -> Dict:
+        """The inner optimizer's state dict."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: Dict):
+        """Load the inner optimizer's state dict."""
+        self.optimizer.load_state_dict(state_dict)
+
+
+class Float16OptimizerWithFloat16Params(MegatronOptimizer):
+    """fp16/bf16 model params with fp32 main copies that the inner optimizer updates.
+
+    Step: copy model grads (``main_grad`` or ``grad``) to fp32 main grads; with a grad scaler,
+    unscale them, check for Inf/NaN (all-reduce MAX over the model-parallel group), update the
+    scaler and skip the step on overflow; clip; inner step; copy main params back to the model.
+    (Micikevicius et al., "Mixed Precision Training", ICLR 2018, section 3.)
+
+    Args:
+        optimizer: inner optimizer built over the model params; its groups are rewritten in place to
+            hold the fp32 main copies of fp16/bf16 params (fp32 params are used directly).
+        config: optimizer options.
+        grad_scaler: None (bf16 without ``--loss-scale``) or a :class:`MegatronGradScaler`.
+        init_state_fn: fills empty optimizer state for a param.
+
+    Raises:
+        ValueError: fp16 without a grad scaler.
+        TypeError: a param is neither fp32, fp16 nor bf16.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig,
+                 grad_scaler: Optional[MegatronGradScaler], init_state_fn: Callable = lambda x: None):
+        super().__init__(optimizer, config, init_state_fn)
+        if grad_scaler is None and config.fp16:
+            raise ValueError("fp16 training needs a grad scaler (constant --loss-scale or dynamic)")
+        self.grad_scaler = grad_scaler
+        self.float16_groups: List[List[torch.nn.Parameter]] = []
+        self.fp32_from_float16_groups: List[List[torch.nn.Parameter]] = []
+        self.fp32_from_fp32_groups: List[List[torch.nn.Parameter]] = []
+        device = None
+        for group_index, param_group in enumerate(self.optimizer.param_groups):
+            float16_params, fp32_from_float16_params, fp32_params = [], [], []
+            for i, param in enumerate(param_group["params"]):
+                if not param.requires_grad:
+                    continue
+                device = param.device if device is None else device
+                if param.dtype in (torch.float16, torch.bfloat16):
+                    main_param = torch.nn.Parameter(param.detach().clone().float())
+                    _copy_param_attributes(main_param, param)
+                    param_group["params"][i] = main_param
+                    float16_params.append(param)
+                    fp32_from_float16_params.append(main_param)
+                    if param in self.optimizer.state:
+                        self.optimizer.state[main_param] = self.optimizer.state.pop(param)
+                elif param.dtype == torch.float32:
+                    fp32_params.append(param)
+                else:
+                    raise TypeError(
+                        f"param {i} of param group {group_index} has dtype {param.dtype}; wrapped params "
+                        f"must be torch.float32, torch.float16 or torch.bfloat16"
+                    )
+            self.float16_groups.append(float16_params)
+            self.fp32_from_float16_groups.append(fp32_from_float16_params)
+            self.fp32_from_fp32_groups.append(fp32_params)
+        device = torch.device("cpu") if device is None else device
+        self.found_inf = torch.zeros(1, dtype=torch.float, device=device)
+        self._scale_one = torch.ones(1, dtype=torch.float, device=device)
+
+    def zero_grad(self, set_to_none: bool = True):
+        """Clear grads of model params, fp32 main params and fp32 params."""
+        for groups in (self.float16_groups, self.fp32_from_float16_groups, self.fp32_from_fp32_groups):
+            for group in groups:
+                _zero_grad_group_helper(group, set_to_none)
+
+    def get_loss_scale(self) -> torch.Tensor:
+        """The scaler's scale, or 1.0 without a scaler."""
+        return self._scale_one if self.grad_scaler is None else self.grad_scaler.scale
+
+    def _copy_model_grads_to_main_grads(self):
+        for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
+            for model_param, main_param in zip(model_group, main_group):
+                main_grad = getattr(model_param, "main_grad", None)
+                grad = model_param.grad if main_grad is None else main_grad
+                main_param.grad = None if grad is None else grad.float()
+                # The model param's own grad is no longer needed once copied.
+                model_param.grad = None
+        for model_group in self.fp32_from_fp32_groups:
+            for model_param in model_group:
+                main_grad = getattr(model_param, "main_grad", None)
+                if main_grad is not None:
+                    model_param.grad = main_grad.float()
+
+    def _unscale_main_grads_and_check_for_nan(self) -> bool:
+        main_grads = [p.grad for p in self.get_parameters() if p.grad is not None]
+        self.found_inf.fill_(0.0)
+        if main_grads:
+            inv_scale = self.grad_scaler.inv_scale.to(main_grads[0].device)
+            torch._amp_foreach_non_finite_check_and_unscale_(main_grads, self.found_inf, inv_scale)
+        group = self.get_grad_stats_parallel_group()
+        if group is not None:
+            dist.all_reduce(self.found_inf, op=dist.ReduceOp.MAX, group=group)
+        return bool(self.found_inf.item() > 0)
+
+    def _copy_main_params_to_model_params(self):
+        for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
+            for model_param, main_param in zip(model_group, main_group):
+                model_param.data.copy_(main_param.data)
+
+    def _copy_model_params_to_main_params(self):
+        for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
+            for model_param, main_param in zip(model_group, main_group):
+                main_param.data.copy_(model_param.data)
+
+    def reload_model_params(self):
+        """Copy the (freshly loaded) model params into the fp32 main params."""
+        self._copy_model_params_to_main_params()
+
+    @torch.no_grad()
+    def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
+        """One mixed-precision update.
+
+        Returns:
+            ``(False, None, None)`` when the grads overflowed (step skipped, scaler backed off), else
+            ``(True, grad_norm, num_zeros or None)``.
+        """
+        timer = self._start_timer("optimizer-copy-to-main-grad")
+        self._copy_model_grads_to_main_grads()
+        if timer is not None:
+            timer.stop()
+
+        if self.grad_scaler is not None:
+            timer = self._start_timer("optimizer-unscale-and-check-inf")
+            found_inf = self._unscale_main_grads_and_check_for_nan()
+            if timer is not None:
+                timer.stop()
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                return False, None, None
+
+        grad_norm, num_zeros = self._clip_count_and_step()
+
+        timer = self._start_timer("optimizer-copy-main-to-model-params")
+        self._copy_main_params_to_model_params()
+        if timer is not None:
+            timer.stop()
+        return True, grad_norm, num_zeros
+
+    def state_dict(self) -> Dict:
+        """``{'optimizer', 'grad_scaler' (if any), 'fp32_from_fp16_params'}``."""
+        state_dict = {"optimizer": self.optimizer.state_dict()}
+        if self.grad_scaler is not None:
+            state_dict["grad_scaler"] = self.grad_scaler.state_dict()
+        state_dict["fp32_from_fp16_params"] = [[p.detach() for p in group] for group in self.fp32_from_float16_groups]
+        return state_dict
+
+    def load_state_dict(self, state_dict: Dict):
+        """Restore optimizer state, scaler and fp32 main params.
+
+        Raises:
+            KeyError: 'optimizer' or 'fp32_from_fp16_params' is missing.
+            ValueError: the saved main params do not match this optimizer's groups in count or shape.
+        """
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        if "grad_scaler" not in state_dict:
+            if self.config.fp16:
+                logger.warning("***WARNING*** found an old checkpoint, will not load grad scaler ...")
+        elif self.grad_scaler is not None:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        else:
+            logger.warning("***WARNING*** found the grad scaler in the checkpoint but it is None in the "
+                           "class. Skipping loading grad scaler ...")
+        saved_groups = state_dict["fp32_from_fp16_params"]
+        if len(saved_groups) != len(self.fp32_from_float16_groups):
+            raise ValueError(f"checkpoint has {len(saved_groups)} fp32_from_fp16_params groups, "
+                             f"optimizer has {len(self.fp32_from_float16_groups)}")
+        for index, (current_group, saved_group) in enumerate(zip(self.fp32_from_float16_groups, saved_groups)):
+            if len(current_group) != len(saved_group):
+                raise ValueError(f"fp32_from_fp16_params group {index}: checkpoint has {len(saved_group)} "
+                                 f"params, optimizer has {len(current_group)}")
+            for current, saved in zip(current_group, saved_group):
+                if current.shape != saved.shape:
+                    raise ValueError(f"fp32_from_fp16_params group {index}: shape {tuple(saved.shape)} in "
+                                     f"checkpoint vs {tuple(current.shape)} in the optimizer")
+                current.data.copy_(saved.data)
