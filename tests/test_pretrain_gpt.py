@@ -100,7 +100,7 @@ def test_telemetry_spans_and_metrics_from_the_training_loop(shared_data, shakesp
 
     monkeypatch.setenv("MEGATRON_OTEL_ENABLED", "1")
     monkeypatch.setenv("MEGATRON_OTEL_EXPORTER", "console")
-    monkeypatch.setenv("MEGATRON_OTEL_SPAN_GROUPS", "per_step")
+    monkeypatch.setenv("MEGATRON_OTEL_SPAN_GROUPS", "per_step, microbatch, layer")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "Authorization=Bearer secret-token")
     out = _pretrain(2, ["--micro-batch-size", "2", "--train-iters", "3", "--save", str(tmp_path / "ckpt"),
                         "--save-interval", "3"], shared_data, shakespeare_prefix, tmp_path)
@@ -124,6 +124,19 @@ def test_telemetry_spans_and_metrics_from_the_training_loop(shared_data, shakesp
         children = [s for s in by_name["megatron.forward_backward"] if s["parent_id"] == step["context"]["span_id"]]
         assert len(children) == 1
     assert len({s["context"]["trace_id"] for s in steps}) == 3
+    span_ids = {s["context"]["span_id"]: s for s in spans}
+    parent_name = lambda s: span_ids[s["parent_id"]]["name"] if s["parent_id"] in span_ids else None  # noqa: E731
+    for name, parent in (("megatron.microbatch.forward", "megatron.forward_backward"),
+                         ("megatron.microbatch.backward", "megatron.forward_backward"),
+                         ("megatron.layer.forward", "megatron.microbatch.forward"),
+                         ("megatron.layer.self_attention", "megatron.layer.forward"),
+                         ("megatron.layer.mlp", "megatron.layer.forward"),
+                         ("megatron.grad_sync.finish", "megatron.forward_backward")):
+        assert name in by_name, f"span {name} missing"
+        assert parent in {parent_name(s) for s in by_name[name]}, f"{name} never under {parent}"
+    # 3 iterations x 2 microbatches (micro batch 2 x DP 2 = 4 of the global 8).
+    train_mb = [s for s in by_name["megatron.microbatch.backward"]]
+    assert sorted(s["attributes"]["megatron.microbatch_id"] for s in train_mb) == [0, 0, 0, 1, 1, 1]
     metric_names = set()
     for record in records:
         for rm in record.get("resource_metrics", []):

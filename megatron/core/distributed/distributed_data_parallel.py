@@ -5,6 +5,8 @@ from typing import Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.core.telemetry import managed_span
+
 from .distributed_data_parallel_config import DistributedDataParallelConfig
 from .param_and_grad_buffer import _ParamAndGradBuffer, partition_buckets
 
@@ -115,13 +117,15 @@ class DistributedDataParallel(torch.nn.Module):
 
     def start_grad_sync(self, *unused):
         """Launch the all-reduce of every bucket now (async with ``overlap_grad_reduce``)."""
-        for group in self.bucket_groups:
-            group.start_grad_sync()
+        with managed_span("communication", "megatron.grad_sync.start"):
+            for group in self.bucket_groups:
+                group.start_grad_sync()
 
     def finish_grad_sync(self):
         """Complete (or, without overlap, perform) the all-reduce of every bucket; main_grads are then reduced."""
-        for group in self.bucket_groups:
-            group.finish_grad_sync()
+        with managed_span("communication", "megatron.grad_sync.finish"):
+            for group in self.bucket_groups:
+                group.finish_grad_sync()
 
     def scale_gradients(self, scaling_factor: float):
         """Multiply every main_grad by ``scaling_factor`` (used for per-token loss normalisation)."""

@@ -5,6 +5,7 @@ from typing import Any, Callable, Iterator, List, Optional, Union
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.telemetry import managed_span
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 
@@ -174,13 +175,16 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
     total_num_tokens = torch.zeros([], dtype=torch.int, device=_model_device(model))
 
     def run_microbatch(index: int):
-        output_tensor, num_tokens = forward_step(
-            forward_step_func, data_iterator, model, num_microbatches, None, forward_data_store, config,
-            collect_non_loss_data, is_first_microbatch=_check_first_val_step(first_val_step, forward_only, index == 0),
-        )
+        with managed_span("microbatch", "megatron.microbatch.forward", **{"megatron.microbatch_id": index}):
+            output_tensor, num_tokens = forward_step(
+                forward_step_func, data_iterator, model, num_microbatches, None, forward_data_store, config,
+                collect_non_loss_data,
+                is_first_microbatch=_check_first_val_step(first_val_step, forward_only, index == 0),
+            )
         total_num_tokens.add_(num_tokens)
         if not forward_only:
-            backward_step(None, output_tensor, None, config)
+            with managed_span("microbatch", "megatron.microbatch.backward", **{"megatron.microbatch_id": index}):
+                backward_step(None, output_tensor, None, config)
 
     with no_sync_func():
         for index in range(num_microbatches - 1):

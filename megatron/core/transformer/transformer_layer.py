@@ -6,6 +6,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from megatron.core.telemetry import managed_span
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
@@ -47,21 +48,28 @@ class TransformerLayer(MegatronModule):
                 context: Optional[torch.Tensor] = None, context_mask: Optional[torch.Tensor] = None,
                 rotary_pos_emb: Optional[torch.Tensor] = None, inference_params=None, packed_seq_params=None
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """hidden [s, b, h] -> (hidden [s, b, h], context passed through)."""
-        residual = hidden_states
-        layernorm_output = self.input_layernorm(hidden_states)
-        attention_output, attention_bias = self.self_attention(
-            layernorm_output, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
-        )
-        if self.config.apply_residual_connection_post_layernorm:
-            residual = layernorm_output
-        hidden_states = bias_dropout_add(attention_output, attention_bias, residual, self.hidden_dropout,
-                                         self.training)
+        """hidden [s, b, h] -> (hidden [s, b, h], context passed through).
 
-        residual = hidden_states
-        layernorm_output = self.pre_mlp_layernorm(hidden_states)
-        mlp_output, mlp_bias = self.mlp(layernorm_output)
-        if self.config.apply_residual_connection_post_layernorm:
-            residual = layernorm_output
-        output = bias_dropout_add(mlp_output, mlp_bias, residual, self.hidden_dropout, self.training)
+        Emits ``megatron.layer.forward`` > ``megatron.layer.self_attention`` / ``megatron.layer.mlp``
+        spans when the ``layer`` telemetry group is on (forward only; a disabled group costs a lookup).
+        """
+        with managed_span("layer", "megatron.layer.forward", **{"megatron.layer_number": self.layer_number}):
+            residual = hidden_states
+            layernorm_output = self.input_layernorm(hidden_states)
+            with managed_span("layer", "megatron.layer.self_attention"):
+                attention_output, attention_bias = self.self_attention(
+                    layernorm_output, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
+                )
+            if self.config.apply_residual_connection_post_layernorm:
+                residual = layernorm_output
+            hidden_states = bias_dropout_add(attention_output, attention_bias, residual, self.hidden_dropout,
+                                             self.training)
+
+            residual = hidden_states
+            layernorm_output = self.pre_mlp_layernorm(hidden_states)
+            with managed_span("layer", "megatron.layer.mlp"):
+                mlp_output, mlp_bias = self.mlp(layernorm_output)
+            if self.config.apply_residual_connection_post_layernorm:
+                residual = layernorm_output
+            output = bias_dropout_add(mlp_output, mlp_bias, residual, self.hidden_dropout, self.training)
         return output, context
