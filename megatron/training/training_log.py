@@ -48,10 +48,11 @@ class LogAccumulator:
         self.skipped = 0
         self.nan = 0
 
-    def add(self, loss_dict, skipped_iter, grad_norm):
+    def add(self, loss_dict, skipped_iter):
+        """Count one iteration; a skipped one (optimizer step not taken) is a "nan iteration" when its loss was NaN/Inf."""
         if skipped_iter:
             self.skipped += 1
-            if grad_norm is None or not math.isfinite(grad_norm):
+            if any(not math.isfinite(float(value)) for value in loss_dict.values()):
                 self.nan += 1
             return
         self.advanced += 1
@@ -70,7 +71,7 @@ def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm
     args = get_args()
     timers = get_timers()
     writer = get_tensorboard_writer()
-    acc.add(loss_dict, skipped_iter, grad_norm)
+    acc.add(loss_dict, skipped_iter)
     batch_size = args.micro_batch_size * args.data_parallel_size * num_microbatches
 
     if writer is not None and iteration % args.tensorboard_log_interval == 0:
