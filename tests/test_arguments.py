@@ -418,3 +418,13 @@ def test_config_from_args_real_transformer_config():
 def test_config_class_must_be_dataclass():
     with pytest.raises(TypeError, match="not a dataclass"):
         core_transformer_config_from_args(_valid(), config_class=dict)
+
+
+def test_help_text_renders(capsys):
+    """Every flag's help string formats (argparse treats a lone % as a format code)."""
+    import pytest as _pytest
+
+    with _pytest.raises(SystemExit) as exit_info:
+        parse_args(args=["--help"])
+    assert exit_info.value.code == 0
+    assert "--micro-batch-size" in capsys.readouterr().out

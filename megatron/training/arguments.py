@@ -175,7 +175,7 @@ def _add_training_args(parser):
                        dest="check_for_nan_in_loss_and_grad", help="Do not check loss and grads for NaN/Inf.")
     group.add_argument("--train-iters", type=int, default=None, help="Total training iterations.")
     group.add_argument("--train-samples", type=int, default=None, help="Total training samples.")
-    group.add_argument("--exit-interval", type=int, default=None, help="Save and exit when iteration % N == 0.")
+    group.add_argument("--exit-interval", type=int, default=None, help="Save and exit when iteration %% N == 0.")
     group.add_argument("--exit-duration-in-mins", type=int, default=None, help="Save and exit after N minutes.")
     group.add_argument("--exit-signal-handler", action="store_true",
                        help="Save and exit when --exit-signal is received.")
