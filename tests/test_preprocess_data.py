@@ -326,3 +326,15 @@ def test_sentence_splitter_without_punkt_data(monkeypatch):
     _stand_in_nltk(monkeypatch, has_data=False)
     with pytest.raises(preprocess.PreprocessError, match=r"--lang english.*punkt"):
         preprocess._build_sentence_splitter("english", keep_newlines=False)
+
+
+def test_empty_partition_is_merged_not_an_error(tmp_path):
+    """5 lines over 4 sequential partitions leaves the last one empty; the merge still has all 5 documents."""
+    source = _write_jsonl(tmp_path / "five.jsonl", [{"text": f"{i} {i}"} for i in range(1, 6)])
+    flags = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    assert _run(source, tmp_path / "p", flags, "--workers", "4", "--partitions", "4",
+                "--keep-sequential-samples") == 0
+    assert _documents(tmp_path / "p_text_document") == [[[i, i]] for i in range(1, 6)]
+    empty = _write_jsonl(tmp_path / "empty.jsonl", [])
+    assert _run(empty, tmp_path / "e", flags, "--workers", "2", "--partitions", "2") != 0
+    assert not (tmp_path / "e_text_document.idx").exists()

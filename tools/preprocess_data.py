@@ -279,15 +279,15 @@ class _Stats:
 
 
 def process_file(input_path: str, output_prefix: str, encoder: Encoder, workers: int, level: str,
-                 log_interval: int = 1000, skip_bad_lines: bool = False) -> _Stats:
+                 log_interval: int = 1000, skip_bad_lines: bool = False, allow_empty: bool = False) -> _Stats:
     """Tokenize one JSON-lines file into ``{output_prefix}_{key}_{level}.bin/.idx`` for each key.
 
     Streams: lines are read lazily and each document goes straight to the ``.bin``. With
     ``workers > 1`` lines are encoded by a process pool in order (``imap``).
 
     Raises PreprocessError on a bad line (unless ``skip_bad_lines``), on an input with no
-    usable document, or when the input or output cannot be opened; nothing is left at the
-    output paths then.
+    usable document (unless ``allow_empty``: one partition of several may be empty), or when the
+    input or output cannot be opened; nothing is left at the output paths then.
     """
     try:
         source = _open_lines(input_path)
@@ -321,7 +321,7 @@ def process_file(input_path: str, output_prefix: str, encoder: Encoder, workers:
                 outputs.builders[key].add_document(tokens, lengths)
             stats.documents += 1
             stats.report()
-        if stats.documents == 0:
+        if stats.documents == 0 and not allow_empty:
             raise PreprocessError(f"{input_path}: no usable document (empty input or every line was bad)")
         outputs.commit()
     except BaseException as error:
@@ -379,7 +379,8 @@ def _split_into_partitions(input_files: List[str], targets: List[str], keep_sequ
 
 def _partition_main(queue, input_path, output_prefix, encoder, workers, level, log_interval, skip_bad_lines):
     try:
-        stats = process_file(input_path, output_prefix, encoder, workers, level, log_interval, skip_bad_lines)
+        stats = process_file(input_path, output_prefix, encoder, workers, level, log_interval, skip_bad_lines,
+                             allow_empty=True)
         queue.put((None, stats.documents, stats.skipped, stats.skipped_examples))
     except PreprocessError as error:
         queue.put((str(error), 0, 0, []))
@@ -426,6 +427,9 @@ def process_partitioned(args, encoder: Encoder, level: str) -> Tuple[int, int, L
     errors = [outcome[0] for outcome in outcomes if outcome[0] is not None]
     if errors:
         raise PreprocessError("; ".join(errors))
+    if sum(outcome[1] for outcome in outcomes) == 0:
+        raise PreprocessError(f"--input {args.input}: no usable document in any partition "
+                              "(empty input or every line was bad)")
     outputs = _Outputs(args.output_prefix, encoder.json_keys, level, encoder.dtype)
     try:
         for key, builder in outputs.builders.items():
