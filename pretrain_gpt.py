@@ -14,7 +14,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.models.gpt import GPTModel
 from megatron.training.arguments import core_transformer_config_from_args
-from megatron.training.global_vars import get_args, get_tokenizer
+from megatron.training.global_vars import get_args, get_timers, get_tokenizer
 from megatron.training.training import pretrain
 from megatron.training.utils import get_batch_on_this_tp_rank, print_rank_0
 
@@ -36,6 +36,8 @@ def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTMo
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
         seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
     )
 
@@ -67,7 +69,10 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 def forward_step(data_iterator, model):
     """One micro batch through the model: returns the per-token loss and the loss function to apply."""
+    timers = get_timers()
+    timers("batch-generator", log_level=2).start()
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    timers("batch-generator").stop()
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
     return output_tensor, partial(loss_func, loss_mask)
 

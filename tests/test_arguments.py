@@ -317,7 +317,7 @@ def _drop(argv, flag):
     (_drop(MODEL, "--max-position-embeddings") + TRAIN + ["--max-position-embeddings", "16"], 1,
      r"--max-position-embeddings \(16\) must be greater than or equal to --seq-length \(32\)"),
     (MODEL + TRAIN + ["--tensor-model-parallel-size", "3"], 3,
-     r"--num-attention-heads \(4\) is not divisible by --tensor-model-parallel-size \(3\)"),
+     r"num_attention_heads \(4\) must be a multiple of tensor_model_parallel_size \(3\)"),
     (MODEL + TRAIN + ["--group-query-attention", "--num-query-groups", "3"], 1,
      r"--num-attention-heads \(4\) is not divisible by --num-query-groups \(3\)"),
     (MODEL + TRAIN + ["--group-query-attention", "--num-query-groups", "1", "--tensor-model-parallel-size", "2"], 2,
@@ -428,3 +428,10 @@ def test_help_text_renders(capsys):
         parse_args(args=["--help"])
     assert exit_info.value.code == 0
     assert "--micro-batch-size" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag", [["--full-validation"], ["--log-progress"], ["--manual-gc"],
+                                  ["--empty-unused-memory-level", "1"], ["--pretrained-checkpoint", "x"]])
+def test_flags_without_behaviour_yet_are_refused_not_ignored(flag):
+    with pytest.raises(ValueError, match="not available in this version"):
+        validate_args(_parse(*flag))

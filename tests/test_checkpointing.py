@@ -157,7 +157,7 @@ def test_round_trip_restores_model_optimizer_scheduler_rng_and_counters(tmp_path
 
     iteration, flops = load_checkpoint([_Wrapper(new_model[0])], new_optimizer, new_scheduler)
     assert (iteration, flops) == (10, 12345)
-    assert f"  successfully loaded checkpoint from {args.load} at iteration 10" in capsys.readouterr().out
+    assert f"  successfully loaded checkpoint from {args.load} [ t 1/1, p 1/1 ] at iteration 10" in capsys.readouterr().out
     assert (args.consumed_train_samples, args.consumed_valid_samples, args.skipped_train_samples) == (640, 32, 3)
     assert args.num_floating_point_operations_so_far == 12345
     _assert_same_params(model[0].module, new_model[0])

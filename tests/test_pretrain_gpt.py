@@ -42,6 +42,9 @@ def _pretrain(nproc, flags, shared_data, data_prefix, tmp_path):
         "--merge-file", str(shared_data / "gpt2-merges.txt"), "--distributed-backend", "gloo",
         *flags,
     ]
+    if "--train-samples" in flags:  # sample-based runs take --lr-warmup-samples instead
+        at = cmd.index("--lr-warmup-iters")
+        del cmd[at:at + 2]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -145,3 +148,42 @@ def test_telemetry_spans_and_metrics_from_the_training_loop(shared_data, shakesp
     for name in ("megatron.training.loss", "megatron.training.step_duration_ms", "megatron.training.learning_rate",
                  "megatron.validation.loss"):
         assert name in metric_names, f"metric {name} missing; got {sorted(metric_names)}"
+
+
+def test_sample_based_run_timers_tensorboard_and_eval_only_reload(shared_data, shakespeare_prefix, tmp_path):
+    """--train-samples drives the loop; timers reach TensorBoard; --skip-train (no --lr) evaluates a checkpoint."""
+    tb, ckpt = tmp_path / "tb", str(tmp_path / "ckpt")
+    out = _pretrain(1, ["--micro-batch-size", "4", "--train-samples", "40", "--lr-warmup-samples", "8",
+                        "--timing-log-level", "2", "--log-timers-to-tensorboard", "--tensorboard-dir", str(tb),
+                        "--save", ckpt, "--save-interval", "5"], shared_data, shakespeare_prefix, tmp_path)
+    assert sorted(_losses(out)) == [1, 2, 3, 4, 5]  # 40 samples / global batch 8
+    assert "forward-compute ......" in out and "batch-generator ......" in out
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    assert {"forward-backward-time", "iteration-time"} <= set(events.Tags()["scalars"])
+    assert "micro_batch_size/text_summary" in events.Tags()["tensors"]
+
+    evaluated = _pretrain(1, ["--micro-batch-size", "4", "--train-iters", "5", "--skip-train", "--load", ckpt,
+                              "--no-load-optim", "--no-load-rng"],
+                          shared_data, shakespeare_prefix, tmp_path)
+    assert "validation loss at iteration 5 on validation set" in evaluated
+    assert "elapsed time per iteration" not in evaluated
+
+
+def test_weight_decay_exclusions_follow_megatron():
+    import torch
+    from types import SimpleNamespace
+
+    from megatron.training.training import _no_weight_decay_cond
+
+    weight, bias, norm = torch.zeros(2, 2), torch.zeros(2), torch.zeros(2)
+    default = _no_weight_decay_cond(SimpleNamespace(apply_wd_to_qk_layernorm=False))
+    assert not default("decoder.layers.0.mlp.linear_fc1.weight", weight)
+    assert default("decoder.layers.0.mlp.linear_fc1.bias", bias)
+    assert default("decoder.layers.0.self_attention.q_layernorm.weight", norm)
+    with_qk = _no_weight_decay_cond(SimpleNamespace(apply_wd_to_qk_layernorm=True))
+    assert not with_qk("decoder.layers.0.self_attention.q_layernorm.weight", norm)
+    assert with_qk("decoder.layers.0.input_layernorm.weight", norm)

@@ -510,6 +510,20 @@ def _validate_features(args):
     if args.optimizer not in _AVAILABLE_OPTIMIZERS:
         raise ValueError(f"--optimizer {args.optimizer} is not available in this version; "
                          f"choose one of {', '.join(_AVAILABLE_OPTIMIZERS)}")
+    # Parsed so Megatron command lines are accepted, but not acted on yet: refuse rather than ignore.
+    for dest, default in _NOT_YET_AVAILABLE.items():
+        if getattr(args, dest) != default:
+            raise ValueError(f"--{dest.replace('_', '-')} is not available in this version yet; remove it "
+                             "(it would otherwise be silently ignored)")
+
+
+# Flags accepted by the parser (Megatron compatibility) whose behaviour is not implemented yet.
+_NOT_YET_AVAILABLE = {
+    "full_validation": False, "log_progress": False, "exit_signal_handler_for_training": False,
+    "manual_gc": False, "log_energy": False, "empty_unused_memory_level": 0,
+    "non_persistent_save_interval": None, "pretrained_checkpoint": None, "auto_detect_ckpt_format": False,
+    "use_tp_pp_dp_mapping": False,
+}
 
 
 def _validate_parallel_sizes(args):
@@ -683,8 +697,8 @@ def _validate_model(args):
 
     tp = args.tensor_model_parallel_size
     _require(args.num_attention_heads % tp == 0,
-             f"--num-attention-heads ({args.num_attention_heads}) is not divisible by "
-             f"--tensor-model-parallel-size ({tp})")
+             f"num_attention_heads ({args.num_attention_heads}) must be a multiple of "
+             f"tensor_model_parallel_size ({tp}) (--num-attention-heads, --tensor-model-parallel-size).")
     if args.group_query_attention:
         groups = args.num_query_groups
         _require(groups is not None and groups > 0, f"--num-query-groups must be > 0, got {groups}")

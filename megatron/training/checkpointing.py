@@ -418,7 +418,8 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
             error = exc
     if _any_rank(error is not None):
         _raise_save_failure(error, iteration, final_dir)
-    print_rank_0("  successfully saved checkpoint from iteration {:7d} to {}".format(iteration, save_dir))
+    print_rank_0("  successfully saved checkpoint from iteration {:7d} to {} {}".format(
+        iteration, save_dir, _rank_summary()))
 
 
 def _raise_save_failure(error, iteration, final_dir):
@@ -616,7 +617,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
                                "specify --no-load-rng or --finetune to skip it") from None
 
     _barrier()
-    print_rank_0(f"  successfully loaded checkpoint from {load_dir} at iteration {iteration}")
+    print_rank_0(f"  successfully loaded checkpoint from {load_dir} {_rank_summary()} at iteration {iteration}")
     return iteration, num_floating_point_operations_so_far
 
 
@@ -636,3 +637,11 @@ __all__ = [
     "get_rng_state", "generate_state_dict", "save_checkpoint", "load_checkpoint", "load_state_dict_file",
     "check_checkpoint_args", "get_checkpoint_version", "set_checkpoint_version",
 ]
+
+
+def _rank_summary() -> str:
+    """Megatron's ``[ t a/b, p e/f ]`` suffix: this rank's (1-based) tensor and pipeline position."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    return (f"[ t {parallel_state.get_tensor_model_parallel_rank() + 1}/{tp}, "
+            f"p {parallel_state.get_pipeline_model_parallel_rank() + 1}/{pp} ]")

@@ -88,6 +88,8 @@ def _set_tensorboard_writer(args):
         _GLOBAL_TENSORBOARD_WRITER = SummaryWriter(
             log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size
         )
+        for name, value in sorted(vars(args).items()):
+            _GLOBAL_TENSORBOARD_WRITER.add_text(name, str(value))
 
 
 def set_telemetry(args):

@@ -71,7 +71,7 @@ def get_optimizer_param_scheduler(optimizer):
     """Learning-rate / weight-decay schedule in samples, from the iteration- or sample-based flags."""
     args = get_args()
     gbs = args.global_batch_size
-    if args.train_iters:
+    if args.train_samples is None:
         if args.lr_decay_iters is None:
             args.lr_decay_iters = args.train_iters
         lr_decay_steps = args.lr_decay_iters * gbs
@@ -118,6 +118,19 @@ def _optimizer_config_from_args(args) -> OptimizerConfig:
     return OptimizerConfig(**kwargs)
 
 
+def _no_weight_decay_cond(args):
+    """Megatron's rule: no weight decay on 1-D params (norms) and biases, except q/k layernorm
+    weights with ``--apply-wd-to-qk-layernorm``."""
+    apply_to_qk = getattr(args, "apply_wd_to_qk_layernorm", False)
+
+    def no_wd(name, param):
+        if apply_to_qk and ("q_layernorm" in name or "k_layernorm" in name) and not name.endswith(".bias"):
+            return False
+        return name.endswith(".bias") or param.dim() == 1
+
+    return no_wd
+
+
 def setup_model_and_optimizer(model_provider_func):
     """Model chunks, optimizer and scheduler; loads ``--load`` when given. Returns the three."""
     args = get_args()
@@ -126,9 +139,14 @@ def setup_model_and_optimizer(model_provider_func):
         model = get_model(model_provider_func)
         config = get_model_config(model[0])
         config.timers = timers
-        optimizer = get_megatron_optimizer(_optimizer_config_from_args(args), model)
-        opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
-        config.grad_scale_func = optimizer.scale_loss
+        optimizer, opt_param_scheduler = None, None
+        if not (args.skip_train and args.lr is None):  # evaluation-only runs need no optimizer
+            optimizer_config = _optimizer_config_from_args(args)
+            optimizer_config.timers = timers
+            optimizer = get_megatron_optimizer(optimizer_config, model,
+                                               no_weight_decay_cond=_no_weight_decay_cond(args))
+            opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
+            config.grad_scale_func = optimizer.scale_loss
         config.finalize_model_grads_func = finalize_model_grads
         if not args.overlap_grad_reduce and len(model) == 1:
             config.no_sync_func = model[0].no_sync
@@ -408,19 +426,20 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             now = time.perf_counter() if is_log_iteration else last_log_time
             learning_rate = optimizer.param_groups[0]["lr"]
             training_log(
-                acc, {k: v.item() for k, v in loss_dict.items()}, learning_rate, optimizer.get_loss_scale().item(),
+                acc, loss_dict, learning_rate, optimizer.get_loss_scale(),
                 iteration, grad_norm, params_norm, num_zeros, skipped_iter, now - last_log_time,
                 iteration - last_log_iteration, num_microbatches, is_log_iteration,
             )
             if is_log_iteration:
                 last_log_time, last_log_iteration = time.perf_counter(), iteration
 
+            # Evaluation and checkpoint time is not training time: shift the log window past it.
+            paused_at = time.perf_counter()
             if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
                 evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator, model, iteration)
-                last_log_time = time.perf_counter()  # evaluation time is not training time
-
             if checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration, flops_so_far, signal_flag):
                 return iteration, flops_so_far, True
+            last_log_time += time.perf_counter() - paused_at
     return iteration, flops_so_far, False
 
 
@@ -436,6 +455,8 @@ def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fun
     """
     initialize_megatron(extra_args_provider, args_defaults, argv=argv)
     args = get_args()
+    if args.train_iters is None:  # --train-samples: the loop still counts iterations
+        args.train_iters = args.train_samples // args.global_batch_size
     with telemetry.span("job", "megatron.pretrain", model_type="GPT", train_iters=args.train_iters,
                         global_batch_size=args.global_batch_size):
         model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider)

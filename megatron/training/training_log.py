@@ -12,7 +12,8 @@ from megatron.training.utils import print_rank_last
 _LOGGED_TIMERS = [
     "forward-backward", "all-grads-sync", "optimizer-copy-to-main-grad", "optimizer-unscale-and-check-inf",
     "optimizer-clip-main-grad", "optimizer-count-zeros", "optimizer-inner-step",
-    "optimizer-copy-main-to-model-params", "optimizer", "batch-generator", "forward-compute", "backward-compute",
+    "optimizer-copy-main-to-model-params", "optimizer", "layernorm-grads-all-reduce", "embedding-grads-all-reduce",
+    "batch-generator", "forward-compute", "backward-compute",
 ]
 
 
@@ -56,8 +57,8 @@ class LogAccumulator:
                 self.nan += 1
             return
         self.advanced += 1
-        for key, value in loss_dict.items():
-            self.losses[key] = self.losses.get(key, 0.0) + float(value)
+        for key, value in loss_dict.items():  # device tensors: no host sync until the log line
+            self.losses[key] = self.losses.get(key, 0.0) + value
 
 
 def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm, params_norm,
@@ -79,7 +80,7 @@ def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm
         scalars = {"learning-rate": learning_rate, "batch-size": batch_size}
         scalars.update({key: float(value) for key, value in loss_dict.items()})
         if args.log_loss_scale_to_tensorboard:
-            scalars["loss-scale"] = loss_scale
+            scalars["loss-scale"] = float(loss_scale)
         if grad_norm is not None:
             scalars["grad-norm"] = grad_norm
         if num_zeros_in_grad is not None:
@@ -107,6 +108,7 @@ def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm
         writer.add_scalar("iteration-time", elapsed_per_iteration, iteration)
         if args.log_throughput:
             writer.add_scalar("throughput", throughput, iteration)
+        timers.write(_LOGGED_TIMERS, writer, iteration, normalizer=max(iterations_since_last_log, 1))
 
     line = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f')}]"
     line += f" iteration {iteration:8d}/{args.train_iters:8d} |"
@@ -119,10 +121,10 @@ def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm
     line += f" global batch size: {batch_size:5d} |"
     averages = {}
     for key, total in acc.losses.items():
-        averages[key] = total / max(acc.advanced, 1)
+        averages[key] = float(total) / max(acc.advanced, 1)
         if averages[key] >= 0:
             line += f" {key}: {averages[key]:.6E} |"
-    line += f" loss scale: {loss_scale:.1f} |"
+    line += f" loss scale: {float(loss_scale):.1f} |"
     if grad_norm is not None:
         line += f" grad norm: {grad_norm:.3f} |"
     if num_zeros_in_grad is not None:
