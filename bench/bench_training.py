@@ -22,8 +22,12 @@ SHARED = REPO.parent / "shared" / "data"
 LAYERS, HIDDEN, HEADS, SEQ, MBS, GBS, VOCAB = 4, 128, 4, 128, 8, 16, 50304
 
 
-def plain_loop(data_prefix: str, iters: int) -> float:
-    """A nanoGPT-style model and loop on the same data; returns ms per iteration after warm-up."""
+def plain_loop(data_prefix: str, iters: int, use_megatron_model: bool) -> float:
+    """A minimal loop on the same data; returns ms per iteration after warm-up.
+
+    The model is either a self-contained nanoGPT-style module or this project's GPTModel used
+    directly (no DDP wrapper, optimizer wrapper, data loader or training loop).
+    """
     import numpy as np
     import torch
     import torch.nn as nn
@@ -62,7 +66,21 @@ def plain_loop(data_prefix: str, iters: int) -> float:
             logits = self.ln_f(x) @ self.wte.weight.t()
             return F.cross_entropy(logits.view(-1, VOCAB), labels.reshape(-1))
 
-    model = GPT()
+    if use_megatron_model:
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        config = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, hidden_dropout=0.0,
+                                   attention_dropout=0.0, gradient_accumulation_fusion=False)
+        core = GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=True)
+        positions = torch.arange(SEQ).expand(MBS, SEQ)
+        model = core
+
+        def forward(tokens, labels):
+            return core(tokens, positions, None, labels=labels).mean()
+    else:
+        model = GPT()
+        forward = model
     decay = [p for p in model.parameters() if p.dim() > 1]
     no_decay = [p for p in model.parameters() if p.dim() <= 1]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
@@ -76,7 +94,7 @@ def plain_loop(data_prefix: str, iters: int) -> float:
         for _ in range(GBS // MBS):
             offsets = rng.integers(0, len(tokens_all) - SEQ - 1, size=MBS)
             chunk = torch.from_numpy(np.stack([tokens_all[o:o + SEQ + 1].astype(np.int64) for o in offsets]))
-            loss = model(chunk[:, :-1], chunk[:, 1:]) / (GBS // MBS)
+            loss = forward(chunk[:, :-1], chunk[:, 1:]) / (GBS // MBS)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -116,13 +134,14 @@ def main():
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="OMP threads per run")
     parser.add_argument("--plain-loop", metavar="PREFIX", help=argparse.SUPPRESS)
+    parser.add_argument("--megatron-model", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.plain_loop:
         import torch
 
         torch.set_num_threads(args.threads)
-        print(f"{plain_loop(args.plain_loop, args.iters):.3f}")
+        print(f"{plain_loop(args.plain_loop, args.iters, args.megatron_model):.3f}")
         return
 
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
@@ -134,20 +153,24 @@ def main():
                         "--append-eod", "--workers", "2", "--log-interval", "100000"],
                        cwd=REPO, check=True, capture_output=True)
         data = prefix + "_text_document"
-        plain_ms, framework_ms = [], []
+        runs = {"plain loop, nanoGPT-style model": [], "plain loop, this project's GPTModel": [],
+                "pretrain_gpt.py": []}
         for r in range(args.repeats):
-            out = subprocess.run([sys.executable, __file__, "--plain-loop", data, "--iters", str(args.iters),
-                                  "--threads", str(args.threads)], env=env, capture_output=True, text=True, check=True)
-            plain_ms.append(float(out.stdout.strip().splitlines()[-1]))
-            framework_ms.append(framework_run(data, args.iters, env))
-            print(f"repeat {r + 1}: plain loop {plain_ms[-1]:.1f} ms/iter, pretrain_gpt.py {framework_ms[-1]:.1f} ms/iter",
+            for name, extra in (("plain loop, nanoGPT-style model", []),
+                                ("plain loop, this project's GPTModel", ["--megatron-model"])):
+                out = subprocess.run([sys.executable, __file__, "--plain-loop", data, "--iters", str(args.iters),
+                                      "--threads", str(args.threads), *extra],
+                                     env=env, capture_output=True, text=True, check=True)
+                runs[name].append(float(out.stdout.strip().splitlines()[-1]))
+            runs["pretrain_gpt.py"].append(framework_run(data, args.iters, env))
+            print(f"repeat {r + 1}: " + ", ".join(f"{name} {ms[-1]:.1f} ms/iter" for name, ms in runs.items()),
                   flush=True)
     tokens = GBS * SEQ
-    plain_tps = tokens / (statistics.median(plain_ms) / 1000.0)
-    framework_tps = tokens / (statistics.median(framework_ms) / 1000.0)
-    print(f"plain PyTorch loop : {plain_tps:10.0f} tokens/s")
-    print(f"pretrain_gpt.py    : {framework_tps:10.0f} tokens/s")
-    print(f"ratio (framework / plain): {framework_tps / plain_tps:.3f}  (target >= 0.97)")
+    tps = {name: tokens / (statistics.median(ms) / 1000.0) for name, ms in runs.items()}
+    for name, value in tps.items():
+        print(f"{name:38s}: {value:10.0f} tokens/s")
+    for name in list(tps)[:2]:
+        print(f"ratio pretrain_gpt.py / {name}: {tps['pretrain_gpt.py'] / tps[name]:.3f}  (target >= 0.97)")
 
 
 if __name__ == "__main__":

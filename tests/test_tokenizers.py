@@ -46,7 +46,8 @@ def test_gpt2_known_ids(gpt2):
     assert gpt2.vocab_size == 50257
     assert gpt2.pad == -1
     assert gpt2.unique_identifiers["class"] == "GPT2BPETokenizer"
-    assert "gpt2-vocab.json" in gpt2.unique_identifiers["tokenizer_path"]
+    paths = gpt2.unique_identifiers["tokenizer_path"]
+    assert isinstance(paths, list) and [p.rsplit("/", 1)[-1] for p in paths] == ["gpt2-vocab.json", "gpt2-merges.txt"]
 
 
 def test_gpt2_tinyshakespeare_token_count(gpt2, shakespeare_docs):

@@ -21,9 +21,10 @@ class MegatronTokenizer(abc.ABC):
     """
 
     def __init__(self, *tokenizer_paths: str, **tokenizer_options) -> None:
-        self.unique_identifiers: "OrderedDict[str, str]" = OrderedDict()
+        # Same shape as Megatron's (paths as a JSON list), so cache descriptions hash alike.
+        self.unique_identifiers: "OrderedDict[str, object]" = OrderedDict()
         self.unique_identifiers["class"] = type(self).__name__
-        self.unique_identifiers["tokenizer_path"] = str([str(path) for path in tokenizer_paths])
+        self.unique_identifiers["tokenizer_path"] = [str(path) for path in tokenizer_paths]
         for name, value in tokenizer_options.items():
             self.unique_identifiers[name] = str(value)
 
