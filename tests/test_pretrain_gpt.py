@@ -29,7 +29,7 @@ def shakespeare_prefix(shared_data, tmp_path_factory):
     return str(out) + "_text_document"
 
 
-def _pretrain(nproc, flags, shared_data, data_prefix, tmp_path):
+def _pretrain(nproc, flags, shared_data, data_prefix, tmp_path, expect_failure=False):
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
         "pretrain_gpt.py",
@@ -47,6 +47,9 @@ def _pretrain(nproc, flags, shared_data, data_prefix, tmp_path):
         del cmd[at:at + 2]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    if expect_failure:
+        assert result.returncode != 0, result.stdout[-3000:]
+        return result.stdout + result.stderr
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
 
@@ -187,3 +190,14 @@ def test_weight_decay_exclusions_follow_megatron():
     with_qk = _no_weight_decay_cond(SimpleNamespace(apply_wd_to_qk_layernorm=True))
     assert not with_qk("decoder.layers.0.self_attention.q_layernorm.weight", norm)
     assert with_qk("decoder.layers.0.input_layernorm.weight", norm)
+
+
+def test_bad_telemetry_variable_fails_every_rank_at_start_up(shared_data, shakespeare_prefix, tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGATRON_OTEL_ENABLED", "1")
+    monkeypatch.setenv("MEGATRON_OTEL_RANK_STRATEGY", "every_other_rank")
+    out = _pretrain(2, ["--micro-batch-size", "2", "--train-iters", "3"], shared_data, shakespeare_prefix, tmp_path,
+                    expect_failure=True)
+    # Both ranks raise (before the process group exists, so no rank waits on the other).
+    assert out.count("ValueError: MEGATRON_OTEL_RANK_STRATEGY='every_other_rank'") == 2, out[-2000:]
+    assert "valid choices: single_rank, all_ranks, sampled, first_rank_per_node" in out
+    assert "building GPT model" not in out

@@ -49,10 +49,10 @@ def get_telemetry():
 
 
 def set_global_variables(args, build_tokenizer=True):
-    """Install args and build the microbatch calculator, tokenizer, TensorBoard writer and timers.
+    """Install args and build the microbatch calculator, tokenizer, TensorBoard writer, timers, telemetry.
 
-    Telemetry is set up separately by ``set_telemetry`` once the process group exists, so that
-    all ranks can agree on one run id.
+    Runs before the process group exists: bad MEGATRON_OTEL_* values fail here on every rank,
+    and the telemetry run id comes from launcher state all ranks share (no communication).
     """
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.core.timers import Timers
@@ -68,6 +68,7 @@ def set_global_variables(args, build_tokenizer=True):
     _set_tensorboard_writer(args)
     global _GLOBAL_TIMERS
     _GLOBAL_TIMERS = Timers(args.timing_log_level, args.timing_log_option)
+    _set_telemetry(args)
 
 
 def _build_tokenizer(args):
@@ -92,11 +93,12 @@ def _set_tensorboard_writer(args):
             _GLOBAL_TENSORBOARD_WRITER.add_text(name, str(value))
 
 
-def set_telemetry(args):
+def _set_telemetry(args):
     """Configure OpenTelemetry from MEGATRON_OTEL_* / NEMO_LENS_* variables and the --otel-* flags.
 
-    Call on every rank (it may agree on a run id with one broadcast). Bad MEGATRON_OTEL_* values
-    raise ValueError here, on every rank, before the model is built. Returns the handle or None.
+    The one place where environment and command line meet (spec section 1). Bad values raise
+    ValueError on every rank before the model is built. Returns the handle, or None when
+    OpenTelemetry is not installed (training then runs unchanged).
     """
     global _GLOBAL_TELEMETRY
     from megatron.core.telemetry import setup_telemetry_from_args

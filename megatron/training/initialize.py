@@ -11,7 +11,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.training.arguments import parse_args, validate_args
-from megatron.training.global_vars import get_args, set_global_variables, set_telemetry
+from megatron.training.global_vars import get_args, set_global_variables
 from megatron.training.utils import print_rank_0
 
 
@@ -102,13 +102,12 @@ def initialize_megatron(extra_args_provider=None, args_defaults=None, ignore_unk
     """Everything a run needs before the model is built. Returns the validated args.
 
     Order: parse + validate flags (fails fast with the flag named), set globals (tokenizer,
-    timers, TensorBoard), join the process group, build the parallel groups, set up telemetry, seed.
+    timers, TensorBoard, telemetry), join the process group, build the parallel groups, seed.
     """
     args = parsed_args if parsed_args is not None else parse_args(extra_args_provider, ignore_unknown_args, argv)
     validate_args(args, args_defaults or {})
     set_global_variables(args)
     _initialize_distributed(args)
-    set_telemetry(args)
     _set_random_seed(args.seed, getattr(args, "data_parallel_random_init", False))
     if torch.cuda.is_available() and getattr(args, "bf16", False):
         torch.backends.cuda.matmul.allow_tf32 = True
