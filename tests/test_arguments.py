@@ -430,8 +430,8 @@ def test_help_text_renders(capsys):
     assert "--micro-batch-size" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("flag", [["--full-validation"], ["--log-progress"], ["--manual-gc"],
-                                  ["--empty-unused-memory-level", "1"], ["--pretrained-checkpoint", "x"]])
+@pytest.mark.parametrize("flag", [["--full-validation"], ["--log-progress"], ["--log-energy"],
+                                  ["--pretrained-checkpoint", "x"]])
 def test_flags_without_behaviour_yet_are_refused_not_ignored(flag):
     with pytest.raises(ValueError, match="not available in this version"):
         validate_args(_parse(*flag))

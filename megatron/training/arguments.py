@@ -520,7 +520,7 @@ def _validate_features(args):
 # Flags accepted by the parser (Megatron compatibility) whose behaviour is not implemented yet.
 _NOT_YET_AVAILABLE = {
     "full_validation": False, "log_progress": False, "exit_signal_handler_for_training": False,
-    "manual_gc": False, "log_energy": False, "empty_unused_memory_level": 0,
+    "log_energy": False,
     "non_persistent_save_interval": None, "pretrained_checkpoint": None, "auto_detect_ckpt_format": False,
     "use_tp_pp_dp_mapping": False,
 }

@@ -1,4 +1,5 @@
 """The pretraining driver: build model, optimizer and data, run the training loop, evaluate, checkpoint, exit."""
+import gc
 import math
 import signal
 import sys
@@ -251,6 +252,8 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
             forward_only=False,
         )
         timers("forward-backward").stop()
+    if args.empty_unused_memory_level >= 1 and torch.cuda.is_available():
+        torch.cuda.empty_cache()  # trade speed for headroom against fragmentation
 
     with telemetry.span("optimizer", "megatron.optimizer_step") as span:
         timers("optimizer", log_level=1).start()
@@ -258,6 +261,8 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         timers("optimizer").stop()
         telemetry.set_attributes(span, update_successful=update_successful, grad_norm=grad_norm)
 
+    if args.empty_unused_memory_level >= 2 and torch.cuda.is_available():
+        torch.cuda.empty_cache()
     if update_successful:
         opt_param_scheduler.step(increment=get_num_microbatches() * args.micro_batch_size * args.data_parallel_size)
     skipped_iter = 0 if update_successful else 1
@@ -402,6 +407,11 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     flops_so_far = args.num_floating_point_operations_so_far
     signal_flag = _SignalFlag(args.exit_signal) if args.exit_signal_handler else None
     acc = LogAccumulator()
+    if args.manual_gc:
+        # Python's automatic GC pauses ranks at different moments and stalls the collectives of
+        # the others; collect at the same iterations everywhere instead.
+        gc.disable()
+        gc.collect()
     last_log_time, last_log_iteration = time.perf_counter(), iteration
 
     print_rank_0("training ...")
@@ -433,10 +443,16 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             if is_log_iteration:
                 last_log_time, last_log_iteration = time.perf_counter(), iteration
 
+            if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
+                gc.collect()
             # Evaluation and checkpoint time is not training time: shift the log window past it.
             paused_at = time.perf_counter()
             if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
+                if args.manual_gc and args.manual_gc_eval:
+                    gc.collect()
                 evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator, model, iteration)
+                if args.manual_gc and args.manual_gc_eval:
+                    gc.collect()
             if checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration, flops_so_far, signal_flag):
                 return iteration, flops_so_far, True
             last_log_time += time.perf_counter() - paused_at
