@@ -182,8 +182,8 @@ def build_train_valid_test_data_iterators(train_valid_test_dataset_provider):
     print_rank_0("> building train, validation, and test datasets ...")
     train_ds, valid_ds, test_ds = train_valid_test_dataset_provider(get_train_valid_test_num_samples())
     train_loader = build_pretraining_data_loader(train_ds, args.consumed_train_samples)
-    valid_loader = build_pretraining_data_loader(valid_ds, args.consumed_valid_samples)
-    test_loader = build_pretraining_data_loader(test_ds, 0)
+    valid_loader = build_pretraining_data_loader(valid_ds, args.consumed_valid_samples, args.eval_micro_batch_size)
+    test_loader = build_pretraining_data_loader(test_ds, 0, args.eval_micro_batch_size)
     # Ranks without datasets (TP rank > 0) learn from the others which splits exist.
     flags = torch.tensor(
         [train_loader is not None and args.train_iters > 0, valid_loader is not None and args.eval_iters > 0,

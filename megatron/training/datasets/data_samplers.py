@@ -224,9 +224,10 @@ def build_pretraining_data_loader_from(
     )
 
 
-def build_pretraining_data_loader(dataset: Any, consumed_samples: int) -> Any:
+def build_pretraining_data_loader(dataset: Any, consumed_samples: int, micro_batch_size: Optional[int] = None) -> Any:
     """``build_pretraining_data_loader_from`` with the settings of ``get_args()`` and the DP rank/size of
-    ``megatron.core.parallel_state`` (``--dataloader-type``, ``--micro-batch-size``, ``--num-workers``,
+    ``megatron.core.parallel_state`` (``--dataloader-type``, ``--micro-batch-size`` unless
+    ``micro_batch_size`` is given (evaluation uses ``--eval-micro-batch-size``), ``--num-workers``,
     ``--seed``, ``--no-data-sharding``, ``--full-validation``).
 
     Returns:
@@ -242,7 +243,7 @@ def build_pretraining_data_loader(dataset: Any, consumed_samples: int) -> Any:
         dataset,
         consumed_samples,
         dataloader_type=getattr(args, "dataloader_type", None),
-        micro_batch_size=args.micro_batch_size,
+        micro_batch_size=micro_batch_size if micro_batch_size is not None else args.micro_batch_size,
         data_parallel_rank=parallel_state.get_data_parallel_rank(),
         data_parallel_size=parallel_state.get_data_parallel_world_size(),
         num_workers=getattr(args, "num_workers", 2),
