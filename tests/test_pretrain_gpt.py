@@ -201,3 +201,40 @@ def test_bad_telemetry_variable_fails_every_rank_at_start_up(shared_data, shakes
     assert out.count("ValueError: MEGATRON_OTEL_RANK_STRATEGY='every_other_rank'") == 2, out[-2000:]
     assert "valid choices: single_rank, all_ranks, sampled, first_rank_per_node" in out
     assert "building GPT model" not in out
+
+
+
+def test_exit_signal_saves_and_stops(shared_data, shakespeare_prefix, tmp_path):
+    """--exit-signal-handler: SIGTERM mid-run -> checkpoint at the next iteration boundary, exit 0."""
+    import signal
+
+    from dist_utils import free_port
+
+    ckpt = tmp_path / "ckpt"
+    cmd = [sys.executable, "pretrain_gpt.py",
+           "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+           "--max-position-embeddings", "32", "--micro-batch-size", "4", "--global-batch-size", "8",
+           "--lr", "1e-3", "--train-iters", "100000", "--log-interval", "1", "--eval-iters", "0",
+           "--data-path", shakespeare_prefix, "--split", "100,0,0", "--num-workers", "0",
+           "--data-cache-path", str(tmp_path / "cache"), "--tokenizer-type", "GPT2BPETokenizer",
+           "--vocab-file", str(shared_data / "gpt2-vocab.json"), "--merge-file", str(shared_data / "gpt2-merges.txt"),
+           "--save", str(ckpt), "--save-interval", "1000000", "--exit-signal-handler"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="1", RANK="0", LOCAL_RANK="0",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "iteration        3/" in line:
+                proc.send_signal(signal.SIGTERM)
+                break
+        lines.extend(proc.stdout)
+        assert proc.wait(timeout=120) == 0, "".join(lines[-30:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = "".join(lines)
+    assert "exiting program after receiving SIGTERM." in out
+    stopped_at = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert stopped_at >= 3 and (ckpt / f"iter_{stopped_at:07d}" / "mp_rank_00" / "model_optim_rng.pt").is_file()
