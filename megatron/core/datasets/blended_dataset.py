@@ -19,6 +19,31 @@ logger = logging.getLogger(__name__)
 _MAX_DATASETS = 32767  # dataset ids are stored as int16
 
 
+def _greedy_blend(weights: Sequence[float], size: int,
+                  capacities: Sequence[int] = None) -> Tuple[numpy.ndarray, numpy.ndarray]:
+    """Sample k goes to the dataset i with the largest ``weights[i] * max(k, 1) - count[i]`` (ties: lowest i).
+
+    With ``capacities``, a dataset that has given ``capacities[i]`` samples drops out of the choice.
+    """
+    counts = [0] * len(weights)
+    candidates = [i for i in range(len(weights)) if capacities is None or capacities[i] > 0]
+    chosen = [0] * size
+    within = [0] * size
+    for k in range(size):
+        kk = float(max(k, 1))
+        best, best_error = -1, -float("inf")
+        for i in candidates:
+            error = weights[i] * kk - counts[i]
+            if error > best_error:
+                best, best_error = i, error
+        chosen[k] = best
+        within[k] = counts[best]
+        counts[best] += 1
+        if capacities is not None and counts[best] == capacities[best]:
+            candidates.remove(best)
+    return numpy.array(chosen, dtype=numpy.int16), numpy.array(within, dtype=numpy.int64)
+
+
 def build_blending_indices(weights: Sequence[float], size: int) -> Tuple[numpy.ndarray, numpy.ndarray]:
     """Greedy weighted interleaving (Megatron's ``helpers.build_blending_indices``).
 
@@ -32,22 +57,7 @@ def build_blending_indices(weights: Sequence[float], size: int) -> Tuple[numpy.n
     Returns:
         dataset_index int16 [size], dataset_sample_index int64 [size] (the sample's index in its dataset).
     """
-    w = [float(x) for x in weights]
-    counts = [0] * len(w)
-    chosen = [0] * size
-    within = [0] * size
-    others = range(1, len(w))
-    for k in range(size):
-        kk = float(k) if k > 1 else 1.0
-        best, best_error = 0, w[0] * kk - counts[0]
-        for i in others:
-            error = w[i] * kk - counts[i]
-            if error > best_error:
-                best, best_error = i, error
-        chosen[k] = best
-        within[k] = counts[best]
-        counts[best] += 1
-    return numpy.array(chosen, dtype=numpy.int16), numpy.array(within, dtype=numpy.int64)
+    return _greedy_blend([float(x) for x in weights], size)
 
 
 def build_exhaustive_blending_indices(sizes: Sequence[int]) -> Tuple[numpy.ndarray, numpy.ndarray]:
@@ -61,24 +71,8 @@ def build_exhaustive_blending_indices(sizes: Sequence[int]) -> Tuple[numpy.ndarr
     """
     sizes = [int(s) for s in sizes]
     total = sum(sizes)
-    w = [s / float(total) for s in sizes] if total else [0.0] * len(sizes)
-    counts = [0] * len(sizes)
-    unspent = [i for i, s in enumerate(sizes) if s > 0]
-    chosen = [0] * total
-    within = [0] * total
-    for k in range(total):
-        kk = float(k) if k > 1 else 1.0
-        best, best_error = -1, -float("inf")
-        for i in unspent:
-            error = w[i] * kk - counts[i]
-            if error > best_error:
-                best, best_error = i, error
-        chosen[k] = best
-        within[k] = counts[best]
-        counts[best] += 1
-        if counts[best] == sizes[best]:
-            unspent.remove(best)
-    return numpy.array(chosen, dtype=numpy.int16), numpy.array(within, dtype=numpy.int64)
+    weights = [s / float(total) for s in sizes] if total else [0.0] * len(sizes)
+    return _greedy_blend(weights, total, capacities=sizes)
 
 
 class BlendedDataset(torch.utils.data.Dataset):
