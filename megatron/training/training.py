@@ -1,4 +1,5 @@
 """The pretraining driver: build model, optimizer and data, run the training loop, evaluate, checkpoint, exit."""
+import dataclasses
 import gc
 import math
 import signal
@@ -112,8 +113,7 @@ def get_optimizer_param_scheduler(optimizer):
 
 
 def _optimizer_config_from_args(args) -> OptimizerConfig:
-    import dataclasses
-
+    """OptimizerConfig from every args attribute that names one of its fields."""
     names = {f.name for f in dataclasses.fields(OptimizerConfig)}
     kwargs = {name: getattr(args, name) for name in names if hasattr(args, name)}
     return OptimizerConfig(**kwargs)

@@ -1,4 +1,5 @@
 """Gradient reductions run after the last microbatch's backward, before the optimizer step."""
+import contextlib
 from typing import List, Optional
 
 import torch
@@ -7,9 +8,16 @@ import torch.distributed as dist
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 
-def _timer(config, name: str):
+@contextlib.contextmanager
+def _timed(config, name: str, barrier: bool):
+    """Level-1 timer ``name`` around the block when the config carries timers."""
     timers = getattr(config, "timers", None)
-    return None if timers is None else timers(name, log_level=1)
+    timer = None if timers is None else timers(name, log_level=1)
+    if timer is not None:
+        timer.start(barrier=barrier)
+    yield
+    if timer is not None:
+        timer.stop()
 
 
 def _main_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
@@ -123,29 +131,15 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
     config = get_model_config(model[0])
     barrier = getattr(config, "barrier_with_L1_time", False)
 
-    timer = _timer(config, "all-grads-sync")
-    if timer is not None:
-        timer.start(barrier=barrier)
-    for chunk in model:
-        finish = getattr(chunk, "finish_grad_sync", None)
-        if finish is not None:
-            finish()
-    if timer is not None:
-        timer.stop()
-
-    timer = _timer(config, "layernorm-grads-all-reduce")
-    if timer is not None:
-        timer.start(barrier=barrier)
-    _allreduce_non_tensor_model_parallel_grads(model, config)
-    if timer is not None:
-        timer.stop()
-
-    timer = _timer(config, "embedding-grads-all-reduce")
-    if timer is not None:
-        timer.start(barrier=barrier)
-    _allreduce_word_embedding_grads(model, config)
-    if timer is not None:
-        timer.stop()
+    with _timed(config, "all-grads-sync", barrier):
+        for chunk in model:
+            finish = getattr(chunk, "finish_grad_sync", None)
+            if finish is not None:
+                finish()
+    with _timed(config, "layernorm-grads-all-reduce", barrier):
+        _allreduce_non_tensor_model_parallel_grads(model, config)
+    with _timed(config, "embedding-grads-all-reduce", barrier):
+        _allreduce_word_embedding_grads(model, config)
 
     if num_tokens is not None:
         _scale_by_num_tokens(model, num_tokens)
