@@ -346,8 +346,8 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
 
     Layout (spec §8.8): ``<save>/iter_{iteration:07d}/mp_rank_XX[_YYY]/model_optim_rng.pt``, one
     file per (tp, pp) rank written by data-parallel rank 0, then ``latest_checkpointed_iteration.txt``.
-    Atomic: files go to a hidden ``.iter_XXXXXXX.tmp-<pid>`` directory in the same parent, are
-    fsynced, and after every rank has finished rank 0 renames it to ``iter_XXXXXXX`` (an existing
+    Atomic: files go to a hidden ``.iter_{iteration:07d}.tmp-<pid>`` directory in the same parent, are
+    fsynced, and after every rank has finished rank 0 renames it to ``iter_{iteration:07d}`` (an existing
     one is replaced) and only then atomically replaces the tracker. A failure on any rank leaves
     the previous checkpoint and tracker untouched and raises on every rank.
 

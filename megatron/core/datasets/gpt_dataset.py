@@ -217,6 +217,7 @@ def get_ltor_masks_and_position_ids(
 def _resolve_pad_token_id(tokenizer: Any) -> int:
     """tokenizer.pad when it is a real id distinct from the EOD/BOS/EOS/special ids, else -1."""
     def read(name):
+        # Tokenizers from other libraries raise for special tokens they do not define.
         try:
             return getattr(tokenizer, name, None)
         except (AttributeError, NotImplementedError, ValueError):
