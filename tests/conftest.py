@@ -14,3 +14,11 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.fail(f"shared data folder not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def shakespeare_prefix(shared_data, tmp_path_factory) -> str:
+    """tinyshakespeare tokenised with GPT-2 BPE (once per session); the dataset prefix."""
+    from pretrain_utils import preprocess_shakespeare
+
+    return preprocess_shakespeare(shared_data, tmp_path_factory.mktemp("data"))

@@ -95,6 +95,18 @@ def test_clip_matches_torch_clip_grad_norm(norm_type):
         assert torch.allclose(a.grad, b.grad, atol=1e-7)
 
 
+def test_cpu_grad_norm_does_not_depend_on_how_the_tensor_is_split():
+    """A million-element grad (an embedding's) has the same norm whole or split as TP ranks hold it."""
+    g = torch.Generator().manual_seed(0)
+    grad = torch.randn(50432, 32, generator=g) * torch.rand(50432, 1, generator=g) ** 4 * 1e-3
+    exact = grad.double().norm().item()
+    whole = get_grad_norm_fp32([grad])
+    halves = get_grad_norm_fp32(list(grad.chunk(2)))
+    quarters = get_grad_norm_fp32(list(grad.chunk(4, dim=1)))
+    assert whole == pytest.approx(exact, rel=1e-9)
+    assert halves == pytest.approx(whole, rel=1e-9) and quarters == pytest.approx(whole, rel=1e-9)
+
+
 def test_clip_skipped_below_threshold_and_nan_norm():
     params = _grads(2)
     before = [p.grad.clone() for p in params]

@@ -1,67 +1,12 @@
 """End-to-end pretrain_gpt.py runs under torchrun on CPU: log line, DP equivalence, exact resume, TensorBoard."""
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-_LOG_LINE = re.compile(
-    r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\] iteration\s+(\d+)/\s+(\d+) \| consumed samples:\s+(\d+) \| "
-    r"elapsed time per iteration \(ms\): [0-9.]+ \| learning rate: [0-9.]+E[+-]\d+ \| global batch size:\s+(\d+) \| "
-    r"lm loss: ([0-9.]+E[+-]\d+) \| loss scale: 1\.0 \| grad norm: ([0-9.]+) \| "
-    r"number of skipped iterations:\s+0 \| number of nan iterations:\s+0 \|$"
-)
-
-
-@pytest.fixture(scope="module")
-def shakespeare_prefix(shared_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("data") / "shakes"
-    subprocess.run(
-        [sys.executable, "tools/preprocess_data.py", "--input", str(shared_data / "tinyshakespeare.jsonl"),
-         "--output-prefix", str(out), "--tokenizer-type", "GPT2BPETokenizer",
-         "--vocab-file", str(shared_data / "gpt2-vocab.json"), "--merge-file", str(shared_data / "gpt2-merges.txt"),
-         "--append-eod", "--workers", "1", "--log-interval", "100000"],
-        cwd=REPO, check=True, capture_output=True,
-    )
-    return str(out) + "_text_document"
-
-
-def _pretrain(nproc, flags, shared_data, data_prefix, tmp_path, expect_failure=False):
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-        "pretrain_gpt.py",
-        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-        "--max-position-embeddings", "32", "--global-batch-size", "8", "--lr", "1e-3", "--min-lr", "1e-4",
-        "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--seed", "1234", "--log-interval", "1",
-        "--data-path", data_prefix, "--split", "98,2,0", "--num-workers", "0", "--eval-iters", "1",
-        "--eval-interval", "4", "--data-cache-path", str(tmp_path / "cache"),
-        "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(shared_data / "gpt2-vocab.json"),
-        "--merge-file", str(shared_data / "gpt2-merges.txt"), "--distributed-backend", "gloo",
-        *flags,
-    ]
-    if "--train-samples" in flags:  # sample-based runs take --lr-warmup-samples instead
-        at = cmd.index("--lr-warmup-iters")
-        del cmd[at:at + 2]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    if expect_failure:
-        assert result.returncode != 0, result.stdout[-3000:]
-        return result.stdout + result.stderr
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout
-
-
-def _losses(stdout):
-    losses = {}
-    for line in stdout.splitlines():
-        if "elapsed time per iteration" in line:
-            match = _LOG_LINE.match(line)
-            assert match, f"log line not in Megatron's format: {line!r}"
-            losses[int(match.group(1))] = match.group(5)
-    return losses
+from pretrain_utils import REPO, losses_from_log as _losses, run_pretrain as _pretrain
 
 
 def test_dp2_matches_dp1_and_logs_megatron_format(shared_data, shakespeare_prefix, tmp_path):

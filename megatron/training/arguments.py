@@ -536,6 +536,9 @@ def _validate_parallel_sizes(args):
              f"rank {args.rank} is outside the world size {args.world_size} (env RANK/WORLD_SIZE)")
     total_model_size = (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
                         * args.context_parallel_size)
+    _require(args.tensor_model_parallel_size <= args.world_size,
+             f"--tensor-model-parallel-size ({args.tensor_model_parallel_size}) is larger than the world size "
+             f"({args.world_size}, env WORLD_SIZE)")
     _require(args.world_size % total_model_size == 0,
              f"world size ({args.world_size}) is not divisible by total_model_size ({total_model_size}) = "
              f"--tensor-model-parallel-size ({args.tensor_model_parallel_size}) x --pipeline-model-parallel-size "
@@ -717,6 +720,16 @@ def _validate_model(args):
             args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
         else:
             args.ffn_hidden_size = 4 * args.hidden_size
+    _require(args.ffn_hidden_size % tp == 0,
+             f"--ffn-hidden-size ({args.ffn_hidden_size}) is not divisible by --tensor-model-parallel-size ({tp}): "
+             f"each rank holds ffn_hidden_size / tp columns of linear_fc1")
+    if args.sequence_parallel:
+        _require(args.seq_length % tp == 0,
+                 f"--seq-length ({args.seq_length}) is not divisible by --tensor-model-parallel-size ({tp}), "
+                 f"which --sequence-parallel needs to split the sequence across ranks")
+        _require(not args.distribute_saved_activations,
+                 "--distribute-saved-activations cannot be combined with --sequence-parallel "
+                 "(the saved activations are already split along the sequence)")
     if args.kv_channels is None:
         _require(args.hidden_size % args.num_attention_heads == 0,
                  f"--hidden-size ({args.hidden_size}) is not divisible by --num-attention-heads "

@@ -37,7 +37,7 @@ def get_grad_norm_fp32(grads_for_norm: Union[List[torch.Tensor], torch.Tensor], 
     L-p norms sum ``|g|^p`` locally, all-reduce SUM, then take the p-th root; the inf-norm uses MAX.
 
     Args:
-        grads_for_norm: grad tensors of any shape/dtype (accumulated in fp32).
+        grads_for_norm: grad tensors of any shape/dtype (accumulated in fp64 on CPU, fp32 on CUDA).
         norm_type: p (2 by default) or ``inf``.
         model_parallel_group: group to reduce over; None reduces nothing (single process).
 
@@ -56,11 +56,15 @@ def get_grad_norm_fp32(grads_for_norm: Union[List[torch.Tensor], torch.Tensor], 
         if model_parallel_group is not None:
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=model_parallel_group)
         return total.item()
+    # CPU kernels sum a tensor's squares sequentially in fp32 (about 1e-4 relative error on a
+    # million-element embedding grad, and a different error for each TP split), so accumulate in
+    # fp64 there; CUDA reductions are tree-shaped and accurate in fp32.
+    acc_dtype = torch.float64 if device.type == "cpu" else torch.float32
     if grads_for_norm:
-        norms = torch._foreach_norm([g.detach() for g in grads_for_norm], norm_type, dtype=torch.float32)
+        norms = torch._foreach_norm([g.detach() for g in grads_for_norm], norm_type, dtype=acc_dtype)
         total = torch.stack(list(norms)).pow(norm_type).sum().reshape(1)
     else:
-        total = torch.zeros(1, dtype=torch.float, device=device)
+        total = torch.zeros(1, dtype=acc_dtype, device=device)
     if model_parallel_group is not None:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=model_parallel_group)
     return total.item() ** (1.0 / norm_type)

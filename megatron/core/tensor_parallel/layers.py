@@ -66,8 +66,21 @@ def copy_tensor_model_parallel_attributes(destination_tensor: torch.Tensor, sour
 
 
 def _initialize_affine_weight_gpu(weight: torch.Tensor, init_method: Callable, partition_dim: int,
-                                  stride: int = 1, is_expert: bool = False) -> None:
-    """Draw this rank's shard directly, inside the model-parallel (or expert) RNG fork."""
+                                  stride: int = 1, is_expert: bool = False, *, full_size: Optional[Tuple[int, int]] = None,
+                                  per_partition_size: Optional[int] = None) -> None:
+    """Initialise a weight that lives on the GPU.
+
+    Dense weights (the default) are cut from a full fp32 master drawn on the GPU with the default
+    CUDA generator, which is seeded identically on every TP rank, so TP=k starts from exactly the
+    weights of TP=1 (``full_size`` = (output_size, input_size) and ``per_partition_size`` are
+    required for that). The master exists for one layer at a time (e.g. 2 GiB for a 128k x 4k
+    embedding). Expert weights differ per expert rank by design and are drawn shard by shard
+    inside the expert-parallel RNG fork.
+    """
+    if not is_expert and full_size is not None:
+        _initialize_affine_weight_from_master(weight, full_size[0], full_size[1], per_partition_size,
+                                              partition_dim, init_method, stride, device=weight.device)
+        return
     set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=partition_dim, stride=stride)
     name = "expert-parallel-rng" if is_expert else "model-parallel-rng"
     tracker = get_cuda_rng_tracker()
@@ -77,6 +90,41 @@ def _initialize_affine_weight_gpu(weight: torch.Tensor, init_method: Callable, p
     else:
         # No tracker seeded (e.g. a bare unit test): draw from the default generator.
         init_method(weight)
+
+
+def _initialize_affine_weight_from_master(
+    weight: torch.Tensor,
+    output_size: int,
+    input_size: int,
+    per_partition_size: int,
+    partition_dim: int,
+    init_method: Callable,
+    stride: int = 1,
+    *,
+    device: torch.device,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+) -> torch.Tensor:
+    """Draw the full fp32 master [output_size, input_size] on ``device`` and copy this rank's slice.
+
+    The master is split along ``partition_dim`` into chunks of ``per_partition_size / stride`` and
+    this rank keeps ``chunks[rank::world_size]``, so every TP size starts from the same full matrix
+    (stride > 1 keeps e.g. the gate and up halves of SwiGLU's fused fc1 together per rank).
+    Returns the master (cast to the weight's dtype).
+    """
+    set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=partition_dim, stride=stride)
+    master_weight = torch.empty(output_size, input_size, dtype=torch.float32, device=device, requires_grad=False)
+    init_method(master_weight)
+    master_weight = master_weight.to(dtype=weight.dtype)
+    per_partition_per_stride_size = divide(per_partition_size, stride)
+    chunks = torch.split(master_weight, per_partition_per_stride_size, dim=partition_dim)
+    if rank is None:
+        rank = get_tensor_model_parallel_rank()
+        world_size = get_tensor_model_parallel_world_size()
+    own = chunks[rank::world_size]
+    with torch.no_grad():
+        weight.data.copy_(torch.cat(own, dim=partition_dim))
+    return master_weight
 
 
 def _initialize_affine_weight_cpu(
@@ -93,28 +141,17 @@ def _initialize_affine_weight_cpu(
     rank: Optional[int] = None,
     world_size: Optional[int] = None,
 ) -> Optional[torch.Tensor]:
-    """Initialise the full fp32 master weight [output_size, input_size] and keep this rank's slice.
-
-    The master is split along ``partition_dim`` into chunks of ``per_partition_size / stride`` and
-    this rank keeps ``chunks[rank::world_size]``, so every TP size starts from the same full matrix.
-    """
-    set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=partition_dim, stride=stride)
-    master_weight = torch.empty(output_size, input_size, dtype=torch.float32, requires_grad=False)
-    init_method(master_weight)
-    master_weight = master_weight.to(dtype=params_dtype)
-    per_partition_per_stride_size = divide(per_partition_size, stride)
-    chunks = torch.split(master_weight, per_partition_per_stride_size, dim=partition_dim)
-    if rank is None:
-        rank = get_tensor_model_parallel_rank()
-        world_size = get_tensor_model_parallel_world_size()
-    own = chunks[rank::world_size]
-    with torch.no_grad():
-        weight.data.copy_(torch.cat(own, dim=partition_dim))
-    return master_weight if return_master_weight else None
+    """``--use-cpu-initialization``: the master-weight slice of :func:`_initialize_affine_weight_from_master`
+    drawn with the CPU generator; returns the master (in ``params_dtype``) if ``return_master_weight``."""
+    master_weight = _initialize_affine_weight_from_master(
+        weight, output_size, input_size, per_partition_size, partition_dim, init_method, stride,
+        device=torch.device("cpu"), rank=rank, world_size=world_size,
+    )
+    return master_weight.to(params_dtype) if return_master_weight else None
 
 
 def _use_cpu_init(config: ModelParallelConfig) -> bool:
-    # Without CUDA the master-weight path is the only one; it also makes TP=k equal TP=1.
+    # Without CUDA the CPU master-weight path is the only one.
     return config.use_cpu_initialization or not torch.cuda.is_available()
 
 
@@ -259,7 +296,8 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
                     )
                 else:
                     _initialize_affine_weight_gpu(self.weight, init_method, partition_dim=0, stride=stride,
-                                                  is_expert=is_expert)
+                                                  is_expert=is_expert, full_size=(output_size, input_size),
+                                                  per_partition_size=self.output_size_per_partition)
             else:
                 set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
             setattr(self.weight, "allreduce", not is_expert)
@@ -371,7 +409,8 @@ class RowParallelLinear(_ExtraStateMixin, torch.nn.Module):
                 )
             else:
                 _initialize_affine_weight_gpu(self.weight, init_method, partition_dim=1, stride=stride,
-                                              is_expert=is_expert)
+                                              is_expert=is_expert, full_size=(output_size, input_size),
+                                              per_partition_size=self.input_size_per_partition)
         else:
             set_tensor_model_parallel_attributes(self.weight, True, 1, stride)
         setattr(self.weight, "allreduce", not is_expert)
@@ -448,7 +487,9 @@ class VocabParallelEmbedding(torch.nn.Module):
                     params_dtype=config.params_dtype, rank=rank, world_size=world_size,
                 )
             else:
-                _initialize_affine_weight_gpu(self.weight, init_method, partition_dim=0, stride=1)
+                _initialize_affine_weight_gpu(self.weight, init_method, partition_dim=0, stride=1,
+                                              full_size=(num_embeddings, embedding_dim),
+                                              per_partition_size=self.num_embeddings_per_partition)
         else:
             set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
         setattr(self.weight, "allreduce", True)

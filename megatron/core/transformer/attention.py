@@ -29,7 +29,7 @@ class DotProductAttention(MegatronModule):
     True = masked, or None for a causal mask. Output [s, b, np * hn]. Scale = softmax_scale or
     1/sqrt(kv_channels) (query-key layer scaling cancels out mathematically and needs no code).
     Dropout on the probabilities runs inside the model-parallel RNG fork because heads differ per
-    TP rank.
+    TP rank (under sequence parallelism the enclosing TransformerBlock holds that fork).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int,
@@ -63,7 +63,9 @@ class DotProductAttention(MegatronModule):
             mask, is_causal = None, True
         else:
             mask, is_causal = ~attention_mask, False
-        if dropout_p > 0.0 and _MODEL_PARALLEL_RNG in get_cuda_rng_tracker().states_:
+        # Under sequence parallelism the whole block already runs inside this fork (transformer_block).
+        fork = not self.config.sequence_parallel and _MODEL_PARALLEL_RNG in get_cuda_rng_tracker().states_
+        if dropout_p > 0.0 and fork:
             with get_cuda_rng_tracker().fork(_MODEL_PARALLEL_RNG):
                 context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                                          is_causal=is_causal, scale=self.softmax_scale,

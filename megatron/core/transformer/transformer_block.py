@@ -1,6 +1,7 @@
 """The decoder stack of one pipeline stage: its share of TransformerLayers and the final norm."""
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -10,6 +11,20 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
+
+
+def _sequence_parallel_rng_context(config: TransformerConfig):
+    """The model-parallel RNG fork under sequence parallelism, else a no-op context.
+
+    With SP each TP rank holds a different chunk of the sequence, so hidden dropout must draw a
+    different mask on each rank (Korthikanti et al. 2022, section 4.2.2); without SP the
+    activations are replicated and dropout must agree across TP ranks. Core attention does not fork
+    again inside this context (nested forks of one state would replay stale randomness).
+    """
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    if config.sequence_parallel and "model-parallel-rng" in tracker.states_:
+        return tracker.fork()
+    return contextlib.nullcontext()
 
 
 def get_num_layers_to_build(config: TransformerConfig, vp_stage: Optional[int] = None) -> int:
@@ -112,12 +127,13 @@ class TransformerBlock(MegatronModule):
             if self.input_tensor is None:
                 raise RuntimeError("TransformerBlock on a non-first pipeline stage needs set_input_tensor() first")
             hidden_states = self.input_tensor
-        if self.config.recompute_granularity == "full" and self.training:
-            hidden_states = self._checkpointed_forward(hidden_states, attention_mask, rotary_pos_emb)
-        else:
-            for layer in self.layers:
-                hidden_states, context = layer(hidden_states, attention_mask=attention_mask, context=context,
-                                               rotary_pos_emb=rotary_pos_emb)
+        with _sequence_parallel_rng_context(self.config):
+            if self.config.recompute_granularity == "full" and self.training:
+                hidden_states = self._checkpointed_forward(hidden_states, attention_mask, rotary_pos_emb)
+            else:
+                for layer in self.layers:
+                    hidden_states, context = layer(hidden_states, attention_mask=attention_mask, context=context,
+                                                   rotary_pos_emb=rotary_pos_emb)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states

@@ -164,6 +164,13 @@ class TransformerConfig(ModelParallelConfig):
                     "recompute_granularity selective."
                 )
 
+        if self.distribute_saved_activations and self.sequence_parallel:
+            # SP already shards the saved layer input along the sequence; a second split would not line up.
+            raise ValueError(
+                f"distribute_saved_activations: {self.distribute_saved_activations} must be false when "
+                f"sequence parallel is enabled: {self.sequence_parallel}"
+            )
+
         if self.init_method_xavier_uniform:
             self.init_method = xavier_uniform_init_method()
             self.output_layer_init_method = xavier_uniform_init_method()

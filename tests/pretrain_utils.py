@@ -1,0 +1,77 @@
+"""Run pretrain_gpt.py under torchrun on CPU (gloo) for end-to-end tests, and read back its log and TensorBoard."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LOG_LINE = re.compile(
+    r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\] iteration\s+(\d+)/\s+(\d+) \| consumed samples:\s+(\d+) \| "
+    r"elapsed time per iteration \(ms\): [0-9.]+ \| learning rate: [0-9.]+E[+-]\d+ \| global batch size:\s+(\d+) \| "
+    r"lm loss: ([0-9.]+E[+-]\d+) \| loss scale: 1\.0 \| grad norm: ([0-9.]+) \| "
+    r"number of skipped iterations:\s+0 \| number of nan iterations:\s+0 \|$"
+)
+
+
+def preprocess_shakespeare(shared_data: Path, out_dir: Path) -> str:
+    """Tokenise ../shared/data/tinyshakespeare.jsonl with GPT-2 BPE; returns the dataset prefix."""
+    out = out_dir / "shakes"
+    subprocess.run(
+        [sys.executable, "tools/preprocess_data.py", "--input", str(shared_data / "tinyshakespeare.jsonl"),
+         "--output-prefix", str(out), "--tokenizer-type", "GPT2BPETokenizer",
+         "--vocab-file", str(shared_data / "gpt2-vocab.json"), "--merge-file", str(shared_data / "gpt2-merges.txt"),
+         "--append-eod", "--workers", "1", "--log-interval", "100000"],
+        cwd=REPO, check=True, capture_output=True,
+    )
+    return str(out) + "_text_document"
+
+
+def run_pretrain(nproc, flags, shared_data, data_prefix, tmp_path, expect_failure=False) -> str:
+    """Train a 2-layer, hidden-32 GPT on ``nproc`` gloo ranks; later ``flags`` override the defaults.
+
+    Returns stdout (stdout + stderr when ``expect_failure``). Fails the test if the exit status is
+    not what was expected.
+    """
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+        "pretrain_gpt.py",
+        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+        "--max-position-embeddings", "32", "--global-batch-size", "8", "--lr", "1e-3", "--min-lr", "1e-4",
+        "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--seed", "1234", "--log-interval", "1",
+        "--data-path", data_prefix, "--split", "98,2,0", "--num-workers", "0", "--eval-iters", "1",
+        "--eval-interval", "4", "--data-cache-path", str(tmp_path / "cache"),
+        "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(shared_data / "gpt2-vocab.json"),
+        "--merge-file", str(shared_data / "gpt2-merges.txt"), "--distributed-backend", "gloo",
+        *flags,
+    ]
+    if "--train-samples" in flags:  # sample-based runs take --lr-warmup-samples instead
+        at = cmd.index("--lr-warmup-iters")
+        del cmd[at:at + 2]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    if expect_failure:
+        assert result.returncode != 0, result.stdout[-3000:]
+        return result.stdout + result.stderr
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def losses_from_log(stdout: str) -> dict:
+    """{iteration: printed lm loss string} from the Megatron training log lines (format checked)."""
+    losses = {}
+    for line in stdout.splitlines():
+        if "elapsed time per iteration" in line:
+            match = LOG_LINE.match(line)
+            assert match, f"log line not in Megatron's format: {line!r}"
+            losses[int(match.group(1))] = match.group(5)
+    return losses
+
+
+def tensorboard_scalars(log_dir, tag: str) -> dict:
+    """{step: value} of one TensorBoard scalar tag (float32 as written, unlike the rounded log line)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {event.step: event.value for event in events.Scalars(tag)}

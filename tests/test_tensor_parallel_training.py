@@ -1,0 +1,109 @@
+"""pretrain_gpt.py with tensor (and sequence) parallelism on gloo ranks gives the numbers of one process.
+
+Each run trains 20 iterations in fp32 on the same data with the same seed; losses and grad norms
+are read from TensorBoard (float32, unlike the rounded log line). The vocabulary is padded to the
+same size at every TP size (--make-vocab-size-divisible-by), since padding is part of the model.
+"""
+import re
+from pathlib import Path
+
+import pytest
+
+from pretrain_utils import losses_from_log, run_pretrain, tensorboard_scalars
+
+ITERS = 20
+TRAIN = ["--train-iters", str(ITERS), "--micro-batch-size", "4", "--eval-interval", "10"]
+NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+MODELS = {
+    "gpt2": [],
+    "llama": ["--group-query-attention", "--num-query-groups", "2", "--swiglu", "--position-embedding-type", "rope",
+              "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights", "--disable-bias-linear"],
+}
+# 50257 GPT-2 tokens padded to a multiple of 128 * tp = 256 at TP=2 -> 50432; TP=1 pads to a multiple of 256.
+PAD_TP1, PAD = ["--make-vocab-size-divisible-by", "256"], ["--make-vocab-size-divisible-by", "128"]
+_PARAMS = re.compile(r"number of parameters on \(tensor, pipeline\) model parallel rank \((\d+), 0\): (\d+)")
+
+
+def _train(nproc, flags, shared_data, prefix, tmp_path):
+    tb = tmp_path / "tb"
+    out = run_pretrain(nproc, [*TRAIN, *flags, "--tensorboard-dir", str(tb)], shared_data, prefix, tmp_path)
+    assert "new size: 50432" in out
+    counts = {int(rank): int(n) for rank, n in _PARAMS.findall(out)}
+    return dict(out=out, loss=tensorboard_scalars(tb, "lm loss"), grad_norm=tensorboard_scalars(tb, "grad-norm"),
+                params=counts)
+
+
+@pytest.fixture(scope="module")
+def tp1_runs(shared_data, shakespeare_prefix, tmp_path_factory):
+    """One single-process reference run per model, shared by the tests below (computed on first use)."""
+    cache = {}
+
+    def get(model):
+        if model not in cache:
+            cache[model] = _train(1, [*MODELS[model], *NO_DROPOUT, *PAD_TP1], shared_data, shakespeare_prefix,
+                                  tmp_path_factory.mktemp(f"tp1_{model}"))
+        return cache[model]
+    return get
+
+
+def _assert_same_numbers(run, reference, what):
+    assert sorted(run["loss"]) == sorted(reference["loss"]) == list(range(1, ITERS + 1)), what
+    for metric in ("loss", "grad_norm"):
+        for it, expected in reference[metric].items():
+            assert run[metric][it] == pytest.approx(expected, rel=1e-5), f"{what}: {metric} at iteration {it}"
+    assert reference["loss"][ITERS] < reference["loss"][1] - 0.2  # it learns, so the comparison means something
+
+
+def _replicated_params(model):
+    """Parameters every TP rank holds whole: position embeddings, norms, row-parallel biases."""
+    h, s, layers = 32, 32, 2
+    if model == "gpt2":  # learned positions; LayerNorm weight+bias x2 and proj/fc2 biases per layer; final LN
+        return s * h + layers * (2 * 2 * h + 2 * h) + 2 * h
+    return layers * 2 * h + h  # RMSNorm weights only; no biases, RoPE has no parameters
+
+
+@pytest.mark.parametrize("model,sp", [("gpt2", False), ("gpt2", True), ("llama", True)],
+                         ids=["gpt2-tp2", "gpt2-tp2-sp", "llama-gqa-swiglu-tp2-sp"])
+def test_tp2_matches_tp1_for_20_iterations(model, sp, tp1_runs, shared_data, shakespeare_prefix, tmp_path):
+    flags = [*MODELS[model], *NO_DROPOUT, *PAD, "--tensor-model-parallel-size", "2"]
+    run = _train(2, flags + (["--sequence-parallel"] if sp else []), shared_data, shakespeare_prefix, tmp_path)
+    reference = tp1_runs(model)
+    _assert_same_numbers(run, reference, f"{model} TP=2 sp={sp}")
+    # Each rank holds 1/2 of every split weight and all of the replicated ones.
+    replicated = _replicated_params(model)
+    total = reference["params"][0]
+    assert run["params"] == {0: (total - replicated) // 2 + replicated, 1: (total - replicated) // 2 + replicated}
+
+
+def test_tp2_dp2_on_four_ranks_matches_tp1_dp1(tp1_runs, shared_data, shakespeare_prefix, tmp_path):
+    """Global batch 8: TP=1 x DP=1 runs 2 micro batches of 4; TP=2 x DP=2 runs 1 per data-parallel rank."""
+    flags = [*NO_DROPOUT, *PAD, "--tensor-model-parallel-size", "2"]
+    run = _train(4, flags, shared_data, shakespeare_prefix, tmp_path)
+    assert "data-parallel size: 2" in run["out"] and "tensor-model-parallel size: 2" in run["out"]
+    _assert_same_numbers(run, tp1_runs("gpt2"), "TP=2 x DP=2")
+
+
+def test_tp2_sp_checkpoint_resumes_exactly(shared_data, shakespeare_prefix, tmp_path):
+    """Dropout on (per-rank RNG states matter): stop at 10, resume to 20, same numbers as one run."""
+    flags = [*PAD, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+             "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+    full = _train(2, flags, shared_data, shakespeare_prefix, tmp_path / "full")
+    ckpt = tmp_path / "ckpt"
+    first = _train(2, flags + ["--save", str(ckpt), "--save-interval", "10", "--exit-interval", "10"],
+                   shared_data, shakespeare_prefix, tmp_path / "first")
+    assert sorted(first["loss"]) == list(range(1, 11))
+    assert sorted(p.name for p in (ckpt / "iter_0000010").iterdir()) == ["mp_rank_00", "mp_rank_01"]
+    resumed = _train(2, flags + ["--load", str(ckpt)], shared_data, shakespeare_prefix, tmp_path / "resumed")
+    assert sorted(resumed["loss"]) == list(range(11, 21))
+    for metric in ("loss", "grad_norm"):
+        assert resumed[metric] == {it: full[metric][it] for it in range(11, 21)}, metric
+        assert first[metric] == {it: full[metric][it] for it in range(1, 11)}, metric
+    full_log, resumed_log = losses_from_log(full["out"]), losses_from_log(resumed["out"])
+    assert resumed_log == {it: full_log[it] for it in range(11, 21)}
+
+
+def test_indivisible_query_groups_fail_every_rank_at_start_up(shared_data, shakespeare_prefix, tmp_path):
+    out = run_pretrain(2, [*TRAIN, "--tensor-model-parallel-size", "2", "--group-query-attention",
+                           "--num-query-groups", "1"], shared_data, shakespeare_prefix, tmp_path, expect_failure=True)
+    assert out.count("--num-query-groups (1) is not divisible by --tensor-model-parallel-size (2)") == 2, out[-2000:]
+    assert "building GPT model" not in out
