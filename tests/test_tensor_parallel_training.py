@@ -17,7 +17,8 @@ NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 MODELS = {
     "gpt2": [],
     "llama": ["--group-query-attention", "--num-query-groups", "2", "--swiglu", "--position-embedding-type", "rope",
-              "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights", "--disable-bias-linear"],
+              "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+              "--qk-layernorm"],
 }
 # 50257 GPT-2 tokens padded to a multiple of 128 * tp = 256 at TP=2 -> 50432; TP=1 pads to a multiple of 256.
 PAD_TP1, PAD = ["--make-vocab-size-divisible-by", "256"], ["--make-vocab-size-divisible-by", "128"]
@@ -59,11 +60,13 @@ def _replicated_params(model):
     h, s, layers = 32, 32, 2
     if model == "gpt2":  # learned positions; LayerNorm weight+bias x2 and proj/fc2 biases per layer; final LN
         return s * h + layers * (2 * 2 * h + 2 * h) + 2 * h
-    return layers * 2 * h + h  # RMSNorm weights only; no biases, RoPE has no parameters
+    kv_channels = h // 4
+    # RMSNorm weights (2 per layer, final) and the q/k norms over kv_channels; no biases; RoPE has none.
+    return layers * (2 * h + 2 * kv_channels) + h
 
 
 @pytest.mark.parametrize("model,sp", [("gpt2", False), ("gpt2", True), ("llama", True)],
-                         ids=["gpt2-tp2", "gpt2-tp2-sp", "llama-gqa-swiglu-tp2-sp"])
+                         ids=["gpt2-tp2", "gpt2-tp2-sp", "llama-gqa-swiglu-qknorm-tp2-sp"])
 def test_tp2_matches_tp1_for_20_iterations(model, sp, tp1_runs, shared_data, shakespeare_prefix, tmp_path):
     flags = [*MODELS[model], *NO_DROPOUT, *PAD, "--tensor-model-parallel-size", "2"]
     run = _train(2, flags + (["--sequence-parallel"] if sp else []), shared_data, shakespeare_prefix, tmp_path)
