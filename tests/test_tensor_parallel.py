@@ -1,10 +1,8 @@
-"""tensor_parallel: layers vs torch.nn at TP=1, TP=2 equivalence on gloo, cross entropy, RNG tracker, recompute."""
+"""tensor_parallel at TP=1: layers vs torch.nn, cross entropy, RNG tracker, recompute (TP>1: test_tensor_parallel_layers.py)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from dist_utils import run_distributed
-from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel as tp
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
@@ -231,85 +229,3 @@ def test_mappings_identity_at_tp1():
                tp.scatter_to_sequence_parallel_region, tp.gather_from_sequence_parallel_region,
                tp.reduce_scatter_to_sequence_parallel_region):
         assert fn(x) is x
-
-
-# ------------------------------------------------------------------ TP = 2 on gloo
-def _tp2_layers(rank, world):
-    ps.initialize_model_parallel(tensor_model_parallel_size=2)
-    torch.manual_seed(0)
-    h, out_f, V = 6, 8, 10
-    results = {}
-
-    # Column (with gather) vs full linear built from the same master weight.
-    torch.manual_seed(1)
-    col = tp.ColumnParallelLinear(h, out_f, config=_cfg(), init_method=_init(), gather_output=True,
-                                  keep_master_weight_for_test=True)
-    x = torch.randn(3, 2, h, generator=torch.Generator().manual_seed(2), requires_grad=True)
-    out, _ = col(x)
-    ref_x = x.detach().clone().requires_grad_()
-    ref = F.linear(ref_x, col.master_weight)
-    g = torch.randn(3, 2, out_f, generator=torch.Generator().manual_seed(3))
-    out.backward(g)
-    ref.backward(g)
-    results["col_out"] = torch.allclose(out, ref, atol=1e-6)
-    results["col_dgrad"] = torch.allclose(x.grad, ref_x.grad, atol=1e-6)
-    full_wgrad = g.reshape(-1, out_f).t() @ ref_x.detach().reshape(-1, h)
-    results["col_wgrad"] = torch.allclose(col.weight.grad, full_wgrad.chunk(2, 0)[rank], atol=1e-5)
-
-    # Row with unsplit input.
-    torch.manual_seed(4)
-    row = tp.RowParallelLinear(out_f, h, config=_cfg(), init_method=_init(), bias=True, input_is_parallel=False,
-                               skip_bias_add=False, keep_master_weight_for_test=True)
-    y = torch.randn(3, 2, out_f, generator=torch.Generator().manual_seed(5), requires_grad=True)
-    out, _ = row(y)
-    ref_y = y.detach().clone().requires_grad_()
-    ref = F.linear(ref_y, row.master_weight)
-    out.backward(g[..., :h])
-    ref.backward(g[..., :h])
-    results["row_out"] = torch.allclose(out, ref, atol=1e-6)
-    results["row_dgrad"] = torch.allclose(y.grad, ref_y.grad, atol=1e-6)
-
-    # Vocab-parallel embedding vs full table.
-    torch.manual_seed(6)
-    emb = tp.VocabParallelEmbedding(V, h, init_method=_init(), config=_cfg())
-    torch.manual_seed(6)
-    master = torch.empty(V, h)
-    _init()(master)
-    ids = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(7))
-    results["emb"] = torch.allclose(emb(ids), F.embedding(ids, master))
-
-    # Cross entropy on a vocab shard vs full softmax cross entropy.
-    logits = torch.randn(4, 2, V, generator=torch.Generator().manual_seed(8))
-    target = torch.randint(0, V, (4, 2), generator=torch.Generator().manual_seed(9))
-    shard = logits.chunk(2, dim=-1)[rank].clone().requires_grad_()
-    loss = tp.vocab_parallel_cross_entropy(shard, target, label_smoothing=0.1)
-    full = logits.clone().requires_grad_()
-    ref = F.cross_entropy(full.view(-1, V), target.view(-1), reduction="none",
-                          label_smoothing=0.1 * V / (V - 1)).view(4, 2)
-    loss.sum().backward()
-    ref.sum().backward()
-    results["ce"] = torch.allclose(loss, ref, atol=1e-5)
-    results["ce_grad"] = torch.allclose(shard.grad, full.grad.chunk(2, dim=-1)[rank], atol=1e-6)
-
-    # Sequence parallel: column (gathers seq) -> row (reduce-scatters seq) == full two-layer MLP.
-    sp = _cfg(sequence_parallel=True, tensor_model_parallel_size=2)
-    torch.manual_seed(10)
-    c = tp.ColumnParallelLinear(h, out_f, config=sp, init_method=_init(), bias=False, keep_master_weight_for_test=True)
-    r = tp.RowParallelLinear(out_f, h, config=sp, init_method=_init(), bias=False, input_is_parallel=True,
-                             skip_bias_add=False, keep_master_weight_for_test=True)
-    full_in = torch.randn(4, 2, h, generator=torch.Generator().manual_seed(11))
-    local_in = full_in.chunk(2, dim=0)[rank].clone().requires_grad_()
-    out, _ = r(c(local_in)[0])
-    ref_in = full_in.clone().requires_grad_()
-    ref = F.linear(F.linear(ref_in, c.master_weight), r.master_weight)
-    out.sum().backward()
-    ref.sum().backward()
-    results["sp_out"] = torch.allclose(out, ref.chunk(2, dim=0)[rank], atol=1e-5)
-    results["sp_dgrad"] = torch.allclose(local_in.grad, ref_in.grad.chunk(2, dim=0)[rank], atol=1e-5)
-    return results
-
-
-def test_tp2_layers_match_full_reference():
-    for rank, result in enumerate(run_distributed(_tp2_layers, 2)):
-        failed = [name for name, ok in result.items() if not ok]
-        assert not failed, f"rank {rank}: {failed}"

@@ -473,6 +473,11 @@ class VocabParallelEmbedding(torch.nn.Module):
         world_size = get_tensor_model_parallel_world_size()
         rank = get_tensor_model_parallel_rank()
         self.tensor_model_parallel_size = world_size
+        if num_embeddings % world_size != 0:
+            raise ValueError(
+                f"VocabParallelEmbedding: num_embeddings ({num_embeddings}) is not divisible by "
+                f"tensor_model_parallel_size ({world_size}); pad the vocabulary (--make-vocab-size-divisible-by)"
+            )
         self.vocab_start_index, self.vocab_end_index = VocabUtility.vocab_range_from_global_vocab_size(
             num_embeddings, rank, world_size
         )
