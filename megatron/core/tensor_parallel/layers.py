@@ -66,7 +66,8 @@ def copy_tensor_model_parallel_attributes(destination_tensor: torch.Tensor, sour
 
 
 def _initialize_affine_weight_gpu(weight: torch.Tensor, init_method: Callable, partition_dim: int,
-                                  stride: int = 1, is_expert: bool = False, *, full_size: Optional[Tuple[int, int]] = None,
+                                  stride: int = 1, is_expert: bool = False, *,
+                                  full_size: Optional[Tuple[int, int]] = None,
                                   per_partition_size: Optional[int] = None) -> None:
     """Initialise a weight that lives on the GPU.
 
