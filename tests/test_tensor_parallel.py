@@ -107,6 +107,43 @@ def test_vocab_parallel_cross_entropy_matches_torch(smoothing):
     assert torch.equal(logits.detach(), ref_logits.detach()), "input logits must not be modified"
 
 
+def test_cross_entropy_with_smoothing_stays_finite_for_large_logits():
+    """exp underflows to 0 for most of the vocabulary at logit scale 1e4; log(0) must not leak in."""
+    torch.manual_seed(5)
+    V = 13
+    logits = (torch.randn(3, 2, V, dtype=torch.float64) * 1e4).requires_grad_()
+    target = torch.randint(0, V, (3, 2))
+    loss = tp.vocab_parallel_cross_entropy(logits, target, label_smoothing=0.1)
+    ref = F.cross_entropy(logits.detach().view(-1, V), target.view(-1), reduction="none",
+                          label_smoothing=0.1 * V / (V - 1)).view(3, 2)
+    assert torch.isfinite(loss).all()
+    torch.testing.assert_close(loss, ref.float(), rtol=1e-6, atol=0.0)
+
+
+def test_cross_entropy_rejects_bad_smoothing_and_accepts_strided_logits():
+    logits = torch.randn(2, 3, 7)
+    target = torch.randint(0, 7, (3, 2))
+    for bad in (-0.5, 1.0):
+        with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 1\)"):
+            tp.vocab_parallel_cross_entropy(logits.transpose(0, 1), target, label_smoothing=bad)
+    strided = logits.transpose(0, 1)  # [s, b, V] view of [b, s, V] logits, as a caller may pass
+    ref = F.cross_entropy(strided.reshape(-1, 7), target.view(-1), reduction="none").view(3, 2)
+    torch.testing.assert_close(tp.vocab_parallel_cross_entropy(strided, target), ref)
+
+
+def test_frozen_weight_with_gradient_accumulation_fusion_gets_no_grad():
+    """Partial fine-tuning: a frozen weight has no main_grad, and the fused path must not ask for one."""
+    torch.manual_seed(0)
+    layer = tp.RowParallelLinear(6, 4, config=_cfg(gradient_accumulation_fusion=True), init_method=_init(),
+                                 bias=False, input_is_parallel=True, skip_bias_add=False)
+    layer.weight.requires_grad_(False)
+    x = torch.randn(3, 2, 6, requires_grad=True)
+    out, _ = layer(x)
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones(3, 2, 4) @ layer.weight)
+    assert layer.weight.grad is None
+
+
 def test_cross_entropy_half_input_gets_half_grad():
     logits = torch.randn(2, 2, 8).bfloat16().requires_grad_()
     target = torch.randint(0, 8, (2, 2))

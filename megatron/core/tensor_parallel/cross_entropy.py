@@ -26,9 +26,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         group = get_tensor_model_parallel_group() if world_size > 1 else None
         input_dtype = vocab_parallel_logits.dtype
         # float() copies low-precision logits; for fp32 input clone so the caller's tensor is untouched.
+        # Both are made contiguous: the buffer is reshaped to 2-D and reused for the gradient.
         logits = vocab_parallel_logits.float()
         if logits.data_ptr() == vocab_parallel_logits.data_ptr():
-            logits = logits.clone()
+            logits = logits.clone(memory_format=torch.contiguous_format)
+        logits = logits.contiguous()
 
         logits_max = logits.amax(dim=-1)
         if world_size > 1:
@@ -54,27 +56,30 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if target_mask is not None:
             predicted_logits = predicted_logits.masked_fill(target_mask, 0.0)
 
+        # With smoothing, sum_v log p_v = sum_v (logit_v - max) - V log(sum_exp): taken from the
+        # shifted logits rather than log(softmax), which is -inf where a probability underflows.
+        sums = [predicted_logits]
+        if label_smoothing > 0:
+            sums.append(logits.sum(dim=-1))
         exp_logits = logits.exp_()
-        sum_exp_logits = exp_logits.sum(dim=-1)
+        sums.append(exp_logits.sum(dim=-1))
         if world_size > 1:
-            # One collective for both sums.
-            packed = torch.stack([predicted_logits, sum_exp_logits])
+            # One collective for all the sums.
+            packed = torch.stack(sums)
             dist.all_reduce(packed, group=group)
-            predicted_logits, sum_exp_logits = packed[0], packed[1]
+            sums = list(packed.unbind(0))
+        predicted_logits, sum_exp_logits = sums[0], sums[-1]
 
-        loss = torch.log(sum_exp_logits) - predicted_logits
+        log_sum_exp = torch.log(sum_exp_logits)
+        loss = log_sum_exp - predicted_logits
         softmax = exp_logits.div_(sum_exp_logits.unsqueeze(-1))
 
         smoothing = 0.0
         if label_smoothing > 0:
-            if not 0.0 < label_smoothing < 1.0:
-                raise ValueError(f"label_smoothing must be in (0, 1), got {label_smoothing}")
             smoothing = label_smoothing * vocab_size / (vocab_size - 1)
             # Mean over the full vocabulary (Megatron averages only the local shard under TP>1).
-            sum_log_probs = torch.log(softmax).sum(dim=-1)
-            if world_size > 1:
-                dist.all_reduce(sum_log_probs, group=group)
-            loss = (1.0 - smoothing) * loss - smoothing * (sum_log_probs / vocab_size)
+            mean_log_probs = sums[1] / vocab_size - log_sum_exp
+            loss = (1.0 - smoothing) * loss - smoothing * mean_log_probs
 
         ctx.label_smoothing = label_smoothing
         ctx.smoothing = smoothing
@@ -113,6 +118,8 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     Raises ValueError if target's shape differs from logits' leading dims or label_smoothing is
     outside [0, 1).
     """
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     if target.shape != vocab_parallel_logits.shape[:-1]:
         raise ValueError(
             f"target shape {tuple(target.shape)} does not match logits shape "

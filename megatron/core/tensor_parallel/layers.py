@@ -194,7 +194,10 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
 
         grad_output_2d = grad_output.reshape(-1, grad_output.size(-1))
         total_input_2d = total_input.reshape(-1, total_input.size(-1))
-        if ctx.gradient_accumulation_fusion:
+        if not ctx.needs_input_grad[1]:
+            # Frozen weight (e.g. partial fine-tuning): DDP gave it no main_grad and wants no gradient.
+            grad_weight = None
+        elif ctx.gradient_accumulation_fusion:
             if not hasattr(weight, "main_grad"):
                 raise RuntimeError(
                     "gradient_accumulation_fusion requires weight.main_grad (wrap the model in "
