@@ -5,7 +5,6 @@ are read from TensorBoard (float32, unlike the rounded log line). The vocabulary
 same size at every TP size (--make-vocab-size-divisible-by), since padding is part of the model.
 """
 import re
-from pathlib import Path
 
 import pytest
 
@@ -20,15 +19,21 @@ MODELS = {
               "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
               "--qk-layernorm"],
 }
-# 50257 GPT-2 tokens padded to a multiple of 128 * tp = 256 at TP=2 -> 50432; TP=1 pads to a multiple of 256.
-PAD_TP1, PAD = ["--make-vocab-size-divisible-by", "256"], ["--make-vocab-size-divisible-by", "128"]
+# GPT-2's 50257 tokens are padded to a multiple of 128 * tp (50432 at TP=2, 50688 at TP=4); the TP=1
+# reference pads to the same size with --make-vocab-size-divisible-by 128 * tp.
+PAD = ["--make-vocab-size-divisible-by", "128"]
 _PARAMS = re.compile(r"number of parameters on \(tensor, pipeline\) model parallel rank \((\d+), 0\): (\d+)")
 
 
-def _train(nproc, flags, shared_data, prefix, tmp_path):
+def _padded_vocab(tp):
+    multiple = 128 * tp
+    return -(-50257 // multiple) * multiple
+
+
+def _train(nproc, flags, shared_data, prefix, tmp_path, padded_vocab=50432):
     tb = tmp_path / "tb"
     out = run_pretrain(nproc, [*TRAIN, *flags, "--tensorboard-dir", str(tb)], shared_data, prefix, tmp_path)
-    assert "new size: 50432" in out
+    assert f"new size: {padded_vocab})" in out
     counts = {int(rank): int(n) for rank, n in _PARAMS.findall(out)}
     return dict(out=out, loss=tensorboard_scalars(tb, "lm loss"), grad_norm=tensorboard_scalars(tb, "grad-norm"),
                 params=counts)
@@ -36,14 +41,15 @@ def _train(nproc, flags, shared_data, prefix, tmp_path):
 
 @pytest.fixture(scope="module")
 def tp1_runs(shared_data, shakespeare_prefix, tmp_path_factory):
-    """One single-process reference run per model, shared by the tests below (computed on first use)."""
+    """One single-process reference run per (model, TP size to compare with), computed on first use."""
     cache = {}
 
-    def get(model):
-        if model not in cache:
-            cache[model] = _train(1, [*MODELS[model], *NO_DROPOUT, *PAD_TP1], shared_data, shakespeare_prefix,
-                                  tmp_path_factory.mktemp(f"tp1_{model}"))
-        return cache[model]
+    def get(model, tp):
+        if (model, tp) not in cache:
+            pad = ["--make-vocab-size-divisible-by", str(128 * tp)]
+            cache[model, tp] = _train(1, [*MODELS[model], *NO_DROPOUT, *pad], shared_data, shakespeare_prefix,
+                                      tmp_path_factory.mktemp(f"tp1_{model}"), padded_vocab=_padded_vocab(tp))
+        return cache[model, tp]
     return get
 
 
@@ -65,17 +71,18 @@ def _replicated_params(model):
     return layers * (2 * h + 2 * kv_channels) + h
 
 
-@pytest.mark.parametrize("model,sp", [("gpt2", False), ("gpt2", True), ("llama", True)],
-                         ids=["gpt2-tp2", "gpt2-tp2-sp", "llama-gqa-swiglu-qknorm-tp2-sp"])
-def test_tp2_matches_tp1_for_20_iterations(model, sp, tp1_runs, shared_data, shakespeare_prefix, tmp_path):
-    flags = [*MODELS[model], *NO_DROPOUT, *PAD, "--tensor-model-parallel-size", "2"]
-    run = _train(2, flags + (["--sequence-parallel"] if sp else []), shared_data, shakespeare_prefix, tmp_path)
-    reference = tp1_runs(model)
-    _assert_same_numbers(run, reference, f"{model} TP=2 sp={sp}")
-    # Each rank holds 1/2 of every split weight and all of the replicated ones.
+@pytest.mark.parametrize("model,tp,sp", [("gpt2", 2, False), ("gpt2", 2, True), ("llama", 2, True), ("gpt2", 4, True)],
+                         ids=["gpt2-tp2", "gpt2-tp2-sp", "llama-gqa-swiglu-qknorm-tp2-sp", "gpt2-tp4-sp"])
+def test_tp_matches_tp1_for_20_iterations(model, tp, sp, tp1_runs, shared_data, shakespeare_prefix, tmp_path):
+    flags = [*MODELS[model], *NO_DROPOUT, *PAD, "--tensor-model-parallel-size", str(tp)]
+    run = _train(tp, flags + (["--sequence-parallel"] if sp else []), shared_data, shakespeare_prefix, tmp_path,
+                 padded_vocab=_padded_vocab(tp))
+    reference = tp1_runs(model, tp)
+    _assert_same_numbers(run, reference, f"{model} TP={tp} sp={sp}")
+    # Each rank holds 1/tp of every split weight and all of the replicated ones.
     replicated = _replicated_params(model)
     total = reference["params"][0]
-    assert run["params"] == {0: (total - replicated) // 2 + replicated, 1: (total - replicated) // 2 + replicated}
+    assert run["params"] == {rank: (total - replicated) // tp + replicated for rank in range(tp)}
 
 
 def test_tp2_dp2_on_four_ranks_matches_tp1_dp1(tp1_runs, shared_data, shakespeare_prefix, tmp_path):
@@ -83,7 +90,7 @@ def test_tp2_dp2_on_four_ranks_matches_tp1_dp1(tp1_runs, shared_data, shakespear
     flags = [*NO_DROPOUT, *PAD, "--tensor-model-parallel-size", "2"]
     run = _train(4, flags, shared_data, shakespeare_prefix, tmp_path)
     assert "data-parallel size: 2" in run["out"] and "tensor-model-parallel size: 2" in run["out"]
-    _assert_same_numbers(run, tp1_runs("gpt2"), "TP=2 x DP=2")
+    _assert_same_numbers(run, tp1_runs("gpt2", 2), "TP=2 x DP=2")
 
 
 def test_tp2_sp_checkpoint_resumes_exactly(shared_data, shakespeare_prefix, tmp_path):
