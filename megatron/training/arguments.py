@@ -657,6 +657,17 @@ def _validate_schedule(args):
                      "can only specify one of --lr-warmup-fraction and --lr-warmup-samples")
     if not args.skip_train:
         _require(args.lr is not None, "--lr is required for training")
+        # The scheduler counts in samples; say it in the flags the user gave.
+        if args.lr_warmup_fraction is None and args.train_iters is not None and args.lr_warmup_iters > 0:
+            decay = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
+            _require(args.lr_warmup_iters < decay,
+                     f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than --lr-decay-iters ({decay}; "
+                     f"it defaults to --train-iters)")
+        if args.lr_warmup_fraction is None and args.train_samples is not None and args.lr_warmup_samples > 0:
+            decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
+            _require(args.lr_warmup_samples < decay,
+                     f"--lr-warmup-samples ({args.lr_warmup_samples}) must be smaller than --lr-decay-samples "
+                     f"({decay}; it defaults to --train-samples)")
     if args.lr is not None:
         _require(args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
     _require(not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
