@@ -162,6 +162,26 @@ def _param_device(config: ModelParallelConfig) -> Optional[torch.device]:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def _initialize_partitioned_weight(weight: torch.Tensor, config: ModelParallelConfig, init_method: Callable,
+                                   full_size: Tuple[int, int], per_partition_size: int, partition_dim: int,
+                                   stride: int = 1, is_expert: bool = False,
+                                   keep_master_weight_for_test: bool = False) -> Optional[torch.Tensor]:
+    """Mark ``weight`` as split along ``partition_dim`` and, unless ``config.perform_initialization``
+    is off, fill it: the CPU master-weight path without CUDA or with ``use_cpu_initialization``,
+    else the GPU path. Returns the full master when ``keep_master_weight_for_test`` (CPU path only)."""
+    if not config.perform_initialization:
+        set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
+        return None
+    if _use_cpu_init(config):
+        return _initialize_affine_weight_cpu(
+            weight, full_size[0], full_size[1], per_partition_size, partition_dim, init_method, stride=stride,
+            return_master_weight=keep_master_weight_for_test, params_dtype=config.params_dtype,
+        )
+    _initialize_affine_weight_gpu(weight, init_method, partition_dim=partition_dim, stride=stride,
+                                  is_expert=is_expert, full_size=full_size, per_partition_size=per_partition_size)
+    return None
+
+
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     """``Y = X Wᵀ + b`` with sequence-parallel gather and optional wgrad accumulation into ``main_grad``.
 
@@ -281,7 +301,6 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
         self.disable_grad_reduce = disable_grad_reduce
         self.config = config
         world_size = get_tensor_model_parallel_world_size()
-        rank = get_tensor_model_parallel_rank()
         self.output_size_per_partition = divide(output_size, world_size)
         self.sequence_parallel = config.sequence_parallel and world_size > 1
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
@@ -291,19 +310,10 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
         if not skip_weight_param_allocation:
             self.weight = Parameter(torch.empty(self.output_size_per_partition, input_size,
                                                 device=_param_device(config), dtype=config.params_dtype))
-            if config.perform_initialization:
-                if _use_cpu_init(config):
-                    self.master_weight = _initialize_affine_weight_cpu(
-                        self.weight, output_size, input_size, self.output_size_per_partition, 0, init_method,
-                        stride=stride, return_master_weight=keep_master_weight_for_test,
-                        params_dtype=config.params_dtype, rank=rank, world_size=world_size,
-                    )
-                else:
-                    _initialize_affine_weight_gpu(self.weight, init_method, partition_dim=0, stride=stride,
-                                                  is_expert=is_expert, full_size=(output_size, input_size),
-                                                  per_partition_size=self.output_size_per_partition)
-            else:
-                set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
+            self.master_weight = _initialize_partitioned_weight(
+                self.weight, config, init_method, (output_size, input_size), self.output_size_per_partition, 0,
+                stride=stride, is_expert=is_expert, keep_master_weight_for_test=keep_master_weight_for_test,
+            )
             setattr(self.weight, "allreduce", not is_expert)
         else:
             self.weight = None
@@ -394,7 +404,6 @@ class RowParallelLinear(_ExtraStateMixin, torch.nn.Module):
         self.is_expert = is_expert
         self.config = config
         world_size = get_tensor_model_parallel_world_size()
-        rank = get_tensor_model_parallel_rank()
         self.input_size_per_partition = divide(input_size, world_size)
         self.sequence_parallel = config.sequence_parallel and world_size > 1
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
@@ -404,19 +413,10 @@ class RowParallelLinear(_ExtraStateMixin, torch.nn.Module):
 
         self.weight = Parameter(torch.empty(output_size, self.input_size_per_partition,
                                             device=_param_device(config), dtype=config.params_dtype))
-        if config.perform_initialization:
-            if _use_cpu_init(config):
-                self.master_weight = _initialize_affine_weight_cpu(
-                    self.weight, output_size, input_size, self.input_size_per_partition, 1, init_method,
-                    stride=stride, return_master_weight=keep_master_weight_for_test,
-                    params_dtype=config.params_dtype, rank=rank, world_size=world_size,
-                )
-            else:
-                _initialize_affine_weight_gpu(self.weight, init_method, partition_dim=1, stride=stride,
-                                              is_expert=is_expert, full_size=(output_size, input_size),
-                                              per_partition_size=self.input_size_per_partition)
-        else:
-            set_tensor_model_parallel_attributes(self.weight, True, 1, stride)
+        self.master_weight = _initialize_partitioned_weight(
+            self.weight, config, init_method, (output_size, input_size), self.input_size_per_partition, 1,
+            stride=stride, is_expert=is_expert, keep_master_weight_for_test=keep_master_weight_for_test,
+        )
         setattr(self.weight, "allreduce", not is_expert)
 
         if bias:
@@ -489,18 +489,8 @@ class VocabParallelEmbedding(torch.nn.Module):
 
         self.weight = Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim,
                                             device=_param_device(config), dtype=config.params_dtype))
-        if config.perform_initialization:
-            if _use_cpu_init(config):
-                _initialize_affine_weight_cpu(
-                    self.weight, num_embeddings, embedding_dim, self.num_embeddings_per_partition, 0, init_method,
-                    params_dtype=config.params_dtype, rank=rank, world_size=world_size,
-                )
-            else:
-                _initialize_affine_weight_gpu(self.weight, init_method, partition_dim=0, stride=1,
-                                              full_size=(num_embeddings, embedding_dim),
-                                              per_partition_size=self.num_embeddings_per_partition)
-        else:
-            set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+        _initialize_partitioned_weight(self.weight, config, init_method, (num_embeddings, embedding_dim),
+                                       self.num_embeddings_per_partition, 0)
         setattr(self.weight, "allreduce", True)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
