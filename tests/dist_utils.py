@@ -1,5 +1,6 @@
 """Run a test function in several gloo processes on CPU and collect each rank's return value."""
 import os
+import pickle
 import socket
 import traceback
 
@@ -25,7 +26,10 @@ def _worker(rank, world_size, port, fn, args, queue):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # Plain pickle bytes, not torch's queue reductions: those hand tensors over as shared-memory
+        # file descriptors that the parent fetches from this process, which fails with
+        # ConnectionResetError once this process has exited (seen on a loaded machine).
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # report any failure to the parent, which re-raises it
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -57,7 +61,7 @@ def run_distributed(fn, world_size, *args, timeout=300):
         for _ in range(world_size):
             rank, status, payload = queue.get(timeout=timeout)
             if status == "ok":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 errors.append(f"rank {rank} failed:\n{payload}")
                 break
