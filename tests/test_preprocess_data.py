@@ -80,6 +80,18 @@ def test_golden_gpt2(shared_data, tmp_path, gpt2_flags, workers):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shakes_text_document.bin", "shakes_text_document.idx"]
 
 
+def test_golden_gpt2_partitions_keep_sequential(shared_data, tmp_path, gpt2_flags):
+    """Contiguous partitions merged in order give the same bytes as one pass, and leave only the output."""
+    out = tmp_path / "out"
+    out.mkdir()
+    assert _run(shared_data / "tinyshakespeare.jsonl", out / "shakes", gpt2_flags, "--append-eod", "--workers", "2",
+                "--partitions", "2", "--keep-sequential-samples") == 0
+    for ext in ("bin", "idx"):
+        golden = (shared_data / "golden" / f"shakes_text_document.{ext}").read_bytes()
+        assert (out / f"shakes_text_document.{ext}").read_bytes() == golden
+    assert sorted(p.name for p in out.iterdir()) == ["shakes_text_document.bin", "shakes_text_document.idx"]
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_golden_sentencepiece(shared_data, tmp_path, workers):
     prefix = tmp_path / "shakes_sp"
@@ -167,7 +179,8 @@ def test_partitions(tmp_path, gpt2_flags, gpt2, shakespeare_lines, sequential):
     # Round robin puts even lines in partition 0 and odd lines in partition 1; merging keeps partition order.
     order = texts if sequential else texts[0::2] + texts[1::2]
     assert _documents(out / "p_text_document") == _reference_documents(gpt2, order)
-    assert (out / "in_0.jsonl").is_file() and (out / "p_1_text_document.idx").is_file()
+    # Partition files are intermediate: nothing but the merged output is left.
+    assert sorted(p.name for p in out.iterdir()) == ["p_text_document.bin", "p_text_document.idx"]
 
 
 def test_workers_must_divide_by_partitions(tmp_path, gpt2_flags):
@@ -257,15 +270,24 @@ def test_missing_input_and_command_line_exit_status(tmp_path, gpt2_flags):
     assert _run(tmp_path / "nope.jsonl", tmp_path / "o", gpt2_flags, "--workers", "1") == 1
 
 
-def test_skip_bad_lines_across_partitions(tmp_path, gpt2_flags, gpt2, capsys):
-    source = tmp_path / "in.jsonl"
-    source.write_text('{"text": "a"}\n{"text": "b"}\nbroken\n{"text": "c"}\n', encoding="utf-8")
+@pytest.mark.parametrize("sequential", [False, True])
+def test_skip_bad_lines_across_partitions(tmp_path, gpt2_flags, gpt2, capsys, sequential):
+    """Skipped lines are named by the user's file and line, whichever partition they landed in."""
+    first = tmp_path / "in_a.jsonl"
+    first.write_text('{"text": "a"}\n{"text": "b"}\nbroken\n{"text": "c"}\n', encoding="utf-8")
+    second = tmp_path / "in_b.jsonl"
+    second.write_text('{"text": "d"}\n[1]\n{"text": "e"}\n', encoding="utf-8")
     out = tmp_path / "out"
     out.mkdir()
-    assert _run(source, out / "p", gpt2_flags, "--workers", "2", "--partitions", "2", "--skip-bad-lines") == 0
+    extra = ["--keep-sequential-samples"] if sequential else []
+    assert _run(tmp_path / "in_*.jsonl", out / "p", gpt2_flags, "--workers", "2", "--partitions", "2",
+                "--skip-bad-lines", *extra) == 0
     err = capsys.readouterr().err
-    assert "Skipped 1 bad line(s)" in err and f"{out / 'in_0.jsonl'}:2: not JSON" in err
-    assert _documents(out / "p_text_document") == _reference_documents(gpt2, ["a", "b", "c"], append_eod=False)
+    assert "Skipped 2 bad line(s)" in err
+    assert f"{first}:3: not JSON" in err and f"{second}:2: not a JSON object" in err
+    # Round robin deals global lines 0, 2, 4, 6 (a, broken, d, e) to partition 0 and 1, 3, 5 (b, c, [1]) to 1.
+    texts = ["a", "b", "c", "d", "e"] if sequential else ["a", "d", "e", "b", "c"]
+    assert _documents(out / "p_text_document") == _reference_documents(gpt2, texts, append_eod=False)
 
 
 def test_find_optimal_num_workers(tmp_path, gpt2_flags, shakespeare_lines, capsys):
@@ -338,3 +360,101 @@ def test_empty_partition_is_merged_not_an_error(tmp_path):
     empty = _write_jsonl(tmp_path / "empty.jsonl", [])
     assert _run(empty, tmp_path / "e", flags, "--workers", "2", "--partitions", "2") != 0
     assert not (tmp_path / "e_text_document.idx").exists()
+
+
+# ------------------------------------------------------------------ partitions never touch the user's files
+
+
+def _snapshot(folder):
+    """name -> bytes of every plain file in ``folder`` (sorted names), and the names of everything else."""
+    entries = sorted(folder.iterdir())
+    return {p.name: p.read_bytes() for p in entries if p.is_file()}, [p.name for p in entries if not p.is_file()]
+
+
+def _ids_records(first, count):
+    return [{"text": f"{i} {i + 1}"} for i in range(first, first + count)]
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_partition_glob_over_shards_named_like_partition_files(tmp_path, sequential):
+    """Shards c.jsonl, c_0.jsonl, c_1.jsonl under a glob c*.jsonl: none is rewritten, every document is kept."""
+    data = tmp_path / "d"
+    data.mkdir()
+    shards = {"c.jsonl": _ids_records(1, 3), "c_0.jsonl": _ids_records(10, 4), "c_1.jsonl": _ids_records(20, 5)}
+    for name, records in shards.items():
+        _write_jsonl(data / name, records)
+    before, _ = _snapshot(data)
+    flags = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    extra = ["--keep-sequential-samples"] if sequential else []
+    assert _run(data / "c*.jsonl", data / "out", flags, "--workers", "2", "--partitions", "2", *extra) == 0
+    after, others = _snapshot(data)
+    assert {name: after[name] for name in before} == before  # the user's shards are untouched
+    assert sorted(after) == sorted(before) + ["out_text_document.bin", "out_text_document.idx"] and others == []
+    lines = [r["text"] for name in sorted(shards) for r in shards[name]]
+    order = lines if sequential else lines[0::2] + lines[1::2]
+    assert _documents(data / "out_text_document") == [[[int(x) for x in t.split()]] for t in order]
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_partition_rerun_reads_only_the_users_files(tmp_path, sequential):
+    """Running the same command twice gives the same output: nothing of the first run is read back as input."""
+    data = tmp_path / "d"
+    data.mkdir()
+    _write_jsonl(data / "corpus_a.jsonl", _ids_records(1, 7))
+    _write_jsonl(data / "corpus_b.jsonl", _ids_records(30, 6))
+    before, _ = _snapshot(data)
+    flags = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    extra = ["--keep-sequential-samples"] if sequential else []
+    outputs = []
+    for _ in range(2):
+        assert _run(data / "corpus*.jsonl", data / "out", flags, "--workers", "2", "--partitions", "2", *extra) == 0
+        after, others = _snapshot(data)
+        assert sorted(after) == sorted(before) + ["out_text_document.bin", "out_text_document.idx"] and others == []
+        outputs.append(_documents(data / "out_text_document"))
+    assert len(outputs[0]) == 13 and outputs[1] == outputs[0]
+
+
+def test_partition_failure_leaves_no_intermediate_files_and_names_the_input_line(tmp_path, capsys):
+    data = tmp_path / "d"
+    data.mkdir()
+    _write_jsonl(data / "a.jsonl", _ids_records(1, 3))
+    (data / "b.jsonl").write_text('{"text": "5"}\n{"text": "6"}\nbroken\n', encoding="utf-8")
+    before = _snapshot(data)
+    flags = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    assert _run(data / "*.jsonl", data / "out", flags, "--workers", "2", "--partitions", "2") == 1
+    err = capsys.readouterr().err
+    assert f"{data / 'b.jsonl'}:3: not JSON" in err  # the user's file and line, not a partition file
+    assert _snapshot(data) == before  # no partition input, partition output or temporary folder is left
+
+
+def test_output_prefix_that_would_overwrite_an_input_is_refused(tmp_path, capsys):
+    data = tmp_path / "d"
+    data.mkdir()
+    victim = _write_jsonl(data / "o_text_document.idx", _ids_records(1, 2))  # a (strangely named) input
+    _write_jsonl(data / "p.jsonl", _ids_records(5, 2))
+    before = _snapshot(data)
+    flags = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    for extra in (["--partitions", "2"], ["--partitions", "1"]):
+        source = data / "*" if extra[1] == "2" else victim
+        assert _run(source, data / "o", flags, "--workers", "2", *extra) == 1
+        err = capsys.readouterr().err
+        assert "--output-prefix" in err and str(victim) in err and "overwrite" in err
+        assert _snapshot(data) == before
+
+
+def test_partition_glob_matching_a_folder_or_a_damaged_gzip_is_named(tmp_path, capsys):
+    data = tmp_path / "d"
+    data.mkdir()
+    _write_jsonl(data / "a.jsonl", _ids_records(1, 3))
+    (data / "sub.jsonl").mkdir()
+    flags = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--workers", "2", "--partitions", "2"]
+    assert _run(data / "*.jsonl", data / "out", flags) == 1
+    assert f"matches {data / 'sub.jsonl'}, which is not a file" in capsys.readouterr().err
+    (data / "sub.jsonl").rmdir()
+    with gzip.open(data / "b.jsonl.gz", "wb") as stream:
+        stream.write(b'{"text": "5 6"}\n' * 50)
+    (data / "b.jsonl.gz").write_bytes((data / "b.jsonl.gz").read_bytes()[:-12])  # cut inside the trailer
+    before, _ = _snapshot(data)
+    assert _run(data / "*.jsonl*", data / "out", flags) == 1
+    assert f"--input {data / 'b.jsonl.gz'}: damaged gzip file" in capsys.readouterr().err
+    assert _snapshot(data) == (before, [])
