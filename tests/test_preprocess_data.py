@@ -137,7 +137,35 @@ def test_null_tokenizer_and_pre_split_sentences(tmp_path):
     assert _run(source, tmp_path / "ids", flags, "--append-eod", "--workers", "1") == 0
     dataset = IndexedDataset(str(tmp_path / "ids_text_document"))
     assert dataset.dtype == numpy.int32  # 70,000 ids do not fit Megatron's uint16 threshold
-    assert _documents(tmp_path / "ids_text_document") == [[[1, 2, 3, 69999]], [[4, 5], [6, 69999]], []]
+    # Megatron's NullTokenizer appends eod = --vocab-size.
+    assert _documents(tmp_path / "ids_text_document") == [[[1, 2, 3, 70000]], [[4, 5], [6, 70000]], []]
+
+
+@pytest.mark.parametrize("vocab_size,dtype", [(65498, numpy.uint16), (65499, numpy.int32)])
+def test_null_tokenizer_dtype_follows_megatron(tmp_path, vocab_size, dtype):
+    """--vocab-size V is a vocabulary of V + 1 ids (eod = V); tokens are uint16 only below 65,500 ids."""
+    source = _write_jsonl(tmp_path / "ids.jsonl", [{"text": "7 8"}])
+    flags = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab_size)]
+    assert _run(source, tmp_path / "ids", flags, "--append-eod", "--workers", "1") == 0
+    assert IndexedDataset(str(tmp_path / "ids_text_document")).dtype == dtype
+    assert _documents(tmp_path / "ids_text_document") == [[[7, 8, vocab_size]]]
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_null_tokenizer_bad_ids_are_bad_lines(tmp_path, capsys, workers):
+    content = '{"text": "1 2"}\n{"text": "3 101"}\n{"text": "4 x"}\n{"text": "100"}\n'
+    source = tmp_path / "ids.jsonl"
+    source.write_text(content, encoding="utf-8")
+    flags = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--workers", workers]
+    assert _run(source, tmp_path / "ids", flags) == 1
+    err = capsys.readouterr().err
+    assert f"{source}:2: key 'text': NullTokenizer: id 101 is outside the vocabulary [0, 100]" in err
+    assert list(tmp_path.iterdir()) == [source]
+    assert _run(source, tmp_path / "ids", flags, "--skip-bad-lines") == 0
+    err = capsys.readouterr().err
+    assert "Skipped 2 bad line(s)" in err and f"{source}:2: key 'text'" in err
+    assert f"{source}:3: key 'text': NullTokenizer: 'x' is not an integer token id" in err
+    assert _documents(tmp_path / "ids_text_document") == [[[1, 2]], [[100]]]
 
 
 def test_sentence_splitting_with_stand_in_splitter(tmp_path, gpt2_flags, gpt2, monkeypatch):

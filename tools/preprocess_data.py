@@ -7,8 +7,9 @@ non-empty document. Output is byte-identical to Megatron-LM's ``tools/preprocess
 whatever ``--workers`` is: documents keep input order.
 
 Bad input policy. A line that is not UTF-8 JSON, is not a JSON object, lacks a key, holds a value
-that is neither a string nor a list of strings (pre-split sentences), or holds a lone surrogate
-(``"\\ud800"``) is an error: the tool names the file and line, exits with status 1, and removes
+that is neither a string nor a list of strings (pre-split sentences), holds a lone surrogate
+(``"\\ud800"``), or holds text the tokenizer rejects (a NullTokenizer id that is not an integer in
+``[0, --vocab-size]``) is an error: the tool names the file and line, exits with status 1, and removes
 its partial output (files are written under temporary names and renamed only on success). With
 ``--skip-bad-lines`` such lines are skipped, counted and reported at the end instead. Empty text
 gives a document with zero sequences (as Megatron does). An input with no usable document is an
@@ -169,6 +170,7 @@ class Encoder:
 
         ``docs`` maps key -> ``(tokens [n] in self.dtype, sequence lengths)``; on a bad line ``docs``
         is ``None`` and ``error`` says why (returned, not raised, so the parent reports lines in order).
+        Text the tokenizer rejects (its ``ValueError``) is a bad line too.
         """
         line_number, raw = item
         try:
@@ -180,7 +182,10 @@ class Encoder:
             doc_ids: List[int] = []
             lengths: List[int] = []
             for sentence in self._sentences(text):
-                sentence_ids = self.tokenizer.tokenize(sentence)
+                try:
+                    sentence_ids = self.tokenizer.tokenize(sentence)
+                except ValueError as error:  # text the tokenizer rejects, e.g. a NullTokenizer id out of range
+                    return line_number, None, len(raw), f"key {key!r}: {error}"
                 if sentence_ids:
                     doc_ids.extend(sentence_ids)
                     lengths.append(len(sentence_ids))
