@@ -2,6 +2,7 @@
 import gzip
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -486,3 +487,151 @@ def test_partition_glob_matching_a_folder_or_a_damaged_gzip_is_named(tmp_path, c
     assert _run(data / "*.jsonl*", data / "out", flags) == 1
     assert f"--input {data / 'b.jsonl.gz'}: damaged gzip file" in capsys.readouterr().err
     assert _snapshot(data) == (before, [])
+
+
+# ------------------------------------------------------------------ every option under fork, spawn and forkserver
+
+# A file-based stand-in for the part of nltk's punkt module the tool uses (nltk and its punkt data
+# cannot be installed here). It is importable by spawned processes, and like nltk it pickles
+# PunktLanguageVars without instance state, so only class-level settings survive a process boundary.
+_STAND_IN_PUNKT = r'''
+import re
+
+
+class PunktLanguageVars:
+    _period_context_fmt = r"""
+        %(SentEndChars)s
+        (?=(?P<after_tok>
+            %(NonWord)s
+            |
+            \s+(?P<next_tok>\S+)
+        ))"""
+
+    def __getstate__(self):
+        return 1
+
+    def __setstate__(self, state):
+        return 1
+
+
+class PunktSentenceTokenizer:
+    """Splits after . ! ? followed by whitespace; the whitespace stays with the sentence when the
+    language variables' period context swallows it (Megatron's --keep-newlines variables)."""
+
+    def __init__(self, train_text=None, lang_vars=None):
+        self._params = train_text
+        self._lang_vars = lang_vars if lang_vars is not None else PunktLanguageVars()
+
+    def tokenize(self, text):
+        keep = r"\s*" in self._lang_vars._period_context_fmt
+        pieces = re.split(r"(?<=[.!?])(\s+)", text)
+        sentences = []
+        for i in range(0, len(pieces), 2):
+            sentence = pieces[i] + (pieces[i + 1] if keep and i + 1 < len(pieces) else "")
+            if sentence.strip():
+                sentences.append(sentence if keep else sentence.strip())
+        return sentences
+
+
+class PunktTokenizer(PunktSentenceTokenizer):
+    def __init__(self, lang="english"):
+        super().__init__(train_text="params-" + lang)
+'''
+
+_LAUNCHER = r'''
+import json
+import multiprocessing
+import runpy
+import sys
+
+
+def main():
+    method, tool, runs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    multiprocessing.set_start_method(method)
+    codes = []
+    for argv in runs:
+        sys.argv = [tool] + argv
+        try:
+            runpy.run_path(tool, run_name="__main__")  # as `python tools/preprocess_data.py ARGS`
+            codes.append(0)
+        except SystemExit as exit_:
+            codes.append(exit_.code)
+        except Exception as error:
+            codes.append(f"{type(error).__name__}: {error}")
+    print("CODES " + json.dumps(codes), flush=True)
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def _stand_in_nltk_package(root):
+    package = root / "nltk"
+    (package / "tokenize").mkdir(parents=True)
+    (package / "__init__.py").write_text("from nltk import tokenize\n")
+    (package / "tokenize" / "__init__.py").write_text("from nltk.tokenize import punkt\n")
+    (package / "tokenize" / "punkt.py").write_text(_STAND_IN_PUNKT)
+    spec = importlib.util.spec_from_file_location("_stand_in_punkt", package / "tokenize" / "punkt.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_option_under_every_start_method(tmp_path, shared_data, gpt2_flags, gpt2, shakespeare_lines):
+    """The option matrix under spawn and forkserver (2 workers) gives the bytes fork gives, and fork's are right."""
+    punkt = _stand_in_nltk_package(tmp_path / "site")
+    texts = [json.loads(line)["text"] for line in shakespeare_lines[:120]]
+    records = [{"text": "\n".join(texts[i:i + 4])} for i in range(0, len(texts), 4)]  # several sentences each
+    source = _write_jsonl(tmp_path / "in.jsonl", records)
+    source.write_text(source.read_text(encoding="utf-8") + "broken line\n", encoding="utf-8")
+    ids = _write_jsonl(tmp_path / "ids.jsonl", [{"text": f"{i} {i + 1} {i + 2}"} for i in range(40)])
+    sp_model = str(shared_data / "shakespeare-sp8k.model")
+    common = ["--workers", "2", "--append-eod", "--skip-bad-lines"]
+    configs = {
+        "gpt2": [str(source), *gpt2_flags, *common],
+        "sp": [str(source), "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", sp_model, *common],
+        "gptsp": [str(source), "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", sp_model,
+                  *common],
+        "null": [str(ids), "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", *common],
+        "split": [str(source), *gpt2_flags, *common, "--split-sentences"],
+        "newlines": [str(source), *gpt2_flags, *common, "--split-sentences", "--keep-newlines"],
+        "partitions": [str(tmp_path / "in*.jsonl"), *gpt2_flags, "--append-eod", "--skip-bad-lines",
+                       "--workers", "4", "--partitions", "2", "--split-sentences", "--keep-newlines"],
+    }
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(REPO_ROOT),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    (tmp_path / "launch.py").write_text(_LAUNCHER)
+    outputs = {}
+    for method in ("fork", "spawn", "forkserver"):
+        out = tmp_path / method
+        out.mkdir()
+        runs = [["--input", argv[0], "--output-prefix", str(out / name), *argv[1:]] for name, argv in configs.items()]
+        runs.append(["--input", str(source), "--output-prefix", str(out / "bench"), *gpt2_flags, "--workers", "1",
+                     "--split-sentences", "--keep-newlines", "--find-optimal-num-workers", "--workers-to-check", "2",
+                     "--max-documents", "10"])
+        result = subprocess.run([sys.executable, str(tmp_path / "launch.py"), method,
+                                 str(REPO_ROOT / "tools" / "preprocess_data.py"), json.dumps(runs)],
+                                capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+        codes = re.findall(r"^CODES (.*)$", result.stdout, re.MULTILINE)
+        assert result.returncode == 0 and codes, f"{method}: {result.stderr[-3000:]}"
+        assert json.loads(codes[0]) == [0] * len(runs), f"{method}: {codes[0]}\n{result.stderr[-3000:]}"
+        assert "Optimal number of workers: 2" in result.stdout
+        outputs[method] = {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+    level = {name: "sentence" if "--split-sentences" in argv else "document" for name, argv in configs.items()}
+    assert sorted(outputs["fork"]) == sorted(f"{name}_text_{level[name]}.{ext}" for name in configs
+                                             for ext in ("bin", "idx"))
+    assert outputs["spawn"] == outputs["fork"] and outputs["forkserver"] == outputs["fork"]
+    # Fork's output is the right one: sentences from the (stand-in) splitter, newlines kept or not.
+    for name, lang_vars in (("split", punkt.PunktLanguageVars()), ("newlines", None)):
+        if lang_vars is None:
+            lang_vars = type("KeepNewlines", (punkt.PunktLanguageVars,), {"_period_context_fmt": r"\S*[.]\s*"})()
+        splitter = punkt.PunktSentenceTokenizer(lang_vars=lang_vars)
+        expected = []
+        for record in records:
+            sentences = [gpt2.tokenize(s) for s in splitter.tokenize(record["text"])]
+            sentences = [s for s in sentences if s]
+            sentences[-1] = sentences[-1] + [gpt2.eod]
+            expected.append(sentences)
+        assert _documents(tmp_path / "fork" / f"{name}_text_sentence") == expected
+    assert _documents(tmp_path / "fork" / "newlines_text_sentence") != _documents(tmp_path / "fork" / "split_text_sentence")

@@ -115,18 +115,33 @@ class Encoder:
         append_eod: append ``tokenizer.eod`` to each non-empty document.
         dtype: numpy dtype of the output tokens.
         splitter: sentence splitter with ``.tokenize(text) -> list[str]`` or ``None``.
+        splitter_spec: ``(lang, keep_newlines)`` that ``splitter`` was built from, or ``None``.
+
+    A copy sent to a spawned or forkserver worker (pickled) leaves the splitter behind when
+    ``splitter_spec`` is given and rebuilds it there on first use: NLTK splitters with Megatron's
+    newline-keeping language variables do not pickle. Forked workers use the parent's as it is.
     """
 
-    def __init__(self, tokenizer, json_keys: List[str], append_eod: bool, dtype, splitter=None) -> None:
+    def __init__(self, tokenizer, json_keys: List[str], append_eod: bool, dtype, splitter=None,
+                 splitter_spec: Optional[Tuple[str, bool]] = None) -> None:
         self.tokenizer = tokenizer
         self.json_keys = json_keys
         self.append_eod = append_eod
         self.dtype = numpy.dtype(dtype)
         self.splitter = splitter
+        self.splitter_spec = splitter_spec
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        if self.splitter_spec is not None:
+            state["splitter"] = None
+        return state
 
     def _sentences(self, text) -> List[str]:
         if isinstance(text, list):
             return text
+        if self.splitter is None and self.splitter_spec is not None:
+            self.splitter = _build_sentence_splitter(*self.splitter_spec)
         if self.splitter is None:
             return [text]
         sentences: List[str] = []
@@ -653,10 +668,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         output_dir = os.path.dirname(os.path.abspath(args.output_prefix))
         if not os.path.isdir(output_dir):
             raise PreprocessError(f"--output-prefix {args.output_prefix}: folder {output_dir} does not exist")
-        splitter = _build_sentence_splitter(args.lang, args.keep_newlines) if args.split_sentences else None
+        splitter_spec = (args.lang, args.keep_newlines) if args.split_sentences else None
+        # Built here once so that a missing nltk or punkt data stops the run before any work.
+        splitter = _build_sentence_splitter(*splitter_spec) if splitter_spec else None
         level = "sentence" if args.split_sentences else "document"
         encoder = Encoder(tokenizer, args.json_keys, args.append_eod,
-                          DType.optimal_dtype(tokenizer.vocab_size), splitter)
+                          DType.optimal_dtype(tokenizer.vocab_size), splitter, splitter_spec)
         if args.find_optimal_num_workers:
             find_optimal_num_workers(args, encoder, level)
             return 0
