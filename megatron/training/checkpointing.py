@@ -506,6 +506,8 @@ def load_state_dict_file(path, context=None):
                 f"refusing to load checkpoint {where}: it holds objects other than tensors and plain data, "
                 f"which a weights-only load does not execute ({exc})") from exc
         raise CheckpointReadError(f"cannot read checkpoint file {where}: it {_unreadable_reason(path, exc)}") from exc
+    except MemoryError:  # too big for this host, not damaged
+        raise
     except Exception as exc:  # torch.load reports damage as EOFError, OSError(EINVAL), KeyError, RuntimeError...
         raise CheckpointReadError(f"cannot read checkpoint file {where}: it {_unreadable_reason(path, exc)}") from exc
 
