@@ -54,7 +54,9 @@ def _sdk_accepts(value):
     return not records
 
 
-@pytest.mark.parametrize("value", [v for v, _ in MALFORMED] + WELL_FORMED)
+@pytest.mark.parametrize("value", [v for v, _ in MALFORMED] + WELL_FORMED,
+                         ids=[f"malformed{i}" for i in range(len(MALFORMED))] +
+                         [f"well_formed{i}" for i in range(len(WELL_FORMED))])
 def test_verdict_matches_the_sdk_parser(value):
     from megatron.core.telemetry.config import otlp_headers_problem
 
@@ -62,7 +64,7 @@ def test_verdict_matches_the_sdk_parser(value):
 
 
 @pytest.mark.parametrize("variable", HEADER_VARIABLES)
-@pytest.mark.parametrize("value,problem", MALFORMED)
+@pytest.mark.parametrize("value,problem", MALFORMED, ids=[f"malformed{i}" for i in range(len(MALFORMED))])
 def test_malformed_headers_fail_validation_without_the_value(monkeypatch, variable, value, problem):
     monkeypatch.setenv(variable, value)
     config = tel.TelemetryConfig(enabled=True, exporter="otlp")
@@ -73,7 +75,7 @@ def test_malformed_headers_fail_validation_without_the_value(monkeypatch, variab
     assert SECRET not in message and "Bearer" not in message and "authoriz" not in message
 
 
-@pytest.mark.parametrize("value", WELL_FORMED)
+@pytest.mark.parametrize("value", WELL_FORMED, ids=[f"well_formed{i}" for i in range(len(WELL_FORMED))])
 def test_well_formed_headers_pass(monkeypatch, value):
     for variable in HEADER_VARIABLES:
         monkeypatch.setenv(variable, value)
