@@ -341,6 +341,84 @@ def test_truncated_file_error_names_it(tmp_path):
         load_checkpoint(*_fresh())
 
 
+def _prefix_lengths(size):
+    """0 bytes, every length up to 64, a spread through the middle, half, and the last 64 (all-but-one too)."""
+    lengths = set(range(0, 65)) | set(range(65, size, max(1, size // 97))) | {size // 2}
+    return sorted(lengths | set(range(max(0, size - 64), size)))
+
+
+def _unreadable_error(tmp_path, content, iteration=8):
+    """Write ``content`` as the iteration's checkpoint file and load it; returns (file name, error text)."""
+    name = get_checkpoint_name(str(tmp_path / "ckpt"), iteration)
+    with open(name, "wb") as f:
+        f.write(content)
+    with pytest.raises(RuntimeError) as info:
+        load_checkpoint(*_fresh())
+    return name, str(info.value)
+
+
+def test_every_truncation_of_a_real_checkpoint_names_the_file(tmp_path):
+    """A real checkpoint cut at any length: the error names the file, the iteration, --load and what is wrong."""
+    args, _ = _save_trained(tmp_path)
+    name = get_checkpoint_name(args.load, 8)
+    with open(name, "rb") as f:
+        whole = f.read()
+    lengths = _prefix_lengths(len(whole))
+    assert 0 in lengths and len(whole) // 2 in lengths and len(whole) - 1 in lengths and len(lengths) > 150
+    for length in lengths:
+        _, message = _unreadable_error(tmp_path, whole[:length])
+        assert f"checkpoint file {name}" in message, (length, message)
+        assert f"iteration 8 of --load {args.load}" in message, (length, message)
+        expected = "is empty (0 bytes)" if length == 0 else f"is truncated ({length} bytes"
+        assert expected in message, (length, message)
+    with open(name, "wb") as f:
+        f.write(whole)
+    assert load_checkpoint(*_fresh())[0] == 8  # the untouched file still loads
+
+
+@pytest.mark.parametrize("content,reason", [
+    pytest.param(bytes(range(256)) * 20, "is not a checkpoint", id="binary"),
+    pytest.param(b"iteration: 8\nmodel: weights\n" * 40, "is not a checkpoint", id="text"),
+    pytest.param(b"\x80\x02" + bytes(range(2, 200)), "is truncated or corrupt", id="pickle-like"),
+])
+def test_garbage_checkpoint_file_is_named(tmp_path, content, reason):
+    args, _ = _save_trained(tmp_path)
+    name, message = _unreadable_error(tmp_path, content)
+    assert f"checkpoint file {name}" in message and f"iteration 8 of --load {args.load}" in message
+    assert reason in message, message
+
+
+def test_checkpoint_file_holding_no_state_dict_is_not_a_checkpoint(tmp_path):
+    args, _ = _save_trained(tmp_path)
+    name = get_checkpoint_name(args.load, 8)
+    torch.save(torch.zeros(3), name)
+    with pytest.raises(RuntimeError, match=r"checkpoint file .*iter_0000008.* is not a checkpoint: it holds a Tensor"):
+        load_checkpoint(*_fresh())
+
+
+def test_complete_zip_with_damaged_contents_is_corrupt(tmp_path):
+    """The archive is whole but its pickled record is overwritten (same length): corrupt, named."""
+    import zipfile
+
+    args, _ = _save_trained(tmp_path)
+    name = get_checkpoint_name(args.load, 8)
+    with zipfile.ZipFile(name) as archive:
+        record = next(info for info in archive.infolist() if info.filename.endswith("/data.pkl"))
+    with open(name, "rb") as f:
+        whole = bytearray(f.read())
+    name_length, extra_length = (int.from_bytes(whole[record.header_offset + i:record.header_offset + i + 2], "little")
+                                 for i in (26, 28))
+    start = record.header_offset + 30 + name_length + extra_length
+    whole[start:start + 16] = b"\xff" * 16
+    with open(name, "wb") as f:
+        f.write(bytes(whole))
+    assert zipfile.is_zipfile(name)
+    with pytest.raises(RuntimeError) as info:
+        load_checkpoint(*_fresh())
+    message = str(info.value)
+    assert f"checkpoint file {name} (iteration 8 of --load {args.load}): it is corrupt" in message, message
+
+
 # ---------------------------------------------------------------------------------------------------
 # Load flags and errors
 # ---------------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 import gzip
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -80,6 +81,18 @@ def test_golden_gpt2(shared_data, tmp_path, gpt2_flags, workers):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shakes_text_document.bin", "shakes_text_document.idx"]
 
 
+def test_golden_gpt2_partitions_keep_sequential(shared_data, tmp_path, gpt2_flags):
+    """Contiguous partitions merged in order give the same bytes as one pass, and leave only the output."""
+    out = tmp_path / "out"
+    out.mkdir()
+    assert _run(shared_data / "tinyshakespeare.jsonl", out / "shakes", gpt2_flags, "--append-eod", "--workers", "2",
+                "--partitions", "2", "--keep-sequential-samples") == 0
+    for ext in ("bin", "idx"):
+        golden = (shared_data / "golden" / f"shakes_text_document.{ext}").read_bytes()
+        assert (out / f"shakes_text_document.{ext}").read_bytes() == golden
+    assert sorted(p.name for p in out.iterdir()) == ["shakes_text_document.bin", "shakes_text_document.idx"]
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_golden_sentencepiece(shared_data, tmp_path, workers):
     prefix = tmp_path / "shakes_sp"
@@ -125,7 +138,35 @@ def test_null_tokenizer_and_pre_split_sentences(tmp_path):
     assert _run(source, tmp_path / "ids", flags, "--append-eod", "--workers", "1") == 0
     dataset = IndexedDataset(str(tmp_path / "ids_text_document"))
     assert dataset.dtype == numpy.int32  # 70,000 ids do not fit Megatron's uint16 threshold
-    assert _documents(tmp_path / "ids_text_document") == [[[1, 2, 3, 69999]], [[4, 5], [6, 69999]], []]
+    # Megatron's NullTokenizer appends eod = --vocab-size.
+    assert _documents(tmp_path / "ids_text_document") == [[[1, 2, 3, 70000]], [[4, 5], [6, 70000]], []]
+
+
+@pytest.mark.parametrize("vocab_size,dtype", [(65498, numpy.uint16), (65499, numpy.int32)])
+def test_null_tokenizer_dtype_follows_megatron(tmp_path, vocab_size, dtype):
+    """--vocab-size V is a vocabulary of V + 1 ids (eod = V); tokens are uint16 only below 65,500 ids."""
+    source = _write_jsonl(tmp_path / "ids.jsonl", [{"text": "7 8"}])
+    flags = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab_size)]
+    assert _run(source, tmp_path / "ids", flags, "--append-eod", "--workers", "1") == 0
+    assert IndexedDataset(str(tmp_path / "ids_text_document")).dtype == dtype
+    assert _documents(tmp_path / "ids_text_document") == [[[7, 8, vocab_size]]]
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_null_tokenizer_bad_ids_are_bad_lines(tmp_path, capsys, workers):
+    content = '{"text": "1 2"}\n{"text": "3 101"}\n{"text": "4 x"}\n{"text": "100"}\n'
+    source = tmp_path / "ids.jsonl"
+    source.write_text(content, encoding="utf-8")
+    flags = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--workers", workers]
+    assert _run(source, tmp_path / "ids", flags) == 1
+    err = capsys.readouterr().err
+    assert f"{source}:2: key 'text': NullTokenizer: id 101 is outside the vocabulary [0, 100]" in err
+    assert list(tmp_path.iterdir()) == [source]
+    assert _run(source, tmp_path / "ids", flags, "--skip-bad-lines") == 0
+    err = capsys.readouterr().err
+    assert "Skipped 2 bad line(s)" in err and f"{source}:2: key 'text'" in err
+    assert f"{source}:3: key 'text': NullTokenizer: 'x' is not an integer token id" in err
+    assert _documents(tmp_path / "ids_text_document") == [[[1, 2]], [[100]]]
 
 
 def test_sentence_splitting_with_stand_in_splitter(tmp_path, gpt2_flags, gpt2, monkeypatch):
@@ -167,7 +208,8 @@ def test_partitions(tmp_path, gpt2_flags, gpt2, shakespeare_lines, sequential):
     # Round robin puts even lines in partition 0 and odd lines in partition 1; merging keeps partition order.
     order = texts if sequential else texts[0::2] + texts[1::2]
     assert _documents(out / "p_text_document") == _reference_documents(gpt2, order)
-    assert (out / "in_0.jsonl").is_file() and (out / "p_1_text_document.idx").is_file()
+    # Partition files are intermediate: nothing but the merged output is left.
+    assert sorted(p.name for p in out.iterdir()) == ["p_text_document.bin", "p_text_document.idx"]
 
 
 def test_workers_must_divide_by_partitions(tmp_path, gpt2_flags):
@@ -257,15 +299,24 @@ def test_missing_input_and_command_line_exit_status(tmp_path, gpt2_flags):
     assert _run(tmp_path / "nope.jsonl", tmp_path / "o", gpt2_flags, "--workers", "1") == 1
 
 
-def test_skip_bad_lines_across_partitions(tmp_path, gpt2_flags, gpt2, capsys):
-    source = tmp_path / "in.jsonl"
-    source.write_text('{"text": "a"}\n{"text": "b"}\nbroken\n{"text": "c"}\n', encoding="utf-8")
+@pytest.mark.parametrize("sequential", [False, True])
+def test_skip_bad_lines_across_partitions(tmp_path, gpt2_flags, gpt2, capsys, sequential):
+    """Skipped lines are named by the user's file and line, whichever partition they landed in."""
+    first = tmp_path / "in_a.jsonl"
+    first.write_text('{"text": "a"}\n{"text": "b"}\nbroken\n{"text": "c"}\n', encoding="utf-8")
+    second = tmp_path / "in_b.jsonl"
+    second.write_text('{"text": "d"}\n[1]\n{"text": "e"}\n', encoding="utf-8")
     out = tmp_path / "out"
     out.mkdir()
-    assert _run(source, out / "p", gpt2_flags, "--workers", "2", "--partitions", "2", "--skip-bad-lines") == 0
+    extra = ["--keep-sequential-samples"] if sequential else []
+    assert _run(tmp_path / "in_*.jsonl", out / "p", gpt2_flags, "--workers", "2", "--partitions", "2",
+                "--skip-bad-lines", *extra) == 0
     err = capsys.readouterr().err
-    assert "Skipped 1 bad line(s)" in err and f"{out / 'in_0.jsonl'}:2: not JSON" in err
-    assert _documents(out / "p_text_document") == _reference_documents(gpt2, ["a", "b", "c"], append_eod=False)
+    assert "Skipped 2 bad line(s)" in err
+    assert f"{first}:3: not JSON" in err and f"{second}:2: not a JSON object" in err
+    # Round robin deals global lines 0, 2, 4, 6 (a, broken, d, e) to partition 0 and 1, 3, 5 (b, c, [1]) to 1.
+    texts = ["a", "b", "c", "d", "e"] if sequential else ["a", "d", "e", "b", "c"]
+    assert _documents(out / "p_text_document") == _reference_documents(gpt2, texts, append_eod=False)
 
 
 def test_find_optimal_num_workers(tmp_path, gpt2_flags, shakespeare_lines, capsys):
@@ -338,3 +389,249 @@ def test_empty_partition_is_merged_not_an_error(tmp_path):
     empty = _write_jsonl(tmp_path / "empty.jsonl", [])
     assert _run(empty, tmp_path / "e", flags, "--workers", "2", "--partitions", "2") != 0
     assert not (tmp_path / "e_text_document.idx").exists()
+
+
+# ------------------------------------------------------------------ partitions never touch the user's files
+
+
+def _snapshot(folder):
+    """name -> bytes of every plain file in ``folder`` (sorted names), and the names of everything else."""
+    entries = sorted(folder.iterdir())
+    return {p.name: p.read_bytes() for p in entries if p.is_file()}, [p.name for p in entries if not p.is_file()]
+
+
+def _ids_records(first, count):
+    return [{"text": f"{i} {i + 1}"} for i in range(first, first + count)]
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_partition_glob_over_shards_named_like_partition_files(tmp_path, sequential):
+    """Shards c.jsonl, c_0.jsonl, c_1.jsonl under a glob c*.jsonl: none is rewritten, every document is kept."""
+    data = tmp_path / "d"
+    data.mkdir()
+    shards = {"c.jsonl": _ids_records(1, 3), "c_0.jsonl": _ids_records(10, 4), "c_1.jsonl": _ids_records(20, 5)}
+    for name, records in shards.items():
+        _write_jsonl(data / name, records)
+    before, _ = _snapshot(data)
+    flags = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    extra = ["--keep-sequential-samples"] if sequential else []
+    assert _run(data / "c*.jsonl", data / "out", flags, "--workers", "2", "--partitions", "2", *extra) == 0
+    after, others = _snapshot(data)
+    assert {name: after[name] for name in before} == before  # the user's shards are untouched
+    assert sorted(after) == sorted(before) + ["out_text_document.bin", "out_text_document.idx"] and others == []
+    lines = [r["text"] for name in sorted(shards) for r in shards[name]]
+    order = lines if sequential else lines[0::2] + lines[1::2]
+    assert _documents(data / "out_text_document") == [[[int(x) for x in t.split()]] for t in order]
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_partition_rerun_reads_only_the_users_files(tmp_path, sequential):
+    """Running the same command twice gives the same output: nothing of the first run is read back as input."""
+    data = tmp_path / "d"
+    data.mkdir()
+    _write_jsonl(data / "corpus_a.jsonl", _ids_records(1, 7))
+    _write_jsonl(data / "corpus_b.jsonl", _ids_records(30, 6))
+    before, _ = _snapshot(data)
+    flags = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    extra = ["--keep-sequential-samples"] if sequential else []
+    outputs = []
+    for _ in range(2):
+        assert _run(data / "corpus*.jsonl", data / "out", flags, "--workers", "2", "--partitions", "2", *extra) == 0
+        after, others = _snapshot(data)
+        assert sorted(after) == sorted(before) + ["out_text_document.bin", "out_text_document.idx"] and others == []
+        outputs.append(_documents(data / "out_text_document"))
+    assert len(outputs[0]) == 13 and outputs[1] == outputs[0]
+
+
+def test_partition_failure_leaves_no_intermediate_files_and_names_the_input_line(tmp_path, capsys):
+    data = tmp_path / "d"
+    data.mkdir()
+    _write_jsonl(data / "a.jsonl", _ids_records(1, 3))
+    (data / "b.jsonl").write_text('{"text": "5"}\n{"text": "6"}\nbroken\n', encoding="utf-8")
+    before = _snapshot(data)
+    flags = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    assert _run(data / "*.jsonl", data / "out", flags, "--workers", "2", "--partitions", "2") == 1
+    err = capsys.readouterr().err
+    assert f"{data / 'b.jsonl'}:3: not JSON" in err  # the user's file and line, not a partition file
+    assert _snapshot(data) == before  # no partition input, partition output or temporary folder is left
+
+
+def test_output_prefix_that_would_overwrite_an_input_is_refused(tmp_path, capsys):
+    data = tmp_path / "d"
+    data.mkdir()
+    victim = _write_jsonl(data / "o_text_document.idx", _ids_records(1, 2))  # a (strangely named) input
+    _write_jsonl(data / "p.jsonl", _ids_records(5, 2))
+    before = _snapshot(data)
+    flags = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    for extra in (["--partitions", "2"], ["--partitions", "1"]):
+        source = data / "*" if extra[1] == "2" else victim
+        assert _run(source, data / "o", flags, "--workers", "2", *extra) == 1
+        err = capsys.readouterr().err
+        assert "--output-prefix" in err and str(victim) in err and "overwrite" in err
+        assert _snapshot(data) == before
+
+
+def test_partition_glob_matching_a_folder_or_a_damaged_gzip_is_named(tmp_path, capsys):
+    data = tmp_path / "d"
+    data.mkdir()
+    _write_jsonl(data / "a.jsonl", _ids_records(1, 3))
+    (data / "sub.jsonl").mkdir()
+    flags = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--workers", "2", "--partitions", "2"]
+    assert _run(data / "*.jsonl", data / "out", flags) == 1
+    assert f"matches {data / 'sub.jsonl'}, which is not a file" in capsys.readouterr().err
+    (data / "sub.jsonl").rmdir()
+    with gzip.open(data / "b.jsonl.gz", "wb") as stream:
+        stream.write(b'{"text": "5 6"}\n' * 50)
+    (data / "b.jsonl.gz").write_bytes((data / "b.jsonl.gz").read_bytes()[:-12])  # cut inside the trailer
+    before, _ = _snapshot(data)
+    assert _run(data / "*.jsonl*", data / "out", flags) == 1
+    assert f"--input {data / 'b.jsonl.gz'}: damaged gzip file" in capsys.readouterr().err
+    assert _snapshot(data) == (before, [])
+
+
+# ------------------------------------------------------------------ every option under fork, spawn and forkserver
+
+# A file-based stand-in for the part of nltk's punkt module the tool uses (nltk and its punkt data
+# cannot be installed here). It is importable by spawned processes, and like nltk it pickles
+# PunktLanguageVars without instance state, so only class-level settings survive a process boundary.
+_STAND_IN_PUNKT = r'''
+import re
+
+
+class PunktLanguageVars:
+    _period_context_fmt = r"""
+        %(SentEndChars)s
+        (?=(?P<after_tok>
+            %(NonWord)s
+            |
+            \s+(?P<next_tok>\S+)
+        ))"""
+
+    def __getstate__(self):
+        return 1
+
+    def __setstate__(self, state):
+        return 1
+
+
+class PunktSentenceTokenizer:
+    """Splits after . ! ? followed by whitespace; the whitespace stays with the sentence when the
+    language variables' period context swallows it (Megatron's --keep-newlines variables)."""
+
+    def __init__(self, train_text=None, lang_vars=None):
+        self._params = train_text
+        self._lang_vars = lang_vars if lang_vars is not None else PunktLanguageVars()
+
+    def tokenize(self, text):
+        keep = r"\s*" in self._lang_vars._period_context_fmt
+        pieces = re.split(r"(?<=[.!?])(\s+)", text)
+        sentences = []
+        for i in range(0, len(pieces), 2):
+            sentence = pieces[i] + (pieces[i + 1] if keep and i + 1 < len(pieces) else "")
+            if sentence.strip():
+                sentences.append(sentence if keep else sentence.strip())
+        return sentences
+
+
+class PunktTokenizer(PunktSentenceTokenizer):
+    def __init__(self, lang="english"):
+        super().__init__(train_text="params-" + lang)
+'''
+
+_LAUNCHER = r'''
+import json
+import multiprocessing
+import runpy
+import sys
+
+
+def main():
+    method, tool, runs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    multiprocessing.set_start_method(method)
+    codes = []
+    for argv in runs:
+        sys.argv = [tool] + argv
+        try:
+            runpy.run_path(tool, run_name="__main__")  # as `python tools/preprocess_data.py ARGS`
+            codes.append(0)
+        except SystemExit as exit_:
+            codes.append(exit_.code)
+        except Exception as error:
+            codes.append(f"{type(error).__name__}: {error}")
+    print("CODES " + json.dumps(codes), flush=True)
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def _stand_in_nltk_package(root):
+    package = root / "nltk"
+    (package / "tokenize").mkdir(parents=True)
+    (package / "__init__.py").write_text("from nltk import tokenize\n")
+    (package / "tokenize" / "__init__.py").write_text("from nltk.tokenize import punkt\n")
+    (package / "tokenize" / "punkt.py").write_text(_STAND_IN_PUNKT)
+    spec = importlib.util.spec_from_file_location("_stand_in_punkt", package / "tokenize" / "punkt.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_option_under_every_start_method(tmp_path, shared_data, gpt2_flags, gpt2, shakespeare_lines):
+    """The option matrix under spawn and forkserver (2 workers) gives the bytes fork gives, and fork's are right."""
+    punkt = _stand_in_nltk_package(tmp_path / "site")
+    texts = [json.loads(line)["text"] for line in shakespeare_lines[:120]]
+    records = [{"text": "\n".join(texts[i:i + 4])} for i in range(0, len(texts), 4)]  # several sentences each
+    source = _write_jsonl(tmp_path / "in.jsonl", records)
+    source.write_text(source.read_text(encoding="utf-8") + "broken line\n", encoding="utf-8")
+    ids = _write_jsonl(tmp_path / "ids.jsonl", [{"text": f"{i} {i + 1} {i + 2}"} for i in range(40)])
+    sp_model = str(shared_data / "shakespeare-sp8k.model")
+    common = ["--workers", "2", "--append-eod", "--skip-bad-lines"]
+    configs = {
+        "gpt2": [str(source), *gpt2_flags, *common],
+        "sp": [str(source), "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", sp_model, *common],
+        "gptsp": [str(source), "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", sp_model,
+                  *common],
+        "null": [str(ids), "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", *common],
+        "split": [str(source), *gpt2_flags, *common, "--split-sentences"],
+        "newlines": [str(source), *gpt2_flags, *common, "--split-sentences", "--keep-newlines"],
+        "partitions": [str(tmp_path / "in*.jsonl"), *gpt2_flags, "--append-eod", "--skip-bad-lines",
+                       "--workers", "4", "--partitions", "2", "--split-sentences", "--keep-newlines"],
+    }
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(REPO_ROOT),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    (tmp_path / "launch.py").write_text(_LAUNCHER)
+    outputs = {}
+    for method in ("fork", "spawn", "forkserver"):
+        out = tmp_path / method
+        out.mkdir()
+        runs = [["--input", argv[0], "--output-prefix", str(out / name), *argv[1:]] for name, argv in configs.items()]
+        runs.append(["--input", str(source), "--output-prefix", str(out / "bench"), *gpt2_flags, "--workers", "1",
+                     "--split-sentences", "--keep-newlines", "--find-optimal-num-workers", "--workers-to-check", "2",
+                     "--max-documents", "10"])
+        result = subprocess.run([sys.executable, str(tmp_path / "launch.py"), method,
+                                 str(REPO_ROOT / "tools" / "preprocess_data.py"), json.dumps(runs)],
+                                capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+        codes = re.findall(r"^CODES (.*)$", result.stdout, re.MULTILINE)
+        assert result.returncode == 0 and codes, f"{method}: {result.stderr[-3000:]}"
+        assert json.loads(codes[0]) == [0] * len(runs), f"{method}: {codes[0]}\n{result.stderr[-3000:]}"
+        assert "Optimal number of workers: 2" in result.stdout
+        outputs[method] = {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+    level = {name: "sentence" if "--split-sentences" in argv else "document" for name, argv in configs.items()}
+    assert sorted(outputs["fork"]) == sorted(f"{name}_text_{level[name]}.{ext}" for name in configs
+                                             for ext in ("bin", "idx"))
+    assert outputs["spawn"] == outputs["fork"] and outputs["forkserver"] == outputs["fork"]
+    # Fork's output is the right one: sentences from the (stand-in) splitter, newlines kept or not.
+    for name, lang_vars in (("split", punkt.PunktLanguageVars()), ("newlines", None)):
+        if lang_vars is None:
+            lang_vars = type("KeepNewlines", (punkt.PunktLanguageVars,), {"_period_context_fmt": r"\S*[.]\s*"})()
+        splitter = punkt.PunktSentenceTokenizer(lang_vars=lang_vars)
+        expected = []
+        for record in records:
+            sentences = [gpt2.tokenize(s) for s in splitter.tokenize(record["text"])]
+            sentences = [s for s in sentences if s]
+            sentences[-1] = sentences[-1] + [gpt2.eod]
+            expected.append(sentences)
+        assert _documents(tmp_path / "fork" / f"{name}_text_sentence") == expected
+    assert _documents(tmp_path / "fork" / "newlines_text_sentence") != _documents(tmp_path / "fork" / "split_text_sentence")

@@ -162,18 +162,24 @@ def test_sentencepiece_missing_or_bad_model(tmp_path):
 
 
 def test_null_tokenizer():
+    """Megatron's NullTokenizer: eod is --vocab-size itself, so the vocabulary holds --vocab-size + 1 ids."""
     tokenizer = NullTokenizer(100)
     assert tokenizer.tokenize("3 1  4\n1 5") == [3, 1, 4, 1, 5]
     assert tokenizer.tokenize("") == []
     assert tokenizer.detokenize([3, 1, 4]) == "3 1 4"
-    assert tokenizer.eod == 99 and tokenizer.pad == -1 and tokenizer.vocab_size == 100
+    assert tokenizer.eod == 100 and tokenizer.pad == -1 and tokenizer.vocab_size == 101
+    assert tokenizer.tokenize("0 100") == [0, 100]  # the eod id is in the vocabulary
+    assert len(tokenizer.vocab) == 101 and tokenizer.inv_vocab[100] == "100"
     assert NullTokenizer(100, eod_id=0, pad_id=1).eod == 0
+    assert NullTokenizer(100, eod_id=99).vocab_size == 101
     with pytest.raises(ValueError, match="'x'"):
         tokenizer.tokenize("1 x")
-    with pytest.raises(ValueError, match="100"):
-        tokenizer.tokenize("100")
+    with pytest.raises(ValueError, match=r"id 101 is outside the vocabulary \[0, 100\]"):
+        tokenizer.tokenize("101")
+    with pytest.raises(ValueError, match="id -1 is outside"):
+        tokenizer.tokenize("-1")
     with pytest.raises(ValueError, match="--null-tokenizer-eod-id"):
-        NullTokenizer(10, eod_id=10)
+        NullTokenizer(10, eod_id=11)
     with pytest.raises(ValueError, match="--vocab-size"):
         NullTokenizer(None)
 
@@ -248,6 +254,10 @@ def test_build_tokenizer_other_types(sp_model):
     args = _parse(["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--null-tokenizer-eod-id", "5"])
     args.rank = 1
     assert build_tokenizer(args).eod == 5 and args.padded_vocab_size == 1024
+    # As Megatron: 128 ids plus the eod id 128 make 129, padded to the next multiple of 128.
+    args = _parse(["--tokenizer-type", "NullTokenizer", "--vocab-size", "128"])
+    args.rank = 1
+    assert build_tokenizer(args).eod == 128 and args.padded_vocab_size == 256
 
 
 def test_build_tokenizer_errors(tmp_path):

@@ -7,8 +7,9 @@ non-empty document. Output is byte-identical to Megatron-LM's ``tools/preprocess
 whatever ``--workers`` is: documents keep input order.
 
 Bad input policy. A line that is not UTF-8 JSON, is not a JSON object, lacks a key, holds a value
-that is neither a string nor a list of strings (pre-split sentences), or holds a lone surrogate
-(``"\\ud800"``) is an error: the tool names the file and line, exits with status 1, and removes
+that is neither a string nor a list of strings (pre-split sentences), holds a lone surrogate
+(``"\\ud800"``), or holds text the tokenizer rejects (a NullTokenizer id that is not an integer in
+``[0, --vocab-size]``) is an error: the tool names the file and line, exits with status 1, and removes
 its partial output (files are written under temporary names and renamed only on success). With
 ``--skip-bad-lines`` such lines are skipped, counted and reported at the end instead. Empty text
 gives a document with zero sequences (as Megatron does). An input with no usable document is an
@@ -24,6 +25,7 @@ import math
 import multiprocessing
 import os
 import queue as queue_module
+import shutil
 import sys
 import tempfile
 import time
@@ -113,18 +115,33 @@ class Encoder:
         append_eod: append ``tokenizer.eod`` to each non-empty document.
         dtype: numpy dtype of the output tokens.
         splitter: sentence splitter with ``.tokenize(text) -> list[str]`` or ``None``.
+        splitter_spec: ``(lang, keep_newlines)`` that ``splitter`` was built from, or ``None``.
+
+    A copy sent to a spawned or forkserver worker (pickled) leaves the splitter behind when
+    ``splitter_spec`` is given and rebuilds it there on first use: NLTK splitters with Megatron's
+    newline-keeping language variables do not pickle. Forked workers use the parent's as it is.
     """
 
-    def __init__(self, tokenizer, json_keys: List[str], append_eod: bool, dtype, splitter=None) -> None:
+    def __init__(self, tokenizer, json_keys: List[str], append_eod: bool, dtype, splitter=None,
+                 splitter_spec: Optional[Tuple[str, bool]] = None) -> None:
         self.tokenizer = tokenizer
         self.json_keys = json_keys
         self.append_eod = append_eod
         self.dtype = numpy.dtype(dtype)
         self.splitter = splitter
+        self.splitter_spec = splitter_spec
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        if self.splitter_spec is not None:
+            state["splitter"] = None
+        return state
 
     def _sentences(self, text) -> List[str]:
         if isinstance(text, list):
             return text
+        if self.splitter is None and self.splitter_spec is not None:
+            self.splitter = _build_sentence_splitter(*self.splitter_spec)
         if self.splitter is None:
             return [text]
         sentences: List[str] = []
@@ -168,6 +185,7 @@ class Encoder:
 
         ``docs`` maps key -> ``(tokens [n] in self.dtype, sequence lengths)``; on a bad line ``docs``
         is ``None`` and ``error`` says why (returned, not raised, so the parent reports lines in order).
+        Text the tokenizer rejects (its ``ValueError``) is a bad line too.
         """
         line_number, raw = item
         try:
@@ -179,7 +197,10 @@ class Encoder:
             doc_ids: List[int] = []
             lengths: List[int] = []
             for sentence in self._sentences(text):
-                sentence_ids = self.tokenizer.tokenize(sentence)
+                try:
+                    sentence_ids = self.tokenizer.tokenize(sentence)
+                except ValueError as error:  # text the tokenizer rejects, e.g. a NullTokenizer id out of range
+                    return line_number, None, len(raw), f"key {key!r}: {error}"
                 if sentence_ids:
                     doc_ids.extend(sentence_ids)
                     lengths.append(len(sentence_ids))
@@ -279,11 +300,14 @@ class _Stats:
 
 
 def process_file(input_path: str, output_prefix: str, encoder: Encoder, workers: int, level: str,
-                 log_interval: int = 1000, skip_bad_lines: bool = False, allow_empty: bool = False) -> _Stats:
+                 log_interval: int = 1000, skip_bad_lines: bool = False, allow_empty: bool = False,
+                 origin=None) -> _Stats:
     """Tokenize one JSON-lines file into ``{output_prefix}_{key}_{level}.bin/.idx`` for each key.
 
     Streams: lines are read lazily and each document goes straight to the ``.bin``. With
-    ``workers > 1`` lines are encoded by a process pool in order (``imap``).
+    ``workers > 1`` lines are encoded by a process pool in order (``imap``). ``origin`` maps a line
+    number of ``input_path`` to the ``file:line`` that bad-line messages name (default
+    ``input_path:line``; a partition names the user's file it came from).
 
     Raises PreprocessError on a bad line (unless ``skip_bad_lines``), on an input with no
     usable document (unless ``allow_empty``: one partition of several may be empty), or when the
@@ -299,6 +323,8 @@ def process_file(input_path: str, output_prefix: str, encoder: Encoder, workers:
         source.close()
         raise
     stats = _Stats(log_interval)
+    if origin is None:
+        origin = _SameFile(input_path)
     pool = None
     try:
         numbered = enumerate(source, start=1)
@@ -311,11 +337,11 @@ def process_file(input_path: str, output_prefix: str, encoder: Encoder, workers:
             stats.bytes += n_bytes
             if error is not None:
                 if not skip_bad_lines:
-                    raise PreprocessError(f"{input_path}:{line_number}: {error} "
+                    raise PreprocessError(f"{origin(line_number)}: {error} "
                                           "(use --skip-bad-lines to skip such lines)")
                 stats.skipped += 1
                 if len(stats.skipped_examples) < _SKIPPED_EXAMPLES:
-                    stats.skipped_examples.append(f"{input_path}:{line_number}: {error}")
+                    stats.skipped_examples.append(f"{origin(line_number)}: {error}")
                 continue
             for key, (tokens, lengths) in docs.items():
                 outputs.builders[key].add_document(tokens, lengths)
@@ -338,107 +364,201 @@ def process_file(input_path: str, output_prefix: str, encoder: Encoder, workers:
 
 
 # --------------------------------------------------------------------------------------------
+# Inputs and outputs that must not meet
+
+
+def _expand_inputs(pattern: str) -> List[str]:
+    """The files ``--input`` names (a glob, expanded once, sorted), before anything is written.
+
+    Raises PreprocessError if nothing matches or a match is not a file.
+    """
+    matches = sorted(glob.glob(pattern))
+    if not matches:
+        raise PreprocessError(f"--input {pattern}: no file matches")
+    for path in matches:
+        if not os.path.isfile(path):
+            raise PreprocessError(f"--input {pattern}: matches {path}, which is not a file")
+    return matches
+
+
+def _refuse_overwriting_inputs(input_files: List[str], output_prefix: str, keys: List[str], level: str) -> None:
+    """Raise PreprocessError naming both paths if an output file is one of the inputs (also via a link)."""
+    identities = {}
+    for path in input_files:
+        info = os.stat(path)
+        identities[(info.st_dev, info.st_ino)] = path
+    for key in keys:
+        final = _output_prefix(output_prefix, key, level)
+        for output in (get_bin_path(final), get_idx_path(final)):
+            try:
+                info = os.stat(output)
+            except FileNotFoundError:
+                continue
+            victim = identities.get((info.st_dev, info.st_ino))
+            if victim is not None:
+                raise PreprocessError(f"--output-prefix {output_prefix} would overwrite the input {victim} "
+                                      f"(output file {output}); choose another --output-prefix")
+
+
+class _SameFile:
+    """Bad-line location ``path:line`` for a file read as it is."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, line_number: int) -> str:
+        return f"{self.path}:{line_number}"
+
+
+class _PartitionOrigin:
+    """Bad-line location in the user's input for line ``k`` of partition ``index``.
+
+    Lines were dealt to partitions round robin (global line ``(k - 1) * partitions + index``) or,
+    with ``per_partition``, in blocks (global line ``index * per_partition + k - 1``); the global
+    line is then found in the inputs from their line counts.
+    """
+
+    def __init__(self, input_files: List[str], line_counts: List[int], partitions: int, index: int,
+                 per_partition: int) -> None:
+        self.input_files, self.line_counts = input_files, line_counts
+        self.partitions, self.index, self.per_partition = partitions, index, per_partition
+
+    def __call__(self, line_number: int) -> str:
+        if self.per_partition:
+            position = self.index * self.per_partition + line_number - 1
+        else:
+            position = (line_number - 1) * self.partitions + self.index
+        for path, count in zip(self.input_files, self.line_counts):
+            if position < count:
+                return f"{path}:{position + 1}"
+            position -= count
+        return f"partition {self.index} line {line_number}"  # unreachable while the counts are right
+
+
+# --------------------------------------------------------------------------------------------
 # Partitions
 
 
-def _partition_paths(input_path: str, output_prefix: str, partitions: int) -> List[str]:
-    stem = os.path.basename(input_path)
-    if stem.endswith(".gz"):
-        stem = stem[:-3]
-    stem, ext = os.path.splitext(stem)
-    directory = os.path.dirname(os.path.abspath(output_prefix))
-    return [os.path.join(directory, f"{stem}_{i}{ext}") for i in range(partitions)]
+def _split_into_partitions(input_files: List[str], targets: List[str], keep_sequential: bool) -> Tuple[List[int], int]:
+    """Distribute lines round robin, or in contiguous blocks with ``keep_sequential``.
 
+    Returns (lines per input file, lines per block or 0 for round robin). Raises PreprocessError
+    naming the input for a damaged gzip file.
+    """
+    def lines_of(path):
+        try:
+            with _open_lines(path) as source:
+                yield from source
+        except (gzip.BadGzipFile, EOFError, zlib.error) as error:
+            raise PreprocessError(f"--input {path}: damaged gzip file ({error})") from None
 
-def _split_into_partitions(input_files: List[str], targets: List[str], keep_sequential: bool) -> None:
-    """Distribute lines round robin, or in contiguous blocks with ``keep_sequential``."""
     per_partition = 0
     if keep_sequential:
-        total = 0
-        for path in input_files:
-            with _open_lines(path) as source:
-                total += sum(1 for _ in source)
+        total = sum(sum(1 for _ in lines_of(path)) for path in input_files)
         per_partition = max(1, math.ceil(total / len(targets)))
+    counts = []
     sinks = [open(path, "wb") for path in targets]
     try:
         index = 0
         for path in input_files:
-            with _open_lines(path) as source:
-                for line in source:
-                    if not line.endswith(b"\n"):
-                        line += b"\n"
-                    if keep_sequential:
-                        sinks[index // per_partition].write(line)
-                    else:
-                        sinks[index % len(sinks)].write(line)
-                    index += 1
+            start = index
+            for line in lines_of(path):
+                if not line.endswith(b"\n"):
+                    line += b"\n"
+                if keep_sequential:
+                    sinks[index // per_partition].write(line)
+                else:
+                    sinks[index % len(sinks)].write(line)
+                index += 1
+            counts.append(index - start)
     finally:
         for sink in sinks:
             sink.close()
+    return counts, per_partition
 
 
-def _partition_main(queue, input_path, output_prefix, encoder, workers, level, log_interval, skip_bad_lines):
+def _partition_main(queue, input_path, output_prefix, encoder, workers, level, log_interval, skip_bad_lines, origin):
     try:
         stats = process_file(input_path, output_prefix, encoder, workers, level, log_interval, skip_bad_lines,
-                             allow_empty=True)
-        queue.put((None, stats.documents, stats.skipped, stats.skipped_examples))
+                             allow_empty=True, origin=origin)
+        queue.put((origin.index, None, stats.documents, stats.skipped, stats.skipped_examples))
     except PreprocessError as error:
-        queue.put((str(error), 0, 0, []))
+        queue.put((origin.index, str(error), 0, 0, []))
     except BaseException as error:  # report anything, so the parent never waits on a dead child
-        queue.put((f"{type(error).__name__}: {error}", 0, 0, []))
+        queue.put((origin.index, f"{type(error).__name__}: {error}", 0, 0, []))
 
 
 def process_partitioned(args, encoder: Encoder, level: str) -> Tuple[int, int, List[str]]:
     """``--partitions N``: split the ``--input`` glob into N files, tokenize them in parallel, merge.
 
-    Each partition gets ``workers // partitions`` workers; partition ``i`` writes
-    ``{output_prefix}_{i}_{key}_{level}``, then all are merged in partition order into
-    ``{output_prefix}_{key}_{level}``. Partition inputs ``{input_stem}_{i}{ext}`` are written next to
-    the output prefix (the input folder may be read-only). Returns (documents, skipped lines,
-    the first few skipped lines as ``file:line: reason``).
+    The glob is expanded once, before anything is written. Partition inputs and per-partition
+    outputs live in a private temporary folder next to the output prefix (the input folder may be
+    read-only), removed at the end, also on failure: they never overwrite a user's file and are
+    never read back as input. Each partition gets ``workers // partitions`` workers; the partition
+    outputs are merged in partition order into ``{output_prefix}_{key}_{level}``. Returns
+    (documents, skipped lines, the first few skipped lines as ``file:line: reason`` of the user's input).
 
-    Raises PreprocessError if the glob matches nothing or a partition fails.
+    Raises PreprocessError if the glob matches nothing (or a folder), an output would overwrite an
+    input, or a partition fails.
     """
-    input_files = sorted(glob.glob(args.input))
-    if not input_files:
-        raise PreprocessError(f"--input {args.input}: no file matches")
-    partition_inputs = _partition_paths(input_files[0], args.output_prefix, args.partitions)
-    _split_into_partitions(input_files, partition_inputs, args.keep_sequential_samples)
-    partition_prefixes = [f"{args.output_prefix}_{i}" for i in range(args.partitions)]
-    context = multiprocessing.get_context()
-    queue = context.Queue()
-    processes = [
-        context.Process(target=_partition_main, args=(queue, path, prefix, encoder, args.workers // args.partitions,
-                                                       level, args.log_interval, args.skip_bad_lines))
-        for path, prefix in zip(partition_inputs, partition_prefixes)
-    ]
-    for process in processes:
-        process.start()
-    outcomes = []
-    while len(outcomes) < len(processes):
-        try:
-            outcomes.append(queue.get(timeout=1.0))
-        except queue_module.Empty:
-            if not any(process.is_alive() for process in processes) and queue.empty():
-                codes = [process.exitcode for process in processes]
-                raise PreprocessError(f"a partition process died without reporting (exit codes {codes})") from None
-    for process in processes:
-        process.join()
-    errors = [outcome[0] for outcome in outcomes if outcome[0] is not None]
-    if errors:
-        raise PreprocessError("; ".join(errors))
-    if sum(outcome[1] for outcome in outcomes) == 0:
-        raise PreprocessError(f"--input {args.input}: no usable document in any partition "
-                              "(empty input or every line was bad)")
-    outputs = _Outputs(args.output_prefix, encoder.json_keys, level, encoder.dtype)
+    input_files = _expand_inputs(args.input)
+    _refuse_overwriting_inputs(input_files, args.output_prefix, encoder.json_keys, level)
+    output_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     try:
-        for key, builder in outputs.builders.items():
-            for prefix in partition_prefixes:
-                builder.add_index(_output_prefix(prefix, key, level))
-        outputs.commit()
-    except BaseException:
-        outputs.abort()
-        raise
+        scratch = tempfile.mkdtemp(prefix=f".{os.path.basename(args.output_prefix)}.partitions.", dir=output_dir)
+    except OSError as error:
+        raise PreprocessError(f"--output-prefix {args.output_prefix}: cannot write in {output_dir} "
+                              f"({error.strerror})") from None
+    processes = []
+    try:
+        partition_inputs = [os.path.join(scratch, f"partition_{i}.jsonl") for i in range(args.partitions)]
+        line_counts, per_partition = _split_into_partitions(input_files, partition_inputs,
+                                                            args.keep_sequential_samples)
+        partition_prefixes = [os.path.join(scratch, f"partition_{i}") for i in range(args.partitions)]
+        context = multiprocessing.get_context()
+        queue = context.Queue()
+        processes = [
+            context.Process(target=_partition_main,
+                            args=(queue, path, prefix, encoder, args.workers // args.partitions, level,
+                                  args.log_interval, args.skip_bad_lines,
+                                  _PartitionOrigin(input_files, line_counts, args.partitions, i, per_partition)))
+            for i, (path, prefix) in enumerate(zip(partition_inputs, partition_prefixes))
+        ]
+        for process in processes:
+            process.start()
+        outcomes = []
+        while len(outcomes) < len(processes):
+            try:
+                outcomes.append(queue.get(timeout=1.0))
+            except queue_module.Empty:
+                if not any(process.is_alive() for process in processes) and queue.empty():
+                    codes = [process.exitcode for process in processes]
+                    raise PreprocessError(f"a partition process died without reporting (exit codes {codes})") from None
+        for process in processes:
+            process.join()
+        outcomes = [outcome[1:] for outcome in sorted(outcomes, key=lambda outcome: outcome[0])]  # partition order
+        errors = [outcome[0] for outcome in outcomes if outcome[0] is not None]
+        if errors:
+            raise PreprocessError("; ".join(errors))
+        if sum(outcome[1] for outcome in outcomes) == 0:
+            raise PreprocessError(f"--input {args.input}: no usable document in any partition "
+                                  "(empty input or every line was bad)")
+        outputs = _Outputs(args.output_prefix, encoder.json_keys, level, encoder.dtype)
+        try:
+            for key, builder in outputs.builders.items():
+                for prefix in partition_prefixes:
+                    builder.add_index(_output_prefix(prefix, key, level))
+            outputs.commit()
+        except BaseException:
+            outputs.abort()
+            raise
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+            if process.pid is not None:
+                process.join()
+        shutil.rmtree(scratch, ignore_errors=True)
     documents = sum(outcome[1] for outcome in outcomes)
     skipped = sum(outcome[2] for outcome in outcomes)
     examples = [entry for outcome in outcomes for entry in outcome[3]][:_SKIPPED_EXAMPLES]
@@ -548,15 +668,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         output_dir = os.path.dirname(os.path.abspath(args.output_prefix))
         if not os.path.isdir(output_dir):
             raise PreprocessError(f"--output-prefix {args.output_prefix}: folder {output_dir} does not exist")
-        splitter = _build_sentence_splitter(args.lang, args.keep_newlines) if args.split_sentences else None
+        splitter_spec = (args.lang, args.keep_newlines) if args.split_sentences else None
+        # Built here once so that a missing nltk or punkt data stops the run before any work.
+        splitter = _build_sentence_splitter(*splitter_spec) if splitter_spec else None
         level = "sentence" if args.split_sentences else "document"
         encoder = Encoder(tokenizer, args.json_keys, args.append_eod,
-                          DType.optimal_dtype(tokenizer.vocab_size), splitter)
+                          DType.optimal_dtype(tokenizer.vocab_size), splitter, splitter_spec)
         if args.find_optimal_num_workers:
             find_optimal_num_workers(args, encoder, level)
             return 0
         start = time.time()
         if args.partitions == 1:
+            _refuse_overwriting_inputs([args.input], args.output_prefix, args.json_keys, level)
             stats = process_file(args.input, args.output_prefix, encoder, args.workers, level,
                                  args.log_interval, args.skip_bad_lines)
             documents, skipped, examples = stats.documents, stats.skipped, stats.skipped_examples

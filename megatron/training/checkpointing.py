@@ -5,6 +5,7 @@ import os
 import pickle
 import random
 import shutil
+import zipfile
 
 import numpy as np
 import torch
@@ -446,22 +447,69 @@ def _safe_globals():
     return allowed
 
 
-def load_state_dict_file(path):
+class CheckpointReadError(RuntimeError):
+    """A checkpoint file that exists but cannot be loaded: empty, truncated, corrupt or not a checkpoint."""
+
+
+# torch.save writes a zip archive (since torch 1.6); older versions wrote a bare pickle (protocol 2).
+_ZIP_MAGIC = b"PK\x03\x04"
+_PICKLE_PROTO = b"\x80"
+
+
+def _torch_error_summary(exc):
+    """One line of what torch.load said (its weights-only messages are many lines of advice)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        if "WeightsUnpickler error" in line:
+            rest = line.split("WeightsUnpickler error:", 1)[1].strip() or (lines[i + 1] if i + 1 < len(lines) else "")
+            return f"{type(exc).__name__}: {rest}"[:200]
+    return f"{type(exc).__name__}: {lines[0] if lines else exc!r}"[:200]
+
+
+def _unreadable_reason(path, exc):
+    """What is wrong with ``path``, which torch.load failed on with ``exc``, judged from its bytes."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(len(_ZIP_MAGIC))
+    except OSError as error:
+        return f"cannot be read ({error.strerror or error})"
+    if size == 0:
+        return "is empty (0 bytes): a save or copy that never wrote it"
+    if head == _ZIP_MAGIC[:len(head)]:
+        if len(head) < len(_ZIP_MAGIC) or not zipfile.is_zipfile(path):
+            return (f"is truncated ({size} bytes; the zip archive torch.save writes ends before its "
+                    "end-of-archive record): a save or copy that was cut short")
+        return f"is corrupt: its zip archive is complete but its contents cannot be read ({_torch_error_summary(exc)})"
+    if head.startswith(_PICKLE_PROTO):
+        return (f"is truncated or corrupt ({size} bytes in the pickle format of torch.save before 1.6; "
+                f"{_torch_error_summary(exc)})")
+    return f"is not a checkpoint: it does not start like a file torch.save writes (first bytes {head!r}, {size} bytes)"
+
+
+def load_state_dict_file(path, context=None):
     """``torch.load(path, weights_only=True)`` on the CPU, allowing only the globals of _safe_globals.
 
-    Raises pickle.UnpicklingError naming the file when it holds anything else (arbitrary
-    pickled objects are never executed) and RuntimeError naming the file when it is truncated
-    or corrupt.
+    ``context`` (e.g. ``"iteration 8 of --load DIR"``) is added to error messages after the path.
+    Raises pickle.UnpicklingError naming the file when it holds objects other than tensors and
+    plain data (arbitrary pickled objects are never executed), and CheckpointReadError (a
+    RuntimeError) naming the file and saying what is wrong for any other unreadable file: cannot
+    be opened, empty, truncated, corrupt, or not written by torch.save.
     """
+    where = f"{path} ({context})" if context else f"{path}"
     try:
         with torch.serialization.safe_globals(_safe_globals()):
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        raise pickle.UnpicklingError(
-            f"refusing to load checkpoint {path}: it holds objects other than tensors and plain data, "
-            f"which a weights-only load does not execute ({exc})") from exc
-    except RuntimeError as exc:
-        raise RuntimeError(f"cannot read checkpoint file {path} (truncated or corrupt?): {exc}") from exc
+        if "Unsupported global" in str(exc):
+            raise pickle.UnpicklingError(
+                f"refusing to load checkpoint {where}: it holds objects other than tensors and plain data, "
+                f"which a weights-only load does not execute ({exc})") from exc
+        raise CheckpointReadError(f"cannot read checkpoint file {where}: it {_unreadable_reason(path, exc)}") from exc
+    except MemoryError:  # too big for this host, not damaged
+        raise
+    except Exception as exc:  # torch.load reports damage as EOFError, OSError(EINVAL), KeyError, RuntimeError...
+        raise CheckpointReadError(f"cannot read checkpoint file {where}: it {_unreadable_reason(path, exc)}") from exc
 
 
 def _layout_hint(iteration_dir):
@@ -548,8 +596,9 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
     Returns ``(iteration, num_floating_point_operations_so_far)``.
     Raises FileNotFoundError (directory or rank file missing, naming the expected file),
     ValueError (bad tracker, tp/pp or model-shape mismatch), pickle.UnpicklingError (non
-    weights-only content), RuntimeError (corrupt file, model mismatch, missing optimizer/RNG
-    state without --no-load-optim / --no-load-rng).
+    weights-only content), CheckpointReadError (a RuntimeError naming the file, the iteration and
+    the load directory: empty, truncated, corrupt or not a checkpoint), RuntimeError (model
+    mismatch, missing optimizer/RNG state without --no-load-optim / --no-load-rng).
     """
     args = get_args()
     load_dir = getattr(args, load_arg)
@@ -561,7 +610,12 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
     if found is None:
         return 0, 0
     checkpoint_name, iteration, release = found
-    state_dict = load_state_dict_file(checkpoint_name)
+    flag = f"--{load_arg.replace('_', '-')} {load_dir}"
+    context = f"release checkpoint of {flag}" if release else f"iteration {iteration} of {flag}"
+    state_dict = load_state_dict_file(checkpoint_name, context)
+    if not isinstance(state_dict, dict):
+        raise CheckpointReadError(f"cannot read checkpoint file {checkpoint_name} ({context}): it is not a checkpoint: "
+                                  f"it holds a {type(state_dict).__name__}, not the dict that save_checkpoint writes")
     set_checkpoint_version(state_dict.get("checkpoint_version", 0))
 
     checkpoint_args = state_dict.get("args")
@@ -635,7 +689,7 @@ def _load_model(model, state_dict, strict, checkpoint_name):
 __all__ = [
     "CHECKPOINT_VERSION", "get_checkpoint_name", "get_checkpoint_tracker_filename", "read_metadata",
     "get_rng_state", "generate_state_dict", "save_checkpoint", "load_checkpoint", "load_state_dict_file",
-    "check_checkpoint_args", "get_checkpoint_version", "set_checkpoint_version",
+    "CheckpointReadError", "check_checkpoint_args", "get_checkpoint_version", "set_checkpoint_version",
 ]
 
 

@@ -52,7 +52,8 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
                        help="Number of special tokens in tiktoken tokenizer.")
     group.add_argument("--null-tokenizer-eod-id", type=int, default=None,
-                       help="End-of-document id of NullTokenizer (default: vocab size - 1).")
+                       help="End-of-document id of NullTokenizer (default: --vocab-size, as Megatron; the vocabulary is "
+                            "--vocab-size + 1 ids).")
     group.add_argument("--null-tokenizer-pad-id", type=int, default=-1, help="Padding id of NullTokenizer.")
     group.add_argument("--trust-remote-code", action="store_true", default=False,
                        help="Whether or not to allow HuggingFace tokenizers defined on the Hub in their own modeling files.")

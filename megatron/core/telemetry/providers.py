@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace import sampling as otel_sampling
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID
 
-from .config import otlp_protocol
+from .config import check_otlp_headers, otlp_protocol
 
 __all__ = ["PrivateIdGenerator", "OpenSpanTracker", "Providers", "build_providers", "shutdown_providers",
            "force_flush_providers", "build_resource", "compact_json_line", "rank_aware_sampler"]
@@ -330,7 +330,8 @@ def _otlp_module(signal: str):
 
 def _build_exporter(kind: str, signal: str, out):
     """OTLP exporter for ``signal`` over the configured protocol, or a console one-line-JSON exporter.
-    Endpoint, headers, timeout and TLS come from the standard ``OTEL_EXPORTER_OTLP_*`` variables."""
+    Endpoint, headers, timeout and TLS come from the standard ``OTEL_EXPORTER_OTLP_*`` variables.
+    Raises ``ValueError`` (naming the variable, not its value) for malformed ``OTEL_EXPORTER_OTLP_*HEADERS``."""
     if kind == "console":
         if signal == "traces":
             from opentelemetry.sdk.trace.export import ConsoleSpanExporter
@@ -343,6 +344,7 @@ def _build_exporter(kind: str, signal: str, out):
         from opentelemetry.sdk._logs.export import ConsoleLogRecordExporter
 
         return ConsoleLogRecordExporter(out=out, formatter=lambda r: compact_json_line(r.to_json(indent=None)))
+    check_otlp_headers()  # the SDK would print a malformed value, credentials included
     return _otlp_module(signal)()
 
 
@@ -377,7 +379,7 @@ def build_providers(
     ``span_exporter``/``log_exporter`` replace the configured exporter; ``metric_reader`` replaces
     the periodic reader (``OTEL_METRIC_EXPORT_INTERVAL``). Providers are not installed globally and
     do not register their own (unbounded) ``atexit`` shutdown; ``shutdown_providers`` is bounded.
-    Raises ``ValueError`` for a bad ``OTEL_EXPORTER_OTLP_*PROTOCOL``.
+    Raises ``ValueError`` for a bad ``OTEL_EXPORTER_OTLP_*PROTOCOL`` or malformed ``..._HEADERS``.
     """
     out = sys.stdout if out is None else out
     resource = build_resource(resource_attributes)
