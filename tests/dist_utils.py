@@ -1,5 +1,6 @@
 """Run a test function in several gloo processes on CPU and collect each rank's return value."""
 import os
+import pickle
 import socket
 import traceback
 
@@ -24,7 +25,9 @@ def _worker(rank, world_size, port, fn, args, queue):
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        result = fn(rank, world_size, *args)
+        # Plain pickle bytes: a tensor put on a torch.multiprocessing queue travels as a shared-memory
+        # handle that the parent fetches from this process, which may have exited by then.
+        result = pickle.dumps(fn(rank, world_size, *args))
         queue.put((rank, "ok", result))
     except BaseException:  # report any failure to the parent, which re-raises it
         queue.put((rank, "error", traceback.format_exc()))
@@ -57,7 +60,7 @@ def run_distributed(fn, world_size, *args, timeout=300):
         for _ in range(world_size):
             rank, status, payload = queue.get(timeout=timeout)
             if status == "ok":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 errors.append(f"rank {rank} failed:\n{payload}")
                 break
