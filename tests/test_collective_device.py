@@ -94,8 +94,9 @@ def test_real_gloo_and_fake_groups():
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
-        expected = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        assert get_collective_device() == expected
+        # "fake" serves cpu and cuda: CUDA when this machine has it, else the CPU.
+        expected = "cuda" if torch.cuda.is_available() else "cpu"
+        assert get_collective_device().type == expected
     finally:
         dist.destroy_process_group()
 
@@ -186,7 +187,8 @@ def _hand_made_device(node):
             return ".cuda()"
         if name == "device" and node.args and isinstance(node.args[0], ast.Constant):
             return f"torch.device({node.args[0].value!r})"
-        if name == "to" and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+        first = node.args[0] if node.args else None
+        if name == "to" and isinstance(first, ast.Constant) and isinstance(first.value, str):
             return f".to({node.args[0].value!r})"
         for keyword in node.keywords:
             if keyword.arg == "device" and isinstance(keyword.value, ast.Constant):
@@ -274,13 +276,18 @@ def test_the_scan_catches_the_old_patterns():
     )
     assert [why for _, why in find_violations(timers_before)] == ["gather builds ['local'] without device="]
     assert len(find_violations(by_hand)) == 3
-    assert find_violations(compute_device) == [("<src>:2", "any_rank picks a device by hand: get_device() (the compute device)")]
+    assert find_violations(compute_device) == [
+        ("<src>:2", "any_rank picks a device by hand: get_device() (the compute device)")]
     assert find_violations(fixed) == []
 
 
 def test_helper_module_imports_only_torch():
     tree = ast.parse((REPO / _HELPER).read_text())
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module.split(".")[0])
     assert imported <= {"typing", "torch"}, imported
     assert collective_device.__doc__.startswith("The one place that decides")
