@@ -25,11 +25,10 @@ def _worker(rank, world_size, port, fn, args, queue):
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        result = fn(rank, world_size, *args)
-        # Plain pickle bytes, not torch's queue reductions: those hand tensors over as shared-memory
-        # file descriptors that the parent fetches from this process, which fails with
-        # ConnectionResetError once this process has exited (seen on a loaded machine).
-        queue.put((rank, "ok", pickle.dumps(result)))
+        # Plain pickle bytes: a tensor put on a torch.multiprocessing queue travels as a shared-memory
+        # handle that the parent fetches from this process, which may have exited by then.
+        result = pickle.dumps(fn(rank, world_size, *args))
+        queue.put((rank, "ok", result))
     except BaseException:  # report any failure to the parent, which re-raises it
         queue.put((rank, "error", traceback.format_exc()))
     finally:

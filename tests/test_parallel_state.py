@@ -1,6 +1,8 @@
-"""parallel_state: Megatron rank layout (pure arithmetic) and real gloo groups on 2 and 4 processes."""
+"""parallel_state: Megatron rank layout, group counts at 8 and 512 ranks (fake backend), real gloo groups."""
 import pytest
+import torch
 import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
 from dist_utils import run_distributed
 from megatron.core import parallel_state as ps
@@ -144,6 +146,15 @@ def _four_ranks(rank, world):
         out[label]["dp_world"] = ps.get_data_parallel_world_size()
         out[label]["dp_cp_world"] = ps.get_data_parallel_world_size(with_context_parallel=True)
         ps.destroy_model_parallel()
+    ps.initialize_model_parallel(pipeline_model_parallel_size=4)
+    group = ps.get_embedding_group()
+    out["pp4_embedding"] = None if group is None else _ranks(group)
+    out["pp4_in_embedding"] = ps.is_rank_in_embedding_group()
+    if group is not None:
+        value = torch.tensor([float(rank + 1)])
+        dist.all_reduce(value, group=group)
+        out["pp4_embedding_sum"] = value.item()
+    ps.destroy_model_parallel()
     return out
 
 
@@ -157,3 +168,154 @@ def test_four_process_groups_match_generator():
                 assert result[label][token] == expected, (label, rank, token)
             assert result[label]["dp_world"] == dp
             assert result[label]["dp_cp_world"] == dp * cp
+    # PP=4: the middle stages hold no embedding and get no embedding group.
+    assert [r["pp4_embedding"] for r in results] == [[0, 3], None, None, [0, 3]]
+    assert [r["pp4_in_embedding"] for r in results] == [True, False, False, True]
+    assert results[0]["pp4_embedding_sum"] == results[3]["pp4_embedding_sum"] == 1.0 + 4.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Group counts and rank lists at 8 and 512 ranks, in this process, with the fake backend
+# ----------------------------------------------------------------------------------------------
+# getter -> (generator, token): the rank list every getter must still return (Megatron's layout).
+_DENSE_GETTERS = {
+    "tp": ps.get_tensor_model_parallel_group, "pp": ps.get_pipeline_model_parallel_group,
+    "dp": ps.get_data_parallel_group, "cp": ps.get_context_parallel_group,
+    "dp-cp": lambda: ps.get_data_parallel_group(with_context_parallel=True),
+    "tp-pp": ps.get_model_parallel_group,
+    "tp-dp": ps.get_tensor_and_data_parallel_group,
+    "tp-dp-cp": lambda: ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
+    "tp-cp": ps.get_tensor_and_context_parallel_group,
+    "dp-gloo": ps.get_data_parallel_group_gloo,
+    "dp-cp-gloo": lambda: ps.get_data_parallel_group_gloo(with_context_parallel=True),
+    "dp-cp-partial": lambda: ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True),
+}
+_EXPERT_GETTERS = {
+    "ep": ps.get_expert_model_parallel_group, "tp": ps.get_expert_tensor_parallel_group,
+    "tp-ep": ps.get_expert_tensor_and_model_parallel_group,
+    "tp-ep-pp": ps.get_expert_tensor_model_pipeline_parallel_group,
+    "dp": ps.get_expert_data_parallel_group, "dp-gloo": ps.get_expert_data_parallel_group_gloo,
+}
+
+
+def _build_fake(world, rank, **kwargs):
+    """initialize_model_parallel as ``rank`` of ``world`` on the fake backend.
+
+    Returns (globally synchronised new_group rank lists in call order, local new_group rank lists,
+    the distinct groups the getters hand out).
+    """
+    calls, local_calls = [], []
+    real_new_group = dist.new_group
+
+    def counting_new_group(ranks=None, *args, **kw):
+        (local_calls if kw.get("use_local_synchronization") else calls).append(sorted(ranks))
+        return real_new_group(ranks, *args, **kw)
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    dist.new_group = counting_new_group
+    try:
+        ps.initialize_model_parallel(**kwargs)
+    finally:
+        dist.new_group = real_new_group
+    getters = list(_DENSE_GETTERS.values()) + list(_EXPERT_GETTERS.values())
+    getters += [ps.get_embedding_group, ps.get_position_embedding_group]
+    handed_out = {id(group): group for group in (get() for get in getters) if group is not None}
+    return calls, local_calls, list(handed_out.values())
+
+
+def _teardown_fake():
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+# (world, kwargs, new groups per rank, distinct groups rank 3 is handed). Before this change the same
+# layouts created 93, 72, 64 (world 8) and 5637, 2970, 1800 (world 512) groups on every rank.
+#   plain DP / TP=world: every list is the world or one rank -> only this rank's own group.
+#   2x2x2 at 8: tp 4 + dp 4 + pp 4 (= embedding) + tp-pp 2 + tp-dp 2 lists, + own group = 17.
+#   8x4x16 at 512: tp 64 + dp 32 + pp 128 + embedding 128 + tp-pp 16 + tp-dp 4, + own group = 373.
+_COUNTS = [
+    (8, {}, 1, 2),
+    (8, dict(tensor_model_parallel_size=8), 1, 2),
+    (8, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), 17, 6),
+    (512, {}, 1, 2),
+    (512, dict(tensor_model_parallel_size=8), 73, 4),
+    (512, dict(tensor_model_parallel_size=8, pipeline_model_parallel_size=4), 373, 7),
+]
+
+
+@pytest.mark.parametrize("world,kwargs,new_groups,distinct", _COUNTS)
+def test_group_count_fake_backend(world, kwargs, new_groups, distinct):
+    calls, local_calls, handed_out = _build_fake(world, 3, **kwargs)
+    try:
+        assert len(calls) + len(local_calls) == new_groups
+        assert local_calls == [[3]], "one-member groups: a single local group of this rank"
+        assert len({tuple(c) for c in calls}) == len(calls), "a rank set was created twice"
+        assert all(1 < len(c) < world for c in calls)
+        assert len(handed_out) == distinct
+        if new_groups == 1:
+            assert dist.group.WORLD in handed_out
+    finally:
+        _teardown_fake()
+
+
+def test_global_group_creation_order_is_the_same_on_every_rank():
+    kwargs = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=4)
+    sequences = []
+    for rank in (0, 5, 17, 63):
+        calls, _, _ = _build_fake(64, rank, **kwargs)
+        _teardown_fake()
+        sequences.append(calls)
+    assert sequences[0] and all(seq == sequences[0] for seq in sequences)
+
+
+@pytest.mark.parametrize("world,tp,pp,cp,ranks", [
+    (8, 2, 2, 1, (0, 3, 6, 7)),
+    (8, 1, 1, 2, (0, 5)),
+    (512, 8, 4, 1, (0, 1, 9, 100, 255, 511)),
+    (512, 4, 2, 2, (0, 77, 300, 511)),
+])
+def test_getters_keep_megatron_rank_lists(world, tp, pp, cp, ranks):
+    dp = world // (tp * pp * cp)
+    gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+    expert_gen = RankGenerator(tp=tp, ep=1, dp=dp * cp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    for rank in ranks:
+        _build_fake(world, rank, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                    context_parallel_size=cp)
+        try:
+            for label, get in _DENSE_GETTERS.items():
+                token = label.replace("-gloo", "").replace("-partial", "")
+                expected = next(g for g in gen.get_ranks(token) if rank in g)
+                assert _ranks(get()) == expected, (rank, label)
+            for label, get in _EXPERT_GETTERS.items():
+                token = label.replace("-gloo", "")
+                expected = next(g for g in expert_gen.get_ranks(token) if rank in g)
+                assert _ranks(get()) == expected, (rank, "expert " + label)
+            pp_ranks = next(g for g in gen.get_ranks("pp") if rank in g)
+            assert ps.get_pipeline_model_parallel_first_rank() == pp_ranks[0]
+            assert ps.get_pipeline_model_parallel_last_rank() == pp_ranks[-1]
+            assert ps.get_tensor_model_parallel_src_rank() == next(g for g in gen.get_ranks("tp") if rank in g)[0]
+            assert ps.get_tensor_model_parallel_world_size() == tp
+            assert ps.get_data_parallel_world_size() == dp
+            assert ps.get_context_parallel_world_size() == cp
+            assert ps.get_expert_model_parallel_world_size() == 1
+        finally:
+            _teardown_fake()
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_middle_stage_is_outside_the_embedding_groups(rank):
+    _build_fake(3, rank, pipeline_model_parallel_size=3)
+    try:
+        in_embedding = rank in (0, 2)
+        assert ps.is_rank_in_embedding_group() is in_embedding
+        assert ps.is_rank_in_position_embedding_group() is (rank == 0)
+        if in_embedding:
+            assert _ranks(ps.get_embedding_group()) == [0, 2]
+        else:
+            assert ps.get_embedding_group() is None
+        if rank == 0:
+            assert _ranks(ps.get_position_embedding_group()) == [0]
+        else:
+            assert ps.get_position_embedding_group() is None
+    finally:
+        _teardown_fake()

@@ -1,10 +1,13 @@
 """Process groups for tensor, pipeline, context, data and expert parallelism with Megatron's rank layout."""
 from __future__ import annotations
 
+import contextlib
 import datetime
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
+
+from megatron.core.collective_device import device_backend_map
 
 # ----------------------------------------------------------------------------------------------
 # Global state. Every group is None until initialize_model_parallel() and again after
@@ -165,6 +168,97 @@ def default_position_embedding_ranks(pp_ranks: List[int], split_rank: Optional[i
 
 
 # ----------------------------------------------------------------------------------------------
+# Group creation: each distinct rank set once
+# ----------------------------------------------------------------------------------------------
+# Groups built so far in this job, {(sorted ranks, backend or None, timeout): group}; a rank that is
+# not a member stores GroupMember.NON_GROUP_MEMBER. Kept across destroy_model_parallel (the torch
+# groups outlive it anyway) and dropped when the default group changes.
+_GROUP_CACHE: Dict[Tuple, object] = {}
+_GROUP_CACHE_WORLD = None
+
+
+class _GroupFactory:
+    """Hands out one process group per distinct rank set, creating as few as Megatron's layout allows.
+
+    - A rank set equal to an earlier one (e.g. dp-cp when cp == 1, tp-pp when pp == 1, the expert
+      groups when ep == 1 and expert tp == tp) reuses that group.
+    - The full world reuses the default group.
+    - One-member sets: only this rank's own set matters, so it is created once per rank with
+      ``use_local_synchronization=True`` (only the member calls new_group; the group name is a
+      hash, so the global group counter stays aligned across ranks). It is created in the
+      constructor, at the same point on every rank, because with an NCCL default group bound to a
+      device (``init_process_group(device_id=...)``) torch builds it by ``ncclCommSplit``, a
+      collective over the whole world.
+    - Every other set: ``dist.new_group`` called by all ranks (members and non-members), in the
+      same order on all ranks because every rank walks the same rank lists.
+
+    ``get_gloo`` gives the CPU copy of a group (Megatron's ``*_GLOO`` groups): the group itself
+    when the default backend already carries CPU tensors (gloo, ``cpu:gloo,cuda:nccl``), else a
+    gloo group, created the same way; None when ``create_gloo`` is False.
+    """
+
+    def __init__(self, timeout: datetime.timedelta, create_gloo: bool):
+        global _GROUP_CACHE, _GROUP_CACHE_WORLD
+        if _GROUP_CACHE_WORLD is not dist.group.WORLD:
+            _GROUP_CACHE, _GROUP_CACHE_WORLD = {}, dist.group.WORLD
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.timeout = timeout
+        self.create_gloo = create_gloo
+        self.gloo_backend = None if "cpu" in device_backend_map() else "gloo"
+        self.get([self.rank])
+        if create_gloo:
+            self.get_gloo([self.rank])
+
+    def get(self, ranks: Sequence[int], backend: Optional[str] = None):
+        """The group of ``ranks`` (any order), or GroupMember.NON_GROUP_MEMBER on a non-member."""
+        members = tuple(sorted(ranks))
+        key = (members, backend, self.timeout)
+        if key in _GROUP_CACHE:
+            return _GROUP_CACHE[key]
+        if backend is None and len(members) == self.world_size:
+            group = dist.group.WORLD
+        elif len(members) == 1:
+            if members[0] != self.rank:
+                return dist.GroupMember.NON_GROUP_MEMBER
+            with _no_comm_split(backend):
+                group = dist.new_group(list(members), timeout=self.timeout, backend=backend,
+                                       use_local_synchronization=True)
+        else:
+            with _no_comm_split(backend):
+                group = dist.new_group(list(members), timeout=self.timeout, backend=backend)
+        _GROUP_CACHE[key] = group
+        return group
+
+    def get_gloo(self, ranks: Sequence[int]):
+        """CPU-capable copy of the group of ``ranks`` (see the class docstring), or None."""
+        if not self.create_gloo:
+            return None
+        return self.get(ranks, backend=self.gloo_backend)
+
+
+@contextlib.contextmanager
+def _no_comm_split(backend: Optional[str]):
+    """Build a gloo group beside a device-bound NCCL default group without an NCCL split.
+
+    With a bound device torch creates every subgroup by splitting the default NCCL communicator,
+    and the ranks outside the new group join with a "no colour" split, but the members of a gloo
+    group do not split at all, so the two sides' NCCL collectives would no longer match. Unbinding
+    the device for the duration turns the split off for this one (non-NCCL) group.
+    """
+    world = dist.group.WORLD
+    bound = getattr(world, "bound_device_id", None)
+    if backend is None or bound is None:
+        yield
+        return
+    world.bound_device_id = None
+    try:
+        yield
+    finally:
+        world.bound_device_id = bound
+
+
+# ----------------------------------------------------------------------------------------------
 # Initialisation
 # ----------------------------------------------------------------------------------------------
 def initialize_model_parallel(
@@ -182,13 +276,18 @@ def initialize_model_parallel(
     get_position_embedding_ranks: Optional[Callable[[List[int], Optional[int]], List[int]]] = None,
     create_gloo_process_groups: bool = True,
 ) -> None:
-    """Create all model- and data-parallel process groups for the current job.
+    """Set up every model- and data-parallel group getter for the current job.
 
     Layout: ``dp = world / (tp * pp * cp)`` and ranks are laid out per ``order`` (fastest axis
-    first): for the default ``global_rank = tp_r + tp*(cp_r + cp*(dp_r + dp*pp_r))``.
-    Groups use the default process group's backend (gloo on CPU, nccl on GPU); data-parallel
-    groups also get gloo copies unless ``create_gloo_process_groups`` is False. Every rank must
-    call this with identical arguments after ``torch.distributed.init_process_group``.
+    first): for the default ``global_rank = tp_r + tp*(cp_r + cp*(dp_r + dp*pp_r))``. Every
+    getter gets Megatron's rank list, but a process group is created only once per distinct rank
+    set (see ``_GroupFactory``): axes of size 1 (cp, ep, pp, ...) add no group, the full world is
+    the default group, and all one-member groups of a rank are one group. 8 ranks of plain data
+    parallelism need 1 new group instead of 93. Groups use the default process group's backend;
+    data-parallel groups also get CPU (gloo) copies unless ``create_gloo_process_groups`` is False
+    (the same groups when the default backend carries CPU tensors). Every rank must call this
+    with identical arguments after ``torch.distributed.init_process_group``. Ranks outside a
+    (position) embedding group get None from its getter.
 
     Raises RuntimeError if torch.distributed is not initialised, if the world size is not
     divisible by ``tp*pp*cp`` (or by ``etp*ep*pp`` for experts), if a virtual pipeline size is
@@ -271,32 +370,19 @@ def initialize_model_parallel(
             f"({dense_pp} vs {expert_pp})"
         )
 
-    timeout = datetime.timedelta(minutes=distributed_timeout_minutes)
-    default_is_gloo = dist.get_backend() == "gloo"
+    groups = _GroupFactory(datetime.timedelta(minutes=distributed_timeout_minutes), create_gloo_process_groups)
 
-    def new_group(ranks):
-        return dist.new_group(ranks, timeout=timeout)
-
-    def new_gloo_group(ranks, same_group):
-        if not create_gloo_process_groups:
-            return None
-        # On a gloo default backend the main group already is a gloo group; a second one
-        # would only cost another rendezvous.
-        if default_is_gloo:
-            return same_group
-        return dist.new_group(ranks, timeout=timeout, backend="gloo")
-
-    # Data-parallel groups (with and without context parallelism).
+    # Every rank walks the same rank lists in the same order, so the globally synchronised
+    # dist.new_group calls inside the factory line up on all ranks. An axis of size 1 yields
+    # lists equal to another axis' lists (or one-member lists), so it costs no new group.
     assert _DATA_PARALLEL_GROUP is None, "data parallel group is already initialized"
     for ranks in decoder_gen.get_ranks("dp"):
-        group = new_group(ranks)
-        group_gloo = new_gloo_group(ranks, group)
+        group, group_gloo = groups.get(ranks), groups.get_gloo(ranks)
         if rank in ranks:
             _DATA_PARALLEL_GROUP, _DATA_PARALLEL_GROUP_GLOO, _DATA_PARALLEL_GLOBAL_RANKS = group, group_gloo, ranks
     intra_size = (dp * cp) // num_distributed_optimizer_instances
     for ranks_with_cp in decoder_gen.get_ranks("dp-cp"):
-        group = new_group(ranks_with_cp)
-        group_gloo = new_gloo_group(ranks_with_cp, group)
+        group, group_gloo = groups.get(ranks_with_cp), groups.get_gloo(ranks_with_cp)
         if rank in ranks_with_cp:
             _DATA_PARALLEL_GROUP_WITH_CP = group
             _DATA_PARALLEL_GROUP_WITH_CP_GLOO = group_gloo
@@ -306,36 +392,34 @@ def initialize_model_parallel(
             # strided remainder connects the instances.
             for i in range(num_distributed_optimizer_instances):
                 chunk = ranks_with_cp[i * intra_size:(i + 1) * intra_size]
-                intra = new_group(chunk)
-                intra_gloo = new_gloo_group(chunk, intra)
+                intra, intra_gloo = groups.get(chunk), groups.get_gloo(chunk)
                 if rank in chunk:
                     _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP = intra
                     _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO = intra_gloo
             for i in range(intra_size):
                 strided = ranks_with_cp[i::intra_size]
-                inter = new_group(strided)
+                inter = groups.get(strided)
                 if rank in strided:
                     _INTER_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP = inter
-        else:
-            if rank in ranks_with_cp:
-                _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP = group
-                _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO = group_gloo
+        elif rank in ranks_with_cp:
+            _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP = group
+            _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO = group_gloo
 
     assert _CONTEXT_PARALLEL_GROUP is None, "context parallel group is already initialized"
     for ranks in decoder_gen.get_ranks("cp"):
-        group = new_group(ranks)
+        group = groups.get(ranks)
         if rank in ranks:
             _CONTEXT_PARALLEL_GROUP, _CONTEXT_PARALLEL_GLOBAL_RANKS = group, ranks
 
     assert _MODEL_PARALLEL_GROUP is None, "model parallel group is already initialized"
     for ranks in decoder_gen.get_ranks("tp-pp"):
-        group = new_group(ranks)
+        group = groups.get(ranks)
         if rank in ranks:
             _MODEL_PARALLEL_GROUP, _MODEL_PARALLEL_GLOBAL_RANKS = group, ranks
 
     assert _TENSOR_MODEL_PARALLEL_GROUP is None, "tensor model parallel group is already initialized"
     for ranks in decoder_gen.get_ranks("tp"):
-        group = new_group(ranks)
+        group = groups.get(ranks)
         if rank in ranks:
             _TENSOR_MODEL_PARALLEL_GROUP, _TENSOR_MODEL_PARALLEL_GLOBAL_RANKS = group, ranks
 
@@ -345,63 +429,65 @@ def initialize_model_parallel(
     embedding_ranks_fn = get_embedding_ranks or default_embedding_ranks
     position_ranks_fn = get_position_embedding_ranks or default_position_embedding_ranks
     for ranks in decoder_gen.get_ranks("pp"):
-        group = new_group(ranks)
+        group = groups.get(ranks)
         if rank in ranks:
             _PIPELINE_MODEL_PARALLEL_GROUP, _PIPELINE_GLOBAL_RANKS = group, ranks
+        # Only the members get the (position) embedding group: a middle stage holds no embedding
+        # and must not be handed a group it cannot use (it sees None and is_rank_in_*() False).
         embedding_ranks = list(embedding_ranks_fn(ranks, _PIPELINE_MODEL_PARALLEL_SPLIT_RANK))
-        group = new_group(embedding_ranks)
-        if rank in ranks:
+        group = groups.get(embedding_ranks)
+        if rank in embedding_ranks:
             _EMBEDDING_GROUP, _EMBEDDING_GLOBAL_RANKS = group, embedding_ranks
         position_ranks = list(position_ranks_fn(ranks, _PIPELINE_MODEL_PARALLEL_SPLIT_RANK))
-        group = new_group(position_ranks)
-        if rank in ranks:
+        group = groups.get(position_ranks)
+        if rank in position_ranks:
             _POSITION_EMBEDDING_GROUP, _POSITION_EMBEDDING_GLOBAL_RANKS = group, position_ranks
 
     assert _TENSOR_AND_DATA_PARALLEL_GROUP is None, "Tensor + data parallel group is already initialized"
     for ranks in decoder_gen.get_ranks("tp-dp-cp"):
-        group = new_group(ranks)
+        group = groups.get(ranks)
         if rank in ranks:
             _TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP = group
     for ranks in decoder_gen.get_ranks("tp-dp"):
-        group = new_group(ranks)
+        group = groups.get(ranks)
         if rank in ranks:
             _TENSOR_AND_DATA_PARALLEL_GROUP = group
 
     assert _TENSOR_AND_CONTEXT_PARALLEL_GROUP is None, "Tensor + context parallel group is already initialized"
     for ranks in decoder_gen.get_ranks("tp-cp"):
-        group = new_group(ranks)
+        group = groups.get(ranks)
         if rank in ranks:
             _TENSOR_AND_CONTEXT_PARALLEL_GROUP = group
 
-    # Expert groups (an MoE layer's view of the same ranks).
+    # Expert groups (an MoE layer's view of the same ranks). With ep == 1 and expert tp == tp
+    # their rank lists are the dense ones, so they alias the dense groups.
     assert _EXPERT_MODEL_PARALLEL_GROUP is None, "Expert parallel group is already initialized"
     for ranks in expert_gen.get_ranks("ep"):
-        group = new_group(ranks)
+        group = groups.get(ranks)
         if rank in ranks:
             _EXPERT_MODEL_PARALLEL_GROUP = group
     assert _EXPERT_TENSOR_PARALLEL_GROUP is None, "Expert tensor model parallel group is already initialized"
     for ranks in expert_gen.get_ranks("tp"):
-        group = new_group(ranks)
+        group = groups.get(ranks)
         if rank in ranks:
             _EXPERT_TENSOR_PARALLEL_GROUP = group
     assert _EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP is None, (
         "Expert tensor + model parallel group is already initialized"
     )
     for ranks in expert_gen.get_ranks("tp-ep"):
-        group = new_group(ranks)
+        group = groups.get(ranks)
         if rank in ranks:
             _EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP = group
     assert _EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP is None, (
         "The expert_tensor_model_pipeline parallel group is already initialized"
     )
     for ranks in expert_gen.get_ranks("tp-ep-pp"):
-        group = new_group(ranks)
+        group = groups.get(ranks)
         if rank in ranks:
             _EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP = group
     assert _EXPERT_DATA_PARALLEL_GROUP is None, "Expert data group is already initialized"
     for ranks in expert_gen.get_ranks("dp"):
-        group = new_group(ranks)
-        group_gloo = new_gloo_group(ranks, group)
+        group, group_gloo = groups.get(ranks), groups.get_gloo(ranks)
         if rank in ranks:
             _EXPERT_DATA_PARALLEL_GROUP, _EXPERT_DATA_PARALLEL_GROUP_GLOO = group, group_gloo
 
@@ -490,12 +576,19 @@ def get_inter_partial_data_parallel_group():
 
 
 def get_embedding_group(check_initialized: bool = True):
-    """Group of ranks holding (tied) word embeddings: first and last pipeline stage."""
+    """Group of ranks holding (tied) word embeddings: first and last pipeline stage.
+
+    None on a rank outside it (a middle pipeline stage); see ``is_rank_in_embedding_group``.
+    """
+    if _EMBEDDING_GROUP is None and _PIPELINE_MODEL_PARALLEL_GROUP is not None:
+        return None
     return _check(_EMBEDDING_GROUP, "embedding", check_initialized)
 
 
 def get_position_embedding_group(check_initialized: bool = True):
-    """Group of ranks holding position embeddings: the first pipeline stage."""
+    """Group of ranks holding position embeddings: the first pipeline stage (None on other ranks)."""
+    if _POSITION_EMBEDDING_GROUP is None and _PIPELINE_MODEL_PARALLEL_GROUP is not None:
+        return None
     return _check(_POSITION_EMBEDDING_GROUP, "position embedding", check_initialized)
 
 
@@ -703,10 +796,18 @@ def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: Optional[int] 
     return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
 
 
+def _embedding_ranks_or_self(ranks: Optional[List[int]], rank: int) -> List[int]:
+    # Before initialize_model_parallel a process counts as the whole (one-stage) pipeline; after
+    # it, no recorded ranks means this rank is not a member.
+    if ranks is not None:
+        return ranks
+    return [] if _PIPELINE_MODEL_PARALLEL_GROUP is not None else [rank]
+
+
 def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: Optional[int] = None) -> bool:
     """True if this rank holds a copy of the word embeddings that must be kept in sync."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    ranks = _EMBEDDING_GLOBAL_RANKS if _EMBEDDING_GLOBAL_RANKS is not None else [rank]
+    ranks = _embedding_ranks_or_self(_EMBEDDING_GLOBAL_RANKS, rank)
     if rank not in ranks:
         return False
     if ignore_virtual:
@@ -721,8 +822,7 @@ def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: Optional[i
 def is_rank_in_position_embedding_group() -> bool:
     """True if this rank holds position embeddings."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    ranks = _POSITION_EMBEDDING_GLOBAL_RANKS if _POSITION_EMBEDDING_GLOBAL_RANKS is not None else [rank]
-    return rank in ranks
+    return rank in _embedding_ranks_or_self(_POSITION_EMBEDDING_GLOBAL_RANKS, rank)
 
 
 def get_data_parallel_world_size(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:

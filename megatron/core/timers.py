@@ -5,6 +5,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core.collective_device import get_collective_device
+
 
 def _synchronize():
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -115,18 +117,21 @@ class Timers:
         return self._timers[name]
 
     def _gather_ms(self, names: List[str], reset: bool, barrier: bool) -> torch.Tensor:
-        """[world, len(names)] elapsed milliseconds (0 where a rank lacks the timer)."""
+        """[world, len(names)] elapsed milliseconds (0 where a rank lacks the timer), on the CPU.
+
+        The gather runs on the device the default group's backend needs (CUDA under NCCL).
+        """
         if barrier and dist.is_initialized():
             dist.barrier()
         local = torch.tensor(
             [self._timers[n].elapsed(reset=reset) * 1000.0 if n in self._timers else 0.0 for n in names],
-            dtype=torch.float64,
+            dtype=torch.float64, device=get_collective_device(),
         )
         if not dist.is_initialized():
-            return local.unsqueeze(0)
+            return local.unsqueeze(0).cpu()
         gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, local)
-        return torch.stack(gathered)
+        return torch.stack(gathered).cpu()
 
     def get_all_timers_string(self, names: List[str], normalizer: float = 1.0, reset: bool = True,
                               barrier: bool = False) -> Optional[str]:

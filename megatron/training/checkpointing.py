@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.collective_device import get_collective_device
 from megatron.training.global_vars import get_args
 from megatron.training.utils import print_rank_0
 
@@ -90,7 +91,7 @@ def read_metadata(tracker_filename):
         raise ValueError(f"invalid checkpoint tracker file {tracker_filename}: iteration {iteration} is not positive")
 
     if dist.is_initialized():
-        iters = torch.tensor([iteration], dtype=torch.long, device=_collective_device())
+        iters = torch.tensor([iteration], dtype=torch.long, device=get_collective_device())
         dist.all_reduce(iters, op=dist.ReduceOp.MAX)
         max_iter = int(iters.item())
         if max_iter != iteration:
@@ -104,13 +105,6 @@ def read_metadata(tracker_filename):
 # Collective helpers (no-ops in a single process)
 # ---------------------------------------------------------------------------------------------------
 
-def _collective_device():
-    # NCCL only moves CUDA tensors; gloo only CPU ones.
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _world_rank():
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -123,7 +117,7 @@ def _barrier():
 def _any_rank(flag):
     if not dist.is_initialized():
         return bool(flag)
-    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_collective_device())
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=get_collective_device())
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item())
 
@@ -131,7 +125,7 @@ def _any_rank(flag):
 def _broadcast_int_from_rank_0(value):
     if not dist.is_initialized():
         return value
-    tensor = torch.tensor([value], dtype=torch.long, device=_collective_device())
+    tensor = torch.tensor([value], dtype=torch.long, device=get_collective_device())
     dist.broadcast(tensor, src=0)
     return int(tensor.item())
 

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.collective_device import get_collective_device
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.num_microbatches_calculator import get_num_microbatches, update_num_microbatches
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -187,7 +188,7 @@ def build_train_valid_test_data_iterators(train_valid_test_dataset_provider):
     # Ranks without datasets (TP rank > 0) learn from the others which splits exist.
     flags = torch.tensor(
         [train_loader is not None and args.train_iters > 0, valid_loader is not None and args.eval_iters > 0,
-         test_loader is not None and args.eval_iters > 0], dtype=torch.int32, device=get_device())
+         test_loader is not None and args.eval_iters > 0], dtype=torch.int32, device=get_collective_device())
     if dist.is_initialized():
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     args.do_train, args.do_valid, args.do_test = (bool(v) for v in flags.tolist())
@@ -221,7 +222,9 @@ def _reduce_reports(reports):
         if values.shape[1] == 2:
             totals = values.sum(dim=0)
             if dist.is_initialized():
-                dist.all_reduce(totals, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+                group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+                totals = totals.to(get_collective_device(group))
+                dist.all_reduce(totals, group=group)
             reduced[key] = totals[0] / totals[1].clamp(min=1)
         else:
             reduced[key] = values.mean()
@@ -302,6 +305,7 @@ def evaluate(forward_step_func, data_iterator, model, verbose=False):
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     for key, value in totals.items():
         if dist.is_initialized():
+            value = value.to(get_collective_device(group))
             dist.all_reduce(value, group=group)
         results[key] = (value[0] / value[1].clamp(min=1)).item() if value.numel() == 2 else value.mean().item()
     return results
@@ -348,7 +352,7 @@ class _SignalFlag:
 
 
 def _any_rank(flag: bool) -> bool:
-    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=get_device())
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=get_collective_device())
     if dist.is_initialized():
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item())
@@ -377,7 +381,7 @@ def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration,
         saved = True
     if args.exit_duration_in_mins:
         elapsed_minutes = (time.time() - _TRAIN_START_TIME) / 60.0
-        value = torch.tensor([elapsed_minutes], dtype=torch.float64, device=get_device())
+        value = torch.tensor([elapsed_minutes], dtype=torch.float64, device=get_collective_device())
         if dist.is_initialized():
             dist.all_reduce(value, op=dist.ReduceOp.MAX)
         if value.item() > args.exit_duration_in_mins:

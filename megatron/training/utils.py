@@ -3,6 +3,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.collective_device import get_collective_device
 
 
 def get_rank() -> int:
@@ -26,7 +27,11 @@ def print_rank_last(message: str):
 
 
 def get_device() -> torch.device:
-    """The current CUDA device when CUDA is available, else the CPU."""
+    """Where this rank's model and batches live: the current CUDA device when CUDA is available, else the CPU.
+
+    A compute device, not a collective one: tensors passed to ``torch.distributed`` are placed by
+    ``megatron.core.collective_device.get_collective_device`` (the two agree under NCCL).
+    """
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
@@ -34,30 +39,35 @@ _BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids"
 
 
 def get_batch_on_this_tp_rank(data_iterator, needs_attention_mask: bool):
-    """Next micro batch on every rank of a tensor-parallel group.
+    """Next micro batch on every rank of a tensor-parallel group, on this rank's compute device.
 
     Only TP rank 0 reads from ``data_iterator`` (other ranks may pass None); the tensors are
     broadcast from it. Returns a dict: tokens, labels, position_ids int64 ``[b, s]``, loss_mask
     float32 ``[b, s]``, attention_mask bool ``[b, 1, s, s]`` (True = masked) or None.
     """
     device = get_device()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    if tp_size == 1:
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
         batch = next(data_iterator)
-        out = {k: batch[k].to(device, non_blocking=True) for k in _BATCH_KEYS if k in batch and batch[k] is not None}
-        out.setdefault("attention_mask", None)
-        if not needs_attention_mask:
-            out["attention_mask"] = None
-        return out
+        out = {k: batch[k] for k in _BATCH_KEYS if k in batch and batch[k] is not None}
+    else:
+        out = _broadcast_batch(data_iterator, needs_attention_mask)
+    out = {k: v.to(device, non_blocking=True) for k, v in out.items()}
+    if not needs_attention_mask or "attention_mask" not in out:
+        out["attention_mask"] = None
+    return out
 
+
+def _broadcast_batch(data_iterator, needs_attention_mask: bool):
+    """TP rank 0's next batch on every rank of its TP group, on the group's collective device."""
     group = parallel_state.get_tensor_model_parallel_group()
     src = parallel_state.get_tensor_model_parallel_src_rank()
+    comm_device = get_collective_device(group)
     if parallel_state.get_tensor_model_parallel_rank() == 0:
         batch = next(data_iterator)
-        out = {k: batch[k].to(device) for k in _BATCH_KEYS if k in batch and batch[k] is not None}
-        shape = torch.tensor(list(out["tokens"].shape), dtype=torch.int64, device=device)
+        out = {k: batch[k].to(comm_device) for k in _BATCH_KEYS if k in batch and batch[k] is not None}
+        shape = torch.tensor(list(out["tokens"].shape), dtype=torch.int64, device=comm_device)
     else:
-        out, shape = {}, torch.empty(2, dtype=torch.int64, device=device)
+        out, shape = {}, torch.empty(2, dtype=torch.int64, device=comm_device)
     dist.broadcast(shape, src, group=group)
     b, s = shape.tolist()
     specs = {
@@ -68,25 +78,27 @@ def get_batch_on_this_tp_rank(data_iterator, needs_attention_mask: bool):
         specs["attention_mask"] = ((b, 1, s, s), torch.bool)
     for key, (size, dtype) in specs.items():
         if key not in out:
-            out[key] = torch.empty(size, dtype=dtype, device=device)
+            out[key] = torch.empty(size, dtype=dtype, device=comm_device)
         dist.broadcast(out[key], src, group=group)
-    if not needs_attention_mask:
-        out["attention_mask"] = None
     return out
 
 
 def calc_params_l2_norm(model) -> float:
     """L2 norm of all parameters, each counted once across tensor-parallel ranks (``--log-params-norm``)."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    total = torch.zeros(1, dtype=torch.float64, device=get_device())
-    for chunk in model:
-        for param in chunk.parameters():
-            if getattr(param, "shared", False):
-                continue
-            if getattr(param, "tensor_model_parallel", False) or tp_rank == 0:
-                total += param.detach().double().pow(2).sum()
-    if dist.is_initialized():
-        dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
+    group = parallel_state.get_model_parallel_group() if dist.is_initialized() else None
+    device = get_collective_device(group)
+    squares = [
+        param.detach().double().pow(2).sum()
+        for chunk in model for param in chunk.parameters()
+        if not getattr(param, "shared", False) and (getattr(param, "tensor_model_parallel", False) or tp_rank == 0)
+    ]
+    if squares:
+        total = torch.stack(squares).sum().reshape(1).to(device)
+    else:
+        total = torch.zeros(1, dtype=torch.float64, device=device)
+    if group is not None:
+        dist.all_reduce(total, group=group)
     return total.sqrt().item()
 
 

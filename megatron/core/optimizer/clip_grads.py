@@ -5,9 +5,7 @@ from typing import Iterable, List, Optional, Union
 import torch
 import torch.distributed as dist
 
-
-def _default_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+from megatron.core.collective_device import get_collective_device
 
 
 def _tp_rank() -> int:
@@ -47,13 +45,16 @@ def get_grad_norm_fp32(grads_for_norm: Union[List[torch.Tensor], torch.Tensor], 
     if isinstance(grads_for_norm, torch.Tensor):
         grads_for_norm = [grads_for_norm]
     norm_type = float(norm_type)
-    device = grads_for_norm[0].device if grads_for_norm else _default_device()
+    # The norms are computed where the grads are; only the [1] total moves to the reduction's device.
+    comm_device = get_collective_device(model_parallel_group)
+    device = grads_for_norm[0].device if grads_for_norm else comm_device
     if norm_type == math.inf:
         if grads_for_norm:
             total = torch.stack([g.detach().abs().max().float() for g in grads_for_norm]).max().reshape(1)
         else:
-            total = torch.zeros(1, dtype=torch.float, device=device)
+            total = torch.zeros(1, dtype=torch.float, device=comm_device)
         if model_parallel_group is not None:
+            total = total.to(comm_device)
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=model_parallel_group)
         return total.item()
     # CPU kernels sum a tensor's squares sequentially in fp32 (about 1e-4 relative error on a
@@ -64,8 +65,9 @@ def get_grad_norm_fp32(grads_for_norm: Union[List[torch.Tensor], torch.Tensor], 
         norms = torch._foreach_norm([g.detach() for g in grads_for_norm], norm_type, dtype=acc_dtype)
         total = torch.stack(list(norms)).pow(norm_type).sum().reshape(1)
     else:
-        total = torch.zeros(1, dtype=acc_dtype, device=device)
+        total = torch.zeros(1, dtype=acc_dtype, device=comm_device)
     if model_parallel_group is not None:
+        total = total.to(comm_device)
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=model_parallel_group)
     return total.item() ** (1.0 / norm_type)
 
@@ -94,9 +96,10 @@ def count_zeros_fp32(parameters: Iterable[torch.nn.Parameter], grad_stats_parall
             continue
         zeros = grad.numel() - torch.count_nonzero(grad)
         total = zeros if total is None else total + zeros
+    comm_device = get_collective_device(grad_stats_parallel_group)
     if total is None:
-        total = torch.zeros((), dtype=torch.long, device=_default_device())
-    total = total.reshape(1).to(torch.long)
+        total = torch.zeros((), dtype=torch.long, device=comm_device)
+    total = total.reshape(1).to(device=comm_device, dtype=torch.long)
     if grad_stats_parallel_group is not None:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=grad_stats_parallel_group)
     return int(total.item())

@@ -5,12 +5,11 @@ from typing import Dict
 import torch
 
 
-def _scaler_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
 class MegatronGradScaler(ABC):
     """Holds the loss scale as a ``[1]`` fp32 tensor; the loss is multiplied by it before backward.
+
+    The scale starts on the CPU; the mixed-precision optimizer moves it next to the model with
+    :meth:`to` (it is a compute operand, never a collective's tensor).
 
     Raises:
         ValueError: ``initial_scale`` is not positive.
@@ -19,7 +18,14 @@ class MegatronGradScaler(ABC):
     def __init__(self, initial_scale: float):
         if not initial_scale > 0.0:
             raise ValueError(f"loss scale must be positive, got {initial_scale}")
-        self._scale = torch.tensor([float(initial_scale)], dtype=torch.float, device=_scaler_device())
+        self._scale = torch.tensor([float(initial_scale)], dtype=torch.float)
+
+    def to(self, device: torch.device) -> "MegatronGradScaler":
+        """Move every tensor of the scaler to ``device`` (the model's); returns self."""
+        for name, value in vars(self).items():
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, value.to(device))
+        return self
 
     @property
     def scale(self) -> torch.Tensor:

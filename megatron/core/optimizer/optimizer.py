@@ -6,6 +6,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.core.collective_device import get_collective_device
+
 from .clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
@@ -274,6 +276,9 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
         device = torch.device("cpu") if device is None else device
         self.found_inf = torch.zeros(1, dtype=torch.float, device=device)
         self._scale_one = torch.ones(1, dtype=torch.float, device=device)
+        if self.grad_scaler is not None:
+            # The loss is multiplied by the scale, so it lives with the model.
+            self.grad_scaler.to(device)
 
     def zero_grad(self, set_to_none: bool = True):
         """Clear grads of model params, fp32 main params and fp32 params."""
@@ -305,10 +310,14 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
         if main_grads:
             inv_scale = self.grad_scaler.inv_scale.to(main_grads[0].device)
             torch._amp_foreach_non_finite_check_and_unscale_(main_grads, self.found_inf, inv_scale)
+        found_inf = self.found_inf
         group = self.get_grad_stats_parallel_group()
         if group is not None:
-            dist.all_reduce(self.found_inf, op=dist.ReduceOp.MAX, group=group)
-        return bool(self.found_inf.item() > 0)
+            # found_inf lives with the grads (the unscale kernel needs that); the reduction may need
+            # another device (a CUDA model over gloo). .to() is free when they agree.
+            found_inf = found_inf.to(get_collective_device(group))
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+        return bool(found_inf.item() > 0)
 
     def _copy_main_params_to_model_params(self):
         for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):

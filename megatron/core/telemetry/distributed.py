@@ -89,11 +89,12 @@ def broadcast_trace_context(context=None, src: int = 0, group=None) -> Dict[str,
     import torch
     import torch.distributed as dist
 
+    # Imported here: telemetry stays importable without torch.
+    from megatron.core.collective_device import get_collective_device
+
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("broadcast_trace_context: torch.distributed is not initialised")
-    device = torch.device("cpu")
-    if dist.get_backend(group) == "nccl" and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = get_collective_device(group)
     buf = torch.zeros(CARRIER_BYTES, dtype=torch.uint8, device=device)
     if dist.get_rank() == src:
         carrier = inject_context({}, context)

@@ -42,15 +42,16 @@ def _short_hash(text: str) -> str:
 def agree_on_run_id(proposal: str, group=None) -> str:
     """Broadcast rank 0's ``proposal`` (<= 64 ASCII chars) so every rank returns the same run id.
 
-    One small collective; call it on every rank of ``group`` (default: the world). Uses a CUDA
-    tensor under NCCL and a CPU tensor otherwise.
+    One small collective; call it on every rank of ``group`` (default: the world). The tensor lives
+    where the group's backend needs it (``megatron.core.collective_device``: CUDA under NCCL).
     """
     import torch
     import torch.distributed as dist
 
-    device = torch.device("cpu")
-    if dist.get_backend(group) == "nccl" and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
+    # Imported here: telemetry stays importable without torch.
+    from megatron.core.collective_device import get_collective_device
+
+    device = get_collective_device(group)
     payload = proposal.encode("ascii")[:64].ljust(64, b"\0")
     buf = torch.tensor(list(payload), dtype=torch.uint8, device=device)
     src = 0 if group is None else dist.get_global_rank(group, 0)
