@@ -6,23 +6,24 @@ Models Using Model Parallelism", section 3; sequence parallelism follows Korthik
 """
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Callable, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.parallel_state import (
-    get_tensor_model_parallel_group,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
 )
 from megatron.core.tensor_parallel.mappings import (
     _gather_along_first_dim,
-    _reduce_scatter_along_first_dim,
-    copy_to_tensor_model_parallel_region,
+    _start_gather_along_first_dim,
+    _start_reduce,
+    _start_reduce_scatter_along_first_dim,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -30,6 +31,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.tensor_parallel.utils import VocabUtility, divide
+from megatron.core.tensor_parallel.wgrad import accumulate_weight_grad, cuda_wgrad_kernel
 
 _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
 
@@ -182,13 +184,56 @@ def _initialize_partitioned_weight(weight: torch.Tensor, config: ModelParallelCo
     return None
 
 
-class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
-    """``Y = X Wᵀ + b`` with sequence-parallel gather and optional wgrad accumulation into ``main_grad``.
+_warned_max_connections = False
 
-    input [s, b, in] (or [s/tp, b, in] gathered on dim 0 with ``sequence_parallel``); weight
-    [out, in]; output [s, b, out]. Backward all-reduces (``allreduce_dgrad``) or reduce-scatters
-    (``sequence_parallel``) the input gradient over TP. With ``gradient_accumulation_fusion`` the
-    weight gradient is added into ``weight.main_grad`` (fp32) instead of being returned.
+
+def _prepare_cuda_backward(config: ModelParallelConfig, communicates_in_backward: bool) -> None:
+    """On a CUDA machine: pick the fused-wgrad kernel now (probed once, outside any compiled
+    region), and warn once if the backward's collectives cannot overlap in order (see
+    :class:`LinearWithGradAccumulationAndAsyncCommunication`). Does nothing without CUDA."""
+    global _warned_max_connections
+    if not torch.cuda.is_available():
+        return
+    if config.gradient_accumulation_fusion:
+        # Float16Module may cast fp32-built params to the --bf16/--fp16 dtype after construction.
+        dtypes = {config.params_dtype, torch.bfloat16 if config.bf16 else None, torch.float16 if config.fp16 else None}
+        for dtype in dtypes & {torch.bfloat16, torch.float16}:
+            cuda_wgrad_kernel(torch.device("cuda", torch.cuda.current_device()), dtype)
+    if communicates_in_backward and not _warned_max_connections \
+            and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
+        _warned_max_connections = True
+        warnings.warn("tensor-parallel backward overlaps its collectives with the GEMMs only with "
+                      "CUDA_DEVICE_MAX_CONNECTIONS=1 in the environment before CUDA starts "
+                      "(export it in the launch script, as Megatron-LM does)")
+
+
+class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
+    """``Y = X Wᵀ + b``: the one implementation of both tensor-parallel linear layers' math.
+
+    input [s, b, in] (or this rank's [s/tp, b, in], gathered on dim 0, with ``sequence_parallel``);
+    weight [out, in]; bias [out] or None; output [s, b, out].
+
+    Backward (Megatron-LM's order; Korthikanti et al. 2022, section 4.2.2) overlaps the TP
+    communication with the two GEMMs:
+
+    1. with ``sequence_parallel``, start the all-gather of the saved [s/tp, b, in] input (async);
+    2. dgrad = grad_output @ W;
+    3. wait for the all-gather; start the reduce-scatter of dgrad (``sequence_parallel``) or its
+       all-reduce (``allreduce_dgrad``), async;
+    4. wgrad = grad_outputᵀ @ X (into ``weight.main_grad`` with ``gradient_accumulation_fusion``,
+       see :func:`accumulate_weight_grad`), and the bias grad;
+    5. wait for the dgrad collective.
+
+    On CUDA the collectives run on NCCL's stream; the all-gather only gets ahead of the dgrad GEMM
+    when kernels reach the GPU in launch order, which needs ``CUDA_DEVICE_MAX_CONNECTIONS=1`` in the
+    environment before CUDA starts (as Megatron-LM's launch scripts export it). Without it the
+    numbers are the same and only the overlap is lost.
+
+    Gradients not needed by autograd (``ctx.needs_input_grad``: frozen weight, input that needs no
+    grad, no bias) are not computed. With ``gradient_accumulation_fusion`` the weight gradient is
+    added into ``weight.main_grad`` and the returned gradient is a dummy for DDP's hook
+    (``grad_added_to_main_grad``; zeros when ``zero_out_wgrad``, e.g. a tied embedding whose lookup
+    grad still arrives through autograd). Raises RuntimeError if the weight has no ``main_grad``.
     """
 
     @staticmethod
@@ -204,38 +249,52 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         input_, weight = ctx.saved_tensors
-        total_input = _gather_along_first_dim(input_) if ctx.sequence_parallel else input_
-        grad_input = grad_output.matmul(weight)
-        if ctx.sequence_parallel:
-            grad_input = _reduce_scatter_along_first_dim(grad_input)
-        elif ctx.allreduce_dgrad and get_tensor_model_parallel_world_size() > 1:
-            grad_input = grad_input.contiguous()
-            dist.all_reduce(grad_input, group=get_tensor_model_parallel_group())
+        need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
+
+        total_input, gather_pending = input_, None
+        if ctx.sequence_parallel and need_wgrad:
+            total_input, gather_pending = _start_gather_along_first_dim(input_)
+
+        grad_input = grad_output.matmul(weight) if need_dgrad else None
+
+        if gather_pending is not None:
+            gather_pending.wait()
+        dgrad_pending = None
+        if grad_input is not None:
+            if ctx.sequence_parallel:
+                grad_input, dgrad_pending = _start_reduce_scatter_along_first_dim(grad_input)
+            elif ctx.allreduce_dgrad:
+                grad_input, dgrad_pending = _start_reduce(grad_input)
 
         grad_output_2d = grad_output.reshape(-1, grad_output.size(-1))
-        total_input_2d = total_input.reshape(-1, total_input.size(-1))
-        if not ctx.needs_input_grad[1]:
-            # Frozen weight (e.g. partial fine-tuning): DDP gave it no main_grad and wants no gradient.
-            grad_weight = None
-        elif ctx.gradient_accumulation_fusion:
-            if not hasattr(weight, "main_grad"):
-                raise RuntimeError(
-                    "gradient_accumulation_fusion requires weight.main_grad (wrap the model in "
-                    "DistributedDataParallel before running backward)"
-                )
-            weight.main_grad.addmm_(grad_output_2d.t().to(weight.main_grad.dtype),
-                                    total_input_2d.to(weight.main_grad.dtype))
-            if hasattr(weight, "grad_added_to_main_grad"):
-                # Tell the DDP hook the grad is already in main_grad; autograd still needs a tensor.
-                grad_weight = torch.zeros_like(weight) if getattr(weight, "zero_out_wgrad", False) \
-                    else torch.empty_like(weight)
-                weight.grad_added_to_main_grad = True
+        grad_weight = None
+        if need_wgrad:
+            total_input_2d = total_input.reshape(-1, total_input.size(-1))
+            if ctx.gradient_accumulation_fusion:
+                grad_weight = _fused_weight_grad(weight, grad_output_2d, total_input_2d)
             else:
-                grad_weight = None
-        else:
-            grad_weight = grad_output_2d.t().matmul(total_input_2d)
-        grad_bias = grad_output_2d.sum(dim=0) if ctx.use_bias else None
+                grad_weight = grad_output_2d.t().matmul(total_input_2d)
+        grad_bias = grad_output_2d.sum(dim=0) if ctx.use_bias and need_bgrad else None
+
+        if dgrad_pending is not None:
+            dgrad_pending.wait()
         return grad_input, grad_weight, grad_bias, None, None, None
+
+
+def _fused_weight_grad(weight: torch.Tensor, grad_output_2d: torch.Tensor,
+                       total_input_2d: torch.Tensor) -> Optional[torch.Tensor]:
+    """Add ``grad_output_2dᵀ @ total_input_2d`` into ``weight.main_grad``; return the grad autograd gets."""
+    if not hasattr(weight, "main_grad"):
+        raise RuntimeError(
+            "gradient_accumulation_fusion requires weight.main_grad (wrap the model in "
+            "DistributedDataParallel before running backward)"
+        )
+    accumulate_weight_grad(weight.main_grad, grad_output_2d, total_input_2d)
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    # Tell the DDP hook the grad is already in main_grad; autograd still needs a tensor.
+    weight.grad_added_to_main_grad = True
+    return torch.zeros_like(weight) if getattr(weight, "zero_out_wgrad", False) else torch.empty_like(weight)
 
 
 def linear_with_grad_accumulation_and_async_allreduce(
@@ -306,6 +365,7 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         self.allreduce_dgrad = world_size > 1 and not self.sequence_parallel and not disable_grad_reduce
         self.master_weight = None
+        _prepare_cuda_backward(config, self.allreduce_dgrad or self.sequence_parallel)
 
         if not skip_weight_param_allocation:
             self.weight = Parameter(torch.empty(self.output_size_per_partition, input_size,
@@ -345,14 +405,9 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
             )
         bias = self.bias if not self.skip_bias_add else None
 
-        if self.sequence_parallel or self.gradient_accumulation_fusion:
-            output_parallel = linear_with_grad_accumulation_and_async_allreduce(
-                input_, weight, bias, self.gradient_accumulation_fusion, self.allreduce_dgrad, self.sequence_parallel
-            )
-        else:
-            if self.allreduce_dgrad:
-                input_ = copy_to_tensor_model_parallel_region(input_)
-            output_parallel = F.linear(input_, weight, bias)
+        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+            input_, weight, bias, self.gradient_accumulation_fusion, self.allreduce_dgrad, self.sequence_parallel
+        )
 
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
@@ -410,6 +465,7 @@ class RowParallelLinear(_ExtraStateMixin, torch.nn.Module):
         if self.sequence_parallel and not input_is_parallel:
             raise RuntimeError("To enable `sequence_parallel`, `input_is_parallel` must be `True`")
         self.master_weight = None
+        _prepare_cuda_backward(config, communicates_in_backward=False)
 
         self.weight = Parameter(torch.empty(output_size, self.input_size_per_partition,
                                             device=_param_device(config), dtype=config.params_dtype))
@@ -436,12 +492,10 @@ class RowParallelLinear(_ExtraStateMixin, torch.nn.Module):
             input_parallel = input_
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_)
-        if self.gradient_accumulation_fusion:
-            output_parallel = linear_with_grad_accumulation_and_async_allreduce(
-                input_parallel, self.weight, None, True, False, False
-            )
-        else:
-            output_parallel = F.linear(input_parallel, self.weight)
+        # The input grad of a row-parallel matmul is already this rank's shard: no dgrad collective.
+        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+            input_parallel, self.weight, None, self.gradient_accumulation_fusion, False, False
+        )
         if self.sequence_parallel:
             output_ = reduce_scatter_to_sequence_parallel_region(output_parallel)
         else:

@@ -1,6 +1,8 @@
 """Autograd-aware collectives over the tensor-parallel group (Megatron's copy/reduce/scatter/gather regions)."""
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 import torch
 import torch.distributed as dist
 
@@ -62,26 +64,77 @@ def _gather_along_last_dim(input_: torch.Tensor) -> torch.Tensor:
 
 def _gather_along_first_dim(input_: torch.Tensor) -> torch.Tensor:
     """Concatenate every rank's tensor along the first (sequence) dimension."""
-    world_size = get_tensor_model_parallel_world_size()
-    if world_size == 1:
-        return input_
-    shape = list(input_.shape)
-    shape[0] *= world_size
-    output = torch.empty(shape, dtype=input_.dtype, device=input_.device)
-    _all_gather_flat(output, input_.contiguous(), group=get_tensor_model_parallel_group())
+    output, _ = _start_gather_along_first_dim(input_, async_op=False)
     return output
 
 
 def _reduce_scatter_along_first_dim(input_: torch.Tensor) -> torch.Tensor:
     """Sum over the TP group and keep this rank's chunk of the first dimension."""
+    output, _ = _start_reduce_scatter_along_first_dim(input_, async_op=False)
+    return output
+
+
+class PendingCollective:
+    """A collective launched with ``async_op=True`` and the tensors it reads and writes.
+
+    The tensors are kept alive until :meth:`wait` returns, whatever the backend does with them, so
+    a caller may drop its own references (e.g. to a temporary ``.contiguous()`` copy) right away.
+    """
+
+    def __init__(self, work: dist.Work, *tensors: torch.Tensor):
+        self._work = work
+        self._tensors = tensors
+
+    def wait(self) -> None:
+        """Block (CPU) or make the current CUDA stream wait until the collective has finished."""
+        self._work.wait()
+        self._tensors = ()
+
+
+def _launch(collective, output: torch.Tensor, input_: torch.Tensor, async_op: bool) -> Optional[PendingCollective]:
+    work = collective(output, input_, group=get_tensor_model_parallel_group(), async_op=async_op)
+    return PendingCollective(work, output, input_) if async_op else None
+
+
+def _start_gather_along_first_dim(input_: torch.Tensor, async_op: bool = True
+                                  ) -> Tuple[torch.Tensor, Optional[PendingCollective]]:
+    """Launch the all-gather of [s/tp, ...] into a new [s, ...] buffer; return (buffer, pending).
+
+    With ``async_op`` the buffer is valid only after ``pending.wait()``. At TP=1 (or without
+    ``async_op``) pending is None; at TP=1 the input itself is returned.
+    """
     world_size = get_tensor_model_parallel_world_size()
     if world_size == 1:
-        return input_
+        return input_, None
+    shape = list(input_.shape)
+    shape[0] *= world_size
+    output = torch.empty(shape, dtype=input_.dtype, device=input_.device)
+    return output, _launch(_all_gather_flat, output, input_.contiguous(), async_op)
+
+
+def _start_reduce_scatter_along_first_dim(input_: torch.Tensor, async_op: bool = True
+                                          ) -> Tuple[torch.Tensor, Optional[PendingCollective]]:
+    """Launch the reduce-scatter (sum) of [s, ...] into a new [s/tp, ...] buffer; return (buffer, pending).
+
+    With ``async_op`` the buffer is valid, and ``input_`` may be changed, only after ``pending.wait()``.
+    """
+    world_size = get_tensor_model_parallel_world_size()
+    if world_size == 1:
+        return input_, None
     shape = list(input_.shape)
     shape[0] = divide(shape[0], world_size)
     output = torch.empty(shape, dtype=input_.dtype, device=input_.device)
-    _reduce_scatter_flat(output, input_.contiguous(), group=get_tensor_model_parallel_group())
-    return output
+    return output, _launch(_reduce_scatter_flat, output, input_.contiguous(), async_op)
+
+
+def _start_reduce(input_: torch.Tensor) -> Tuple[torch.Tensor, Optional[PendingCollective]]:
+    """Launch the in-place all-reduce (sum) of a freshly computed ``input_`` (no other reader);
+    return (the reduced tensor, valid after ``pending.wait()``, and pending; None at TP=1)."""
+    if get_tensor_model_parallel_world_size() == 1:
+        return input_, None
+    output = input_.contiguous()
+    work = dist.all_reduce(output, group=get_tensor_model_parallel_group(), async_op=True)
+    return output, PendingCollective(work, output)
 
 
 # --------------------------------------------------------------------------------------------
