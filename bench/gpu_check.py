@@ -214,6 +214,7 @@ class GPUCheck:
             # Tiny models: one thread per rank; several threads per rank on a small shared machine
             # spin against each other (10x slower iterations were seen on 2 busy cores).
             env.setdefault("OMP_NUM_THREADS", "1")
+            env["CUDA_VISIBLE_DEVICES"] = ""  # CPU only, even on a machine with GPUs
         else:
             env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         env.update(extra or {})
@@ -433,6 +434,8 @@ class GPUCheck:
                               f"(tolerance {RESUME_RTOL[self.device]})")
 
     def stage_telemetry(self):
+        if str(self.info.get("opentelemetry", "")).startswith("MISSING"):
+            raise StageFailed(f"OpenTelemetry is not importable here: {self.info['opentelemetry']}")
         m = small_model(self.dry_run)
         n = m["iters"]
         env = {"MEGATRON_OTEL_ENABLED": "1", "MEGATRON_OTEL_EXPORTER": "console",
@@ -487,20 +490,21 @@ class GPUCheck:
         self.figure(f"{prefix}_tflops_per_gpu", round(tflops, 1), "TFLOP/s")
         self.figure(prefix, round(100.0 * tflops / self.peak, 1), "%")
 
+    def _largest_fitting(self, label, m, candidates, extra=()):
+        """Run the MFU model at each micro-batch size of ``candidates`` until one does not run out of
+        memory. Returns ``(micro_batch_size, output)``; StageFailed on any other failure."""
+        for micro in candidates:
+            rc, out = self._mfu_run(f"{label}_mbs{micro}", m, micro, extra)
+            if rc == 0:
+                return micro, out
+            if "out of memory" not in out.lower() and "OutOfMemoryError" not in out:
+                raise StageFailed(f"micro-batch {micro}: pretrain_gpt.py exited with {rc}; tail:\n{_tail(out)}")
+            print(f"micro-batch {micro}: out of memory, trying a smaller one", flush=True)
+        raise StageFailed(f"every micro-batch size ran out of memory: {list(candidates)}")
+
     def stage_mfu(self):
         m = mfu_model(self.dry_run)
-        tried = []
-        for micro in m["micro"]:
-            rc, out = self._mfu_run(f"mfu_mbs{micro}", m, micro)
-            if rc == 0:
-                break
-            if "out of memory" in out.lower() or "OutOfMemoryError" in out:
-                tried.append(micro)
-                print(f"micro-batch {micro}: out of memory, trying a smaller one", flush=True)
-                continue
-            raise StageFailed(f"micro-batch {micro}: pretrain_gpt.py exited with {rc}; tail:\n{_tail(out)}")
-        else:
-            raise StageFailed(f"every micro-batch size ran out of memory: {tried}")
+        micro, out = self._largest_fitting("mfu", m, m["micro"])
         self.mfu_micro = micro
         params = _PARAMS.search(out)
         self.figure("mfu_model_params", int(params.group(1)) if params else None, "parameters")
@@ -533,12 +537,12 @@ class GPUCheck:
             raise StageSkipped("pretrain_gpt.py has no --compile-transformer-layers flag")
         if self.dry_run:
             raise StageSkipped("dry-run: torch.compile on the CPU takes minutes on a small machine")
-        if self.mfu_micro is None:
-            raise StageSkipped("the mfu stage found no micro-batch size that runs")
         m = dict(mfu_model(False), iters=12, warmup=4)  # the first iterations compile
-        rc, out = self._mfu_run("mfu_compile", m, self.mfu_micro, ["--compile-transformer-layers"])
-        if rc != 0:
-            raise StageFailed(f"pretrain_gpt.py --compile-transformer-layers exited with {rc}; tail:\n{_tail(out)}")
+        # The micro-batch the mfu stage chose (the same work, so the two figures compare), or a search
+        # of its own when the mfu stage did not run (--stages mfu_compile).
+        candidates = [self.mfu_micro] if self.mfu_micro else m["micro"]
+        micro, out = self._largest_fitting("mfu_compile", m, candidates, ["--compile-transformer-layers"])
+        self.figure("mfu_compile_micro_batch_size", micro, "samples")
         self._mfu_figures("mfu_compile", m, out)
 
 

@@ -1,10 +1,11 @@
-"""The Python packages that travel as wheels to a GPU machine without a network: fetch, install, check.
+"""The Python packages that travel as wheels to a GPU machine without a network: fetch them, check them.
 
 A lent GPU machine has its own CUDA build of PyTorch and many packages, but no package registry and no
 OpenTelemetry. ``fetch`` downloads, here, the wheels that ``pyproject.toml``'s dependencies need beyond
 what that machine's image holds (for CPython 3.12, manylinux x86_64), following every wheel's
-``Requires-Dist`` until nothing is missing; ``install`` puts them under a folder on ``PYTHONPATH``
-there; ``check`` lists requirements of the carried distributions that the environment does not meet.
+``Requires-Dist`` until nothing is missing. There, bench/gpu_check.py installs them into a private
+folder on ``PYTHONPATH`` and runs ``check``, which lists requirements of the carried distributions
+that the environment does not meet.
 
     python3 bench/gpu_wheels.py fetch [--dest .whl]      # here, with PyPI reachable
     python3 bench/gpu_wheels.py check [--dest .whl]      # there, after install (bench/gpu_check.py does it)
@@ -22,11 +23,11 @@ REPO = Path(__file__).resolve().parents[1]
 # `cuda` image, read 2026-11-17). They are not carried: they are compiled for that machine's CUDA/ABI
 # or are there in a usable version. protobuf is left out of this set on purpose: the carried
 # googleapis-common-protos and opentelemetry-proto need a recent protobuf and the image's version is
-# not recorded, so a matching pure-Python+abi3 wheel travels too and shadows it for our processes only.
+# not recorded, so a matching (abi3) wheel travels too and shadows it for our processes only.
 ON_GPU_IMAGE = {
     "torch", "numpy", "sentencepiece", "regex", "tensorboard", "tiktoken", "transformers", "nvidia-ml-py",
     "grpcio", "requests", "urllib3", "certifi", "idna", "charset-normalizer", "typing-extensions", "wrapt",
-    "zipp", "packaging", "pytest", "setuptools", "six", "pyyaml", "filelock", "importlib-metadata",
+    "zipp", "packaging", "pytest", "setuptools", "six", "pyyaml", "filelock",
 }
 
 # The target interpreter of the GPU machine (python3 there is CPython 3.12 on Linux x86-64).
@@ -187,7 +188,9 @@ def main(argv=None) -> int:
             print(f"  {wheel.name}")
         print(f"{len(wheels)} wheels, {total / 2**20:.1f} MiB in {args.dest}")
         if on_image:
-            print("requirements left to the GPU image's own packages: " + "; ".join(on_image))
+            print("requirements left to the GPU image's own packages (not carried):")
+            for req in on_image:
+                print(f"  {req}")
         return 0
     problems = unmet_requirements(args.dest)
     for line in problems:
