@@ -40,6 +40,13 @@ def _batch(seed=1):
     return ids, torch.arange(S).expand(B, S), torch.randint(0, V, (B, S), generator=g)
 
 
+def _loss_and_grads(run, model=None):
+    ids, pos, labels = _batch()
+    loss = run(ids, pos, None, labels=labels)
+    loss.mean().backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in (model or run).named_parameters()}
+
+
 def _layer_group_on_rank_not_exporting():
     # single_rank exports on the last rank only: rank 0 of 2 keeps the `layer` group configured
     # but does not export, so every managed_span takes the disabled path.
@@ -75,6 +82,19 @@ def test_dropout_at_tp1_needs_no_rng_fork_and_compiles_whole():
     assert explanation.graph_break_count == 0, _break_summary(explanation)
 
 
+def test_whole_bf16_model_compiles_as_one_graph_with_the_loss_backward():
+    """fullgraph=True fails on any break; aot_eager also traces the cross entropy's backward."""
+    results = []
+    for compiled in (False, True):
+        model = _model(2).bfloat16()
+        run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+        results.append(_loss_and_grads(run, model))
+    (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
+    torch.testing.assert_close(compiled_loss, eager_loss)
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad, msg=name)
+
+
 def test_enabled_layer_spans_keep_their_tree():
     """The disabled path changed; the enabled one must still nest self_attention/mlp under forward."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -92,13 +112,6 @@ def test_enabled_layer_spans_keep_their_tree():
     assert sorted(s.attributes["megatron.layer_number"] for s in forwards.values()) == [1, 2]
     children = [s for s in finished if s.name in ("megatron.layer.self_attention", "megatron.layer.mlp")]
     assert len(children) == 4 and all(s.parent.span_id in forwards for s in children)
-
-
-def _loss_and_grads(model):
-    ids, pos, labels = _batch()
-    loss = model(ids, pos, None, labels=labels)
-    loss.mean().backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("backend", [

@@ -91,8 +91,9 @@ def is_span_group_enabled(group: str) -> bool:
 
 # The disabled path's shared context manager: enter returns None, nothing is allocated per call. It is
 # the standard library's nullcontext (stateless, so one instance serves every caller and thread)
-# because torch.compile traces straight through it, while an own no-op class is an "unsupported
-# context manager" that breaks the compiled graph at every span of a compiled transformer layer.
+# because torch.compile's Dynamo traces through a pre-built nullcontext (and no other pre-built
+# context manager: an own no-op class, even a nullcontext subclass, is an "unsupported context
+# manager" that breaks the compiled graph at every span of a compiled transformer layer).
 _NULL_SPAN_CM = contextlib.nullcontext()
 
 
