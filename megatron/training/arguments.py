@@ -91,7 +91,13 @@ def _add_network_size_args(parser):
                        help="MLP hidden size; default 4*hidden (SwiGLU: int((4h*2/3)/64)*64).")
     group.add_argument("--num-attention-heads", type=int, default=None, help="Number of attention heads.")
     group.add_argument("--attention-backend", type=str, default="auto",
-                       choices=["flash", "fused", "unfused", "local", "auto"], help="Attention kernel choice.")
+                       choices=["flash", "fused", "unfused", "local", "auto"],
+                       help="SDPA kernel of core attention: flash (FlashAttention), fused (cuDNN, else "
+                            "memory-efficient), unfused/local (math), auto (PyTorch picks). flash and fused "
+                            "need CUDA.")
+    group.add_argument("--compile-transformer-layers", action="store_true",
+                       help="Compile each transformer layer's forward with torch.compile (per layer; "
+                            "state-dict names unchanged).")
     group.add_argument("--kv-channels", type=int, default=None,
                        help="Per-head projection size; default hidden-size / num-attention-heads.")
     group.add_argument("--group-query-attention", action="store_true", help="Use grouped-query attention.")
@@ -756,6 +762,9 @@ def _validate_model(args):
     if args.recompute_granularity == "selective":
         _require(args.recompute_method is None,
                  "--recompute-method is not supported with --recompute-granularity selective")
+    # Refused here, naming the flag, rather than at the first forward (e.g. flash/fused without CUDA).
+    from megatron.core.transformer.attention_backend import check_attention_backend
+    check_attention_backend(args.attention_backend)
 
 
 def _validate_checkpointing(args):

@@ -1,6 +1,7 @@
 """Span helpers for instrumented code: gated ``managed_span``, ``span_cm``, ``trace_fn``, attribute filtering."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from typing import Any, Callable, Dict, Mapping, Optional
@@ -88,19 +89,12 @@ def is_span_group_enabled(group: str) -> bool:
     return group in _state.ENABLED_GROUPS
 
 
-class _NullSpanCM:
-    """Shared context manager of the disabled path: enter returns None, nothing is allocated."""
-
-    __slots__ = ()
-
-    def __enter__(self):
-        return None
-
-    def __exit__(self, exc_type, exc, tb):
-        return False
-
-
-_NULL_SPAN_CM = _NullSpanCM()
+# The disabled path's shared context manager: enter returns None, nothing is allocated per call. It is
+# the standard library's nullcontext (stateless, so one instance serves every caller and thread)
+# because torch.compile's Dynamo traces through a pre-built nullcontext (and no other pre-built
+# context manager: an own no-op class, even a nullcontext subclass, is an "unsupported context
+# manager" that breaks the compiled graph at every span of a compiled transformer layer).
+_NULL_SPAN_CM = contextlib.nullcontext()
 
 
 class _LiveSpanCM:
@@ -130,7 +124,9 @@ def managed_span(group: str, name: str, tracer=None, context=None, **attrs: Any)
     **{"megatron.iteration": 3}) as span:``.
 
     When ``group`` is off (telemetry disabled, rank not exporting, or group not selected) it returns
-    a shared no-op object (no span is created; ``span`` is ``None``; the body always runs). Otherwise
+    a shared ``contextlib.nullcontext()`` (no span is created; ``span`` is ``None``; the body always
+    runs), which ``torch.compile`` traces without a graph break. An enabled span inside a compiled
+    region does break the graph (spans are Python side effects). Otherwise
     the span is current inside the block, ``context`` (an OpenTelemetry Context) optionally sets its
     parent, and an exception escaping the block is recorded on the span and re-raised.
     """

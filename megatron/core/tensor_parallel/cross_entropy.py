@@ -15,9 +15,12 @@ from megatron.core.tensor_parallel.utils import VocabUtility
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross entropy for logits split on the vocab dim over TP (Megatron-LM section 3).
 
-    Forward (fp32): global row max via all-reduce MAX, target logit picked on the owning rank and
-    all-reduced (SUM) together with sum(exp); loss = log(sum_exp) - target_logit. Backward:
-    (softmax - onehot) * grad, each rank writing only its own vocab slice.
+    Forward: global row max via all-reduce MAX, target logit picked on the owning rank and
+    all-reduced (SUM) together with sum(exp); loss = log(sum_exp) - target_logit. The logits arrive
+    in their compute dtype (bf16/fp16/fp32) and are upcast exactly once, fused with the max
+    subtraction, into one contiguous fp32 buffer that later holds exp, softmax and finally the
+    gradient; the caller's tensor is never written. Backward: (softmax - onehot) * grad, each rank
+    writing only its own vocab slice, returned in the logits' dtype.
     """
 
     @staticmethod
@@ -25,17 +28,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         world_size = get_tensor_model_parallel_world_size()
         group = get_tensor_model_parallel_group() if world_size > 1 else None
         input_dtype = vocab_parallel_logits.dtype
-        # float() copies low-precision logits; for fp32 input clone so the caller's tensor is untouched.
-        # Both are made contiguous: the buffer is reshaped to 2-D and reused for the gradient.
-        logits = vocab_parallel_logits.float()
-        if logits.data_ptr() == vocab_parallel_logits.data_ptr():
-            logits = logits.clone(memory_format=torch.contiguous_format)
-        logits = logits.contiguous()
 
-        logits_max = logits.amax(dim=-1)
+        # The max of low-precision values is exact in that precision, so it is taken before the upcast.
+        logits_max = vocab_parallel_logits.amax(dim=-1).float()
         if world_size > 1:
             dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        logits.sub_(logits_max.unsqueeze(-1))
+        # The single fp32 copy of the logits [s, b, V/tp]: subtraction and upcast in one kernel.
+        logits = torch.empty(vocab_parallel_logits.shape, dtype=torch.float32, device=vocab_parallel_logits.device)
+        torch.sub(vocab_parallel_logits, logits_max.unsqueeze(-1), out=logits)
 
         partition_vocab_size = logits.size(-1)
         vocab_start, vocab_end = VocabUtility.vocab_range_from_per_partition_vocab_size(
@@ -110,9 +110,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
                                  label_smoothing: float = 0.0) -> torch.Tensor:
-    """Per-token loss [s, b] (fp32) from logits [s, b, V/tp] and target ids [s, b].
+    """Per-token loss [s, b] (fp32) from logits [s, b, V/tp] (any float dtype, any strides) and target ids [s, b].
 
-    Math is in fp32 whatever the logits dtype; no reduction over tokens is applied. Label smoothing
+    Math is in fp32 whatever the logits dtype, with exactly one fp32 [s, b, V/tp] buffer (pass
+    bf16/fp16 logits as they are: upcasting them first would add a second copy); the gradient has
+    the logits' dtype. No reduction over tokens is applied. Label smoothing
     alpha gives ``(1 - a') * nll - a' * mean_v(log p_v)`` with ``a' = alpha * V / (V - 1)``.
 
     Raises ValueError if target's shape differs from logits' leading dims or label_smoothing is

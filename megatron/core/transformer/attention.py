@@ -6,12 +6,14 @@ from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel
 
 from megatron.core import tensor_parallel
 from megatron.core.parallel_state import get_tensor_model_parallel_world_size
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.tensor_parallel.utils import divide
-from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.attention_backend import check_attention_backend, sdpa_backends
+from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.rotary_pos_embedding import apply_rotary_pos_emb
@@ -28,8 +30,14 @@ class DotProductAttention(MegatronModule):
     q [s, b, np, hn], k/v [s, b, ng, hn] (this rank's heads); attention_mask [b, 1, s, s] bool with
     True = masked, or None for a causal mask. Output [s, b, np * hn]. Scale = softmax_scale or
     1/sqrt(kv_channels) (query-key layer scaling cancels out mathematically and needs no code).
-    Dropout on the probabilities runs inside the model-parallel RNG fork because heads differ per
-    TP rank (under sequence parallelism the enclosing TransformerBlock holds that fork).
+    ``config.attention_backend`` restricts SDPA to its kernels (``attention_backend.py``) through
+    ``torch.nn.attention.sdpa_kernel``, which ``torch.compile`` traces without a graph break.
+    Dropout on the probabilities runs inside the model-parallel RNG fork only at TP > 1 without
+    sequence parallelism, where heads differ per TP rank and so must their masks (under sequence
+    parallelism the enclosing TransformerBlock holds that fork; at TP = 1 the default generator
+    serves, as for every other dropout, and the compiled graph needs no RNG-state swap).
+
+    Raises ValueError (from ``check_attention_backend``) when the backend's kernel does not exist here.
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int,
@@ -49,6 +57,13 @@ class DotProductAttention(MegatronModule):
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
         self.attention_dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.enable_gqa = self.num_query_groups_per_partition != self.num_attention_heads_per_partition
+        backend = check_attention_backend(config.attention_backend, flag="attention_backend")
+        kernels = sdpa_backends(backend)
+        self._sdpa_backends = list(kernels) if kernels is not None else None
+        # Grouped-query heads are native only to the flash and math kernels; for cuDNN and
+        # memory-efficient attention the key/value groups are repeated per query head.
+        self._repeat_kv_groups = self.enable_gqa and backend is AttnBackend.fused
+        self._fork_for_dropout = tp > 1 and not config.sequence_parallel
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
@@ -63,20 +78,30 @@ class DotProductAttention(MegatronModule):
             mask, is_causal = None, True
         else:
             mask, is_causal = ~attention_mask, False
-        # Under sequence parallelism the whole block already runs inside this fork (transformer_block).
-        fork = not self.config.sequence_parallel and _MODEL_PARALLEL_RNG in get_cuda_rng_tracker().states_
-        if dropout_p > 0.0 and fork:
+        if dropout_p > 0.0 and self._fork_for_dropout and _MODEL_PARALLEL_RNG in get_cuda_rng_tracker().states_:
             with get_cuda_rng_tracker().fork(_MODEL_PARALLEL_RNG):
-                context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                                         is_causal=is_causal, scale=self.softmax_scale,
-                                                         enable_gqa=self.enable_gqa)
+                context = self._sdpa(q, k, v, mask, dropout_p, is_causal)
         else:
-            context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                                     is_causal=is_causal, scale=self.softmax_scale,
-                                                     enable_gqa=self.enable_gqa)
+            context = self._sdpa(q, k, v, mask, dropout_p, is_causal)
         # [b, np, s, hn] -> [s, b, np*hn]
         s, b = context.size(2), context.size(0)
         return context.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+              dropout_p: float, is_causal: bool) -> torch.Tensor:
+        """SDPA on [b, heads, s, hn] tensors with the configured kernels."""
+        enable_gqa = self.enable_gqa
+        if self._repeat_kv_groups:
+            repeats = q.size(1) // k.size(1)
+            k = k.repeat_interleave(repeats, dim=1)
+            v = v.repeat_interleave(repeats, dim=1)
+            enable_gqa = False
+        if self._sdpa_backends is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                                                  scale=self.softmax_scale, enable_gqa=enable_gqa)
+        with sdpa_kernel(self._sdpa_backends, set_priority=True):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                                                  scale=self.softmax_scale, enable_gqa=enable_gqa)
 
 
 class SelfAttention(MegatronModule):

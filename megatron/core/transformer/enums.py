@@ -31,3 +31,19 @@ class AttnMaskType(enum.Enum):
     no_mask = 3
     padding_causal = 4
     arbitrary = 5
+
+
+class AttnBackend(enum.Enum):
+    """Core-attention kernel choice (``--attention-backend``; Megatron's names and order).
+
+    ``flash``: FlashAttention-2 (CUDA); ``fused``: cuDNN fused attention, with the memory-efficient
+    kernel when cuDNN cannot take the inputs (CUDA); ``unfused``: the explicit softmax(QK^T)V math;
+    ``local``: this project's own attention, which is the same math; ``auto``: PyTorch decides.
+    See ``attention_backend.py`` for the mapping to SDPA kernels.
+    """
+
+    flash = 1
+    fused = 2
+    unfused = 3
+    local = 4
+    auto = 5

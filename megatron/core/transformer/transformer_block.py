@@ -13,16 +13,20 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 
-def _sequence_parallel_rng_context(config: TransformerConfig):
-    """The model-parallel RNG fork under sequence parallelism, else a no-op context.
+def _sequence_parallel_rng_context(config: TransformerConfig, training: bool):
+    """The model-parallel RNG fork under sequence parallelism when dropout draws, else a no-op context.
 
     With SP each TP rank holds a different chunk of the sequence, so hidden dropout must draw a
     different mask on each rank (Korthikanti et al. 2022, section 4.2.2); without SP the
     activations are replicated and dropout must agree across TP ranks. Core attention does not fork
-    again inside this context (nested forks of one state would replay stale randomness).
+    again inside this context (nested forks of one state would replay stale randomness). At TP = 1,
+    in eval, or with both dropouts 0 nothing draws, so no fork is taken: swapping RNG states is a
+    Python side effect that would break a compiled graph for nothing.
     """
     tracker = tensor_parallel.get_cuda_rng_tracker()
-    if config.sequence_parallel and "model-parallel-rng" in tracker.states_:
+    draws = training and (config.hidden_dropout > 0.0 or config.attention_dropout > 0.0)
+    if (config.sequence_parallel and config.tensor_model_parallel_size > 1 and draws
+            and "model-parallel-rng" in tracker.states_):
         return tracker.fork()
     return contextlib.nullcontext()
 
@@ -62,7 +66,9 @@ class TransformerBlock(MegatronModule):
     the input), attention_mask [b, 1, s, s] bool or None, rotary_pos_emb) -> hidden [s, b, h].
     ``recompute_granularity='full'`` recomputes layers with ``tensor_parallel.checkpoint``:
     'uniform' checkpoints chunks of ``recompute_num_layers`` layers, 'block' checkpoints the first
-    ``recompute_num_layers`` layers one by one.
+    ``recompute_num_layers`` layers one by one. With ``compile_transformer_layers`` each layer's
+    forward is compiled in place (``nn.Module.compile``, one compiled region per layer as in
+    torchtitan), so parameter and state-dict names stay ``layers.<i>.*`` (no ``_orig_mod.``).
     """
 
     def __init__(self, config: TransformerConfig, spec=None, post_layer_norm: bool = True,
@@ -78,6 +84,9 @@ class TransformerBlock(MegatronModule):
         self.layers = torch.nn.ModuleList(
             [TransformerLayer(config, layer_number=offset + i + 1) for i in range(num_layers)]
         )
+        if config.compile_transformer_layers:
+            for layer in self.layers:
+                layer.compile()
         if post_process and post_layer_norm:
             self.final_layernorm = build_norm(config)
         else:
@@ -127,7 +136,7 @@ class TransformerBlock(MegatronModule):
             if self.input_tensor is None:
                 raise RuntimeError("TransformerBlock on a non-first pipeline stage needs set_input_tensor() first")
             hidden_states = self.input_tensor
-        with _sequence_parallel_rng_context(self.config):
+        with _sequence_parallel_rng_context(self.config, self.training):
             if self.config.recompute_granularity == "full" and self.training:
                 hidden_states = self._checkpointed_forward(hidden_states, attention_mask, rotary_pos_emb)
             else:

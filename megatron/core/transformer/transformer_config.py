@@ -7,6 +7,8 @@ from typing import Callable, Optional
 import torch.nn.functional as F
 
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.transformer.attention_backend import as_attn_backend
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.utils import (
     init_method_normal,
     scaled_init_method_normal,
@@ -24,9 +26,13 @@ class TransformerConfig(ModelParallelConfig):
     N(0, embedding_init_method_std or std); with ``init_method_xavier_uniform`` both linear inits
     become xavier-uniform. ``apply_query_key_layer_scaling`` forces ``attention_softmax_in_fp32``.
 
+    ``attention_backend`` (an ``AttnBackend`` or its name) picks the SDPA kernel;
+    ``compile_transformer_layers`` wraps each TransformerLayer's forward in ``torch.compile``.
+
     Raises ValueError (naming the numbers) when heads or query groups do not fit the tensor-parallel
     size, hidden is not divisible by heads with ``kv_channels`` unset, num_layers does not split over
-    pipeline stages, or normalization / recompute settings are unknown or inconsistent.
+    pipeline stages, or normalization / recompute / attention-backend settings are unknown or
+    inconsistent.
     """
 
     # Architecture
@@ -63,6 +69,10 @@ class TransformerConfig(ModelParallelConfig):
     attention_softmax_in_fp32: bool = True
     rotary_interleaved: bool = False
     apply_rope_fusion: bool = False
+
+    # Core-attention kernel (attention_backend.py; a name string is accepted) and per-layer torch.compile
+    attention_backend: AttnBackend = AttnBackend.auto
+    compile_transformer_layers: bool = False
 
     # Activation recomputation
     recompute_granularity: Optional[str] = None
@@ -124,6 +134,7 @@ class TransformerConfig(ModelParallelConfig):
                 )
             self.kv_channels = self.hidden_size // self.num_attention_heads
 
+        self.attention_backend = as_attn_backend(self.attention_backend)
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm', got {self.normalization!r}")
         if self.apply_query_key_layer_scaling:

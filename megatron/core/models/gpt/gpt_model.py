@@ -190,15 +190,15 @@ class GPTModel(MegatronModule):
         return self.compute_language_model_loss(labels, logits)
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """labels [b, s], logits [s, b, V/tp] -> per-token loss [b, s] (fp32).
+        """labels [b, s], logits [s, b, V/tp] in the compute dtype -> per-token loss [b, s] (fp32).
+
+        The logits go to the cross entropy as they are: it does the one fp32 upcast itself (a
+        ``logits.float()`` here would be a second fp32 copy of [s, b, V/tp]).
 
         Raises ValueError if ``fp16_lm_cross_entropy`` is set but the logits are not fp16.
         """
         labels = labels.transpose(0, 1).contiguous()
-        if self.fp16_lm_cross_entropy:
-            if logits.dtype != torch.half:
-                raise ValueError(f"fp16_lm_cross_entropy needs fp16 logits, got {logits.dtype}")
-            loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
-        else:
-            loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels)
+        if self.fp16_lm_cross_entropy and logits.dtype != torch.half:
+            raise ValueError(f"fp16_lm_cross_entropy needs fp16 logits, got {logits.dtype}")
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
         return loss.transpose(0, 1).contiguous()

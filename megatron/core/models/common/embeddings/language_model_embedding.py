@@ -81,6 +81,7 @@ class LanguageModelEmbedding(MegatronModule):
         if self.sequence_parallel:
             if not self.reduce_scatter_embeddings and self.scatter_to_sequence_parallel:
                 embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
+        if self.sequence_parallel and self.training and self.embedding_dropout.p > 0.0:
             # Each TP rank holds a different sequence chunk, so masks may (and should) differ.
             with get_cuda_rng_tracker().fork():
                 embeddings = self.embedding_dropout(embeddings)
