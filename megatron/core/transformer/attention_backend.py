@@ -59,8 +59,8 @@ def sdpa_backends(backend: Union[str, AttnBackend]) -> Optional[Tuple[SDPBackend
 
 
 def _gpu_description() -> Tuple[str, Tuple[int, int]]:
-    index = torch.cuda.current_device()
-    return torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index)
+    # No index: both read the current device.
+    return torch.cuda.get_device_name(), torch.cuda.get_device_capability()
 
 
 def attention_backend_unavailable_reason(backend: Union[str, AttnBackend]) -> Optional[str]:
