@@ -159,7 +159,8 @@ def _add_training_args(parser):
     group.add_argument("--global-batch-size", type=int, default=None,
                        help="Samples per optimizer step; default micro-batch-size * data-parallel size.")
     group.add_argument("--rampup-batch-size", nargs="*", default=None,
-                       help="Deprecated and without effect: start increment samples.")
+                       help="Ramp the global batch size up over consumed samples: '<start batch size> <batch size "
+                            "increment> <ramp-up samples>' (needs --train-samples).")
     group.add_argument("--decrease-batch-size-if-needed", action="store_true",
                        help="Round the global batch down to a multiple of mbs*dp instead of failing.")
     group.add_argument("--recompute-activations", action="store_true",
@@ -412,11 +413,34 @@ def _add_logging_args(parser):
                        help="Write validation perplexity to TB.")
     group.add_argument("--log-memory-to-tensorboard", action="store_true", help="Write CUDA memory stats to TB.")
     group.add_argument("--log-world-size-to-tensorboard", action="store_true", help="Write the world size to TB.")
-    group.add_argument("--wandb-project", type=str, default="", help="Weights & Biases project.")
+    group.add_argument("--wandb-project", type=str, default="",
+                       help="Weights & Biases project: the last rank logs the TensorBoard scalars there (needs the "
+                            "wandb package; offline when no API key is configured).")
     group.add_argument("--wandb-exp-name", type=str, default="", help="Weights & Biases run name.")
-    group.add_argument("--wandb-save-dir", type=str, default="", help="Weights & Biases local directory.")
-    group.add_argument("--logging-level", type=int, default=None, help="Python logging level.")
+    group.add_argument("--wandb-save-dir", type=str, default="",
+                       help="Weights & Biases local directory (default <--save>/wandb).")
+    group.add_argument("--logging-level", type=_logging_level, default=None,
+                       help="Level of the framework's Python logging records: a number (10 = DEBUG, 20 = INFO, "
+                            "30 = WARNING, ...) or a level name. Default: env MEGATRON_LOGGING_LEVEL, else INFO "
+                            "for the megatron loggers with WARNING and above printed on the console.")
     return parser
+
+
+def _logging_level(value):
+    """``--logging-level`` value -> a ``logging`` level number; accepts numbers and level names."""
+    import logging
+
+    text = str(value).strip()
+    if text.lstrip("-").isdigit():
+        level = int(text)
+        if level < 0:
+            raise argparse.ArgumentTypeError(f"must be >= 0, got {level}")
+        return level
+    level = logging.getLevelName(text.upper())
+    if isinstance(level, int):
+        return level
+    raise argparse.ArgumentTypeError(f"{value!r} is neither a number nor a logging level name "
+                                     "(DEBUG, INFO, WARNING, ERROR, CRITICAL)")
 
 
 def _add_opentelemetry_args(parser):
@@ -473,6 +497,7 @@ def validate_args(args, defaults={}):
     _validate_schedule(args)
     _validate_model(args)
     _validate_checkpointing(args)
+    _validate_wandb(args)
     _validate_misc(args)
 
     # Run counters: the training loop and checkpoint loading advance/restore them.
@@ -595,7 +620,7 @@ def _validate_batch_sizes(args):
                 f"global batch size ({args.global_batch_size}) is not divisible by micro batch size "
                 f"({args.micro_batch_size}) times data parallel size ({args.data_parallel_size})")
     if args.rampup_batch_size is not None:
-        _print_rank_0(args, "WARNING: --rampup-batch-size is deprecated and has no effect")
+        _validate_rampup_batch_size(args)
 
     if args.eval_micro_batch_size is None:
         args.eval_micro_batch_size = args.micro_batch_size
@@ -605,6 +630,42 @@ def _validate_batch_sizes(args):
     _require(args.eval_global_batch_size % (args.eval_micro_batch_size * args.data_parallel_size) == 0,
              f"eval global batch size ({args.eval_global_batch_size}) is not divisible by eval micro batch size "
              f"({args.eval_micro_batch_size}) times data parallel size ({args.data_parallel_size})")
+
+
+def _validate_rampup_batch_size(args):
+    """``--rampup-batch-size start incr samples``: integers, sample-based training, and every batch of
+    the ramp a multiple of micro batch x data-parallel size (checked now, on every rank)."""
+    from megatron.core.num_microbatches_calculator import (
+        RampupBatchsizeNumMicroBatchesCalculator,
+        parse_rampup_batch_size,
+    )
+
+    args.rampup_batch_size = parse_rampup_batch_size(args.rampup_batch_size)
+    # The iteration of a batch change depends on consumed samples, so an iteration count cannot
+    # say where training or the LR schedule ends (Megatron-LM refuses the combination too).
+    _require(args.train_iters is None,
+             "--rampup-batch-size needs sample-based training: use --train-samples (and --lr-decay-samples, "
+             "--lr-warmup-samples) instead of --train-iters")
+    start, increment, samples = args.rampup_batch_size
+    RampupBatchsizeNumMicroBatchesCalculator(
+        args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
+        args.decrease_batch_size_if_needed, -1, start, increment, samples)
+
+
+def _validate_wandb(args):
+    """``--wandb-*``: the package must be importable and the run named; the other two need --wandb-project."""
+    if not args.wandb_project:
+        for flag, value in (("--wandb-exp-name", args.wandb_exp_name), ("--wandb-save-dir", args.wandb_save_dir)):
+            _require(not value, f"{flag} needs --wandb-project (without it nothing is logged to Weights & Biases)")
+        return
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise ValueError("--wandb-project needs the wandb package, which is not installed: pip install wandb "
+                         "(or remove --wandb-project/--wandb-exp-name/--wandb-save-dir)") from None
+    _require(bool(args.wandb_exp_name), "--wandb-project needs --wandb-exp-name (the Weights & Biases run name)")
+    _require(bool(args.wandb_save_dir or args.save),
+             "--wandb-project needs --wandb-save-dir or --save (W&B files go to <--save>/wandb by default)")
 
 
 def _validate_precision(args):
