@@ -17,6 +17,24 @@ _AVAILABLE_OPTIMIZERS = ("adam", "sgd")
 _CKPT_FORMATS = ["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"]
 
 
+def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add every training flag group to ``parser`` (Megatron-LM's name); returns it."""
+    parser = _add_network_size_args(parser)
+    parser = _add_regularization_args(parser)
+    parser = _add_training_args(parser)
+    parser = _add_initialization_args(parser)
+    parser = _add_learning_rate_args(parser)
+    parser = _add_checkpointing_args(parser)
+    parser = _add_mixed_precision_args(parser)
+    parser = _add_distributed_args(parser)
+    parser = _add_validation_args(parser)
+    parser = _add_data_args(parser)
+    parser = add_tokenizer_args(parser)
+    parser = _add_logging_args(parser)
+    parser = _add_opentelemetry_args(parser)
+    return parser
+
+
 def parse_args(extra_args_provider=None, ignore_unknown_args=False, args=None):
     """Parse Megatron-LM's training flags into an argparse.Namespace.
 
@@ -31,19 +49,7 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False, args=None):
     and ValueError when a rank variable is not an integer.
     """
     parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
-    parser = _add_network_size_args(parser)
-    parser = _add_regularization_args(parser)
-    parser = _add_training_args(parser)
-    parser = _add_initialization_args(parser)
-    parser = _add_learning_rate_args(parser)
-    parser = _add_checkpointing_args(parser)
-    parser = _add_mixed_precision_args(parser)
-    parser = _add_distributed_args(parser)
-    parser = _add_validation_args(parser)
-    parser = _add_data_args(parser)
-    parser = add_tokenizer_args(parser)
-    parser = _add_logging_args(parser)
-    parser = _add_opentelemetry_args(parser)
+    parser = add_megatron_arguments(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
 
@@ -258,7 +264,8 @@ def _add_learning_rate_args(parser):
                        help="Use the checkpoint's scheduler values.")
     group.add_argument("--decoupled-lr", type=float, default=None, help="Learning rate of embedding/output params.")
     group.add_argument("--decoupled-min-lr", type=float, default=None, help="Min learning rate of embedding/output.")
-    group.add_argument("--head-lr-mult", type=float, default=1.0, help="Parsed for compatibility; no effect.")
+    group.add_argument("--head-lr-mult", type=float, default=1.0,
+                       help="Parsed for compatibility: only the default 1.0 is accepted (no effect in GPT pretraining).")
     return parser
 
 
@@ -540,6 +547,15 @@ def _validate_features(args):
         if getattr(args, dest) != default:
             raise ValueError(f"--{dest.replace('_', '-')} is not available in this version yet; remove it "
                              "(it would otherwise be silently ignored)")
+    for flag, dest, default, reason in _NO_EFFECT_HERE:
+        if getattr(args, dest) != default:
+            raise ValueError(f"{flag} {reason}; remove it (it would otherwise be silently ignored)")
+    if args.vocab_extra_ids and args.tokenizer_type != "SentencePieceTokenizer":
+        raise ValueError(f"--vocab-extra-ids only applies to --tokenizer-type SentencePieceTokenizer (got "
+                         f"{args.tokenizer_type}); remove it (it would otherwise be silently ignored)")
+    if args.use_mcore_models:
+        _print_rank_0(args, "WARNING: --use-mcore-models is deprecated and has no effect: the Megatron Core "
+                            "models are the only models")
 
 
 # Flags accepted by the parser (Megatron compatibility) whose behaviour is not implemented yet.
@@ -549,6 +565,29 @@ _NOT_YET_AVAILABLE = {
     "non_persistent_save_interval": None, "pretrained_checkpoint": None, "auto_detect_ckpt_format": False,
     "use_tp_pp_dp_mapping": False,
 }
+
+
+_TIKTOKEN_OR_HF = "applies only to --tokenizer-type TikTokenizer or HuggingFaceTokenizer, which this version does " \
+                  "not support"
+# (flag, dest, default, why a non-default value cannot act in this version).
+_NO_EFFECT_HERE = [
+    ("--head-lr-mult", "head_lr_mult", 1.0, "has no effect in GPT pretraining (Megatron-LM applies it only through "
+                                            "a scale_lr_cond, which pretrain_gpt does not set)"),
+    ("--overlap-param-gather", "overlap_param_gather", False,
+     "needs --use-distributed-optimizer, which is not available in this version yet"),
+    ("--use-persistent-ckpt-worker", "use_persistent_ckpt_worker", False,
+     "only applies to --async-save, which --ckpt-format torch does not support"),
+    ("--decoder-first-pipeline-num-layers", "decoder_first_pipeline_num_layers", None,
+     "needs pipeline parallelism, which is not available in this version yet"),
+    ("--decoder-last-pipeline-num-layers", "decoder_last_pipeline_num_layers", None,
+     "needs pipeline parallelism, which is not available in this version yet"),
+    ("--tokenizer-special-tokens", "tokenizer_special_tokens", None, _TIKTOKEN_OR_HF),
+    ("--tiktoken-pattern", "tiktoken_pattern", None, _TIKTOKEN_OR_HF),
+    ("--tiktoken-num-special-tokens", "tiktoken_num_special_tokens", 1000, _TIKTOKEN_OR_HF),
+    ("--trust-remote-code", "trust_remote_code", False, _TIKTOKEN_OR_HF),
+    ("--tokenizer-hf-no-use-fast", "tokenizer_hf_use_fast", True, _TIKTOKEN_OR_HF),
+    ("--tokenizer-hf-no-include-special-tokens", "tokenizer_hf_include_special_tokens", True, _TIKTOKEN_OR_HF),
+]
 
 
 def _validate_parallel_sizes(args):
