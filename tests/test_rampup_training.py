@@ -58,3 +58,20 @@ def test_rampup_with_iteration_based_training_is_refused_at_start_up(shared_data
                        shared_data, shakespeare_prefix, tmp_path, expect_failure=True)
     assert "--rampup-batch-size needs sample-based training: use --train-samples" in out
     assert "building GPT model" not in out
+
+
+@pytest.mark.parametrize("rampup,gbs,train_samples,iterations", [
+    ([4, 4, 24], 12, 64, 8),   # 4, 4, 4, 8, 8, then 12 x 3 = 64 exactly
+    ([4, 4, 24], 12, 63, 7),   # the 8th batch (12) would pass 63: dropped
+    ([4, 4, 24], 12, 10, 2),   # stops inside the ramp: 4 + 4, the next 4 does not fit
+    (None, 8, 40, 5),
+    (None, 8, 47, 5),
+])
+def test_train_iters_for_samples_follows_the_ramp(rampup, gbs, train_samples, iterations):
+    from types import SimpleNamespace
+
+    from megatron.training.training import train_iters_for_samples
+
+    args = SimpleNamespace(rampup_batch_size=rampup, global_batch_size=gbs, micro_batch_size=2, data_parallel_size=2,
+                           decrease_batch_size_if_needed=False, train_samples=train_samples)
+    assert train_iters_for_samples(args) == iterations
