@@ -1,4 +1,4 @@
-"""Flags that no other test exercised: each one is shown to reach what it controls (model, optimizer, schedule, loop, data, logs)."""
+"""Flags no other test exercised, each shown to reach what it controls (model, optimizer, loop, data, logs)."""
 import importlib.util
 import re
 from datetime import timedelta

@@ -1,4 +1,4 @@
-"""--logging-level: parsed to a level, applied at start-up, operator messages reach logging (and the OTel log bridge) once."""
+"""--logging-level: parsed, applied at start-up; operator messages reach logging (and the OTel log bridge) once."""
 import json
 import logging
 from types import SimpleNamespace

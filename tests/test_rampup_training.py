@@ -1,4 +1,4 @@
-"""--rampup-batch-size end to end: the logged global batch grows with consumed samples, DP=2 equals DP=1, resume is exact."""
+"""--rampup-batch-size end to end: the logged global batch grows, DP=2 equals DP=1, resume is exact."""
 import re
 from pathlib import Path
 

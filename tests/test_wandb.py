@@ -1,4 +1,4 @@
-"""--wandb-project/--wandb-exp-name/--wandb-save-dir: refused clearly without the package, offline W&B logging with it."""
+"""--wandb-project/-exp-name/-save-dir: refused clearly without the package, offline W&B logging with it."""
 import glob
 import struct
 import sys

@@ -265,7 +265,8 @@ def _add_learning_rate_args(parser):
     group.add_argument("--decoupled-lr", type=float, default=None, help="Learning rate of embedding/output params.")
     group.add_argument("--decoupled-min-lr", type=float, default=None, help="Min learning rate of embedding/output.")
     group.add_argument("--head-lr-mult", type=float, default=1.0,
-                       help="Parsed for compatibility: only the default 1.0 is accepted (no effect in GPT pretraining).")
+                       help="Parsed for compatibility: only the default 1.0 is accepted (no effect in GPT "
+                            "pretraining).")
     return parser
 
 

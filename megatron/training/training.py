@@ -32,7 +32,8 @@ from megatron.training.training_log import (
     num_floating_point_operations,
     training_log,
 )
-from megatron.training.utils import calc_params_l2_norm, get_device, get_rank, is_last_rank, print_rank_0, print_rank_last
+from megatron.training.utils import calc_params_l2_norm, get_device, print_rank_0, print_rank_last
+from megatron.training.utils import get_rank, is_last_rank
 
 _TRAIN_START_TIME = time.time()
 
