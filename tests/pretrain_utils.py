@@ -27,11 +27,11 @@ def preprocess_shakespeare(shared_data: Path, out_dir: Path) -> str:
     return str(out) + "_text_document"
 
 
-def run_pretrain(nproc, flags, shared_data, data_prefix, tmp_path, expect_failure=False) -> str:
+def run_pretrain(nproc, flags, shared_data, data_prefix, tmp_path, expect_failure=False, stderr_too=False) -> str:
     """Train a 2-layer, hidden-32 GPT on ``nproc`` gloo ranks; later ``flags`` override the defaults.
 
-    Returns stdout (stdout + stderr when ``expect_failure``). Fails the test if the exit status is
-    not what was expected.
+    Returns stdout (stdout + stderr when ``expect_failure`` or ``stderr_too``). Fails the test if the
+    exit status is not what was expected.
     """
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
@@ -54,7 +54,7 @@ def run_pretrain(nproc, flags, shared_data, data_prefix, tmp_path, expect_failur
         assert result.returncode != 0, result.stdout[-3000:]
         return result.stdout + result.stderr
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout
+    return result.stdout + result.stderr if stderr_too else result.stdout
 
 
 def losses_from_log(stdout: str) -> dict:

@@ -449,3 +449,29 @@ def test_help_text_renders(capsys):
 def test_flags_without_behaviour_yet_are_refused_not_ignored(flag):
     with pytest.raises(ValueError, match="not available in this version"):
         validate_args(_parse(*flag))
+
+
+SAMPLES = ["--micro-batch-size", "2", "--train-samples", "64", "--lr", "1e-3"]
+
+
+def test_rampup_batch_size_validated_and_parsed():
+    args = validate_args(parse_args(args=[*MODEL, *SAMPLES, "--global-batch-size", "12",
+                                          "--rampup-batch-size", "4", "4", "24"]))
+    assert args.rampup_batch_size == [4, 4, 24]
+
+
+@pytest.mark.parametrize("extra,world_size,message", [
+    (["--rampup-batch-size", "4", "4"], 1, "expected --rampup-batch-size <start batch size> <batch size increment>"),
+    (["--rampup-batch-size", "4", "4", "x"], 1, "as integers"),
+    (["--rampup-batch-size", "2", "2", "24"], 2,
+     r"--rampup-batch-size: global batch size \(2\) is not divisible by micro batch size \(2\) times data parallel "
+     r"size \(2\)"),
+    (["--rampup-batch-size", "16", "4", "24"], 1, r"start batch size \(16\) must not exceed the global batch size"),
+])
+def test_rampup_batch_size_errors_at_start_up(monkeypatch, extra, world_size, message):
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    with pytest.raises(ValueError, match=message):
+        validate_args(parse_args(args=[*MODEL, *SAMPLES, "--global-batch-size", "12", *extra]))
+    with pytest.raises(ValueError, match="--rampup-batch-size needs sample-based training"):
+        validate_args(parse_args(args=[*MODEL, *TRAIN, "--global-batch-size", "12",
+                                       "--rampup-batch-size", "4", "4", "24"]))

@@ -17,6 +17,24 @@ _AVAILABLE_OPTIMIZERS = ("adam", "sgd")
 _CKPT_FORMATS = ["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"]
 
 
+def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add every training flag group to ``parser`` (Megatron-LM's name); returns it."""
+    parser = _add_network_size_args(parser)
+    parser = _add_regularization_args(parser)
+    parser = _add_training_args(parser)
+    parser = _add_initialization_args(parser)
+    parser = _add_learning_rate_args(parser)
+    parser = _add_checkpointing_args(parser)
+    parser = _add_mixed_precision_args(parser)
+    parser = _add_distributed_args(parser)
+    parser = _add_validation_args(parser)
+    parser = _add_data_args(parser)
+    parser = add_tokenizer_args(parser)
+    parser = _add_logging_args(parser)
+    parser = _add_opentelemetry_args(parser)
+    return parser
+
+
 def parse_args(extra_args_provider=None, ignore_unknown_args=False, args=None):
     """Parse Megatron-LM's training flags into an argparse.Namespace.
 
@@ -31,19 +49,7 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False, args=None):
     and ValueError when a rank variable is not an integer.
     """
     parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
-    parser = _add_network_size_args(parser)
-    parser = _add_regularization_args(parser)
-    parser = _add_training_args(parser)
-    parser = _add_initialization_args(parser)
-    parser = _add_learning_rate_args(parser)
-    parser = _add_checkpointing_args(parser)
-    parser = _add_mixed_precision_args(parser)
-    parser = _add_distributed_args(parser)
-    parser = _add_validation_args(parser)
-    parser = _add_data_args(parser)
-    parser = add_tokenizer_args(parser)
-    parser = _add_logging_args(parser)
-    parser = _add_opentelemetry_args(parser)
+    parser = add_megatron_arguments(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
 
@@ -165,7 +171,8 @@ def _add_training_args(parser):
     group.add_argument("--global-batch-size", type=int, default=None,
                        help="Samples per optimizer step; default micro-batch-size * data-parallel size.")
     group.add_argument("--rampup-batch-size", nargs="*", default=None,
-                       help="Deprecated and without effect: start increment samples.")
+                       help="Ramp the global batch size up over consumed samples: '<start batch size> <batch size "
+                            "increment> <ramp-up samples>' (needs --train-samples).")
     group.add_argument("--decrease-batch-size-if-needed", action="store_true",
                        help="Round the global batch down to a multiple of mbs*dp instead of failing.")
     group.add_argument("--recompute-activations", action="store_true",
@@ -263,7 +270,9 @@ def _add_learning_rate_args(parser):
                        help="Use the checkpoint's scheduler values.")
     group.add_argument("--decoupled-lr", type=float, default=None, help="Learning rate of embedding/output params.")
     group.add_argument("--decoupled-min-lr", type=float, default=None, help="Min learning rate of embedding/output.")
-    group.add_argument("--head-lr-mult", type=float, default=1.0, help="Parsed for compatibility; no effect.")
+    group.add_argument("--head-lr-mult", type=float, default=1.0,
+                       help="Parsed for compatibility: only the default 1.0 is accepted (no effect in GPT "
+                            "pretraining).")
     return parser
 
 
@@ -418,11 +427,34 @@ def _add_logging_args(parser):
                        help="Write validation perplexity to TB.")
     group.add_argument("--log-memory-to-tensorboard", action="store_true", help="Write CUDA memory stats to TB.")
     group.add_argument("--log-world-size-to-tensorboard", action="store_true", help="Write the world size to TB.")
-    group.add_argument("--wandb-project", type=str, default="", help="Weights & Biases project.")
+    group.add_argument("--wandb-project", type=str, default="",
+                       help="Weights & Biases project: the last rank logs the TensorBoard scalars there (needs the "
+                            "wandb package; offline when no API key is configured).")
     group.add_argument("--wandb-exp-name", type=str, default="", help="Weights & Biases run name.")
-    group.add_argument("--wandb-save-dir", type=str, default="", help="Weights & Biases local directory.")
-    group.add_argument("--logging-level", type=int, default=None, help="Python logging level.")
+    group.add_argument("--wandb-save-dir", type=str, default="",
+                       help="Weights & Biases local directory (default <--save>/wandb).")
+    group.add_argument("--logging-level", type=_logging_level, default=None,
+                       help="Level of the framework's Python logging records: a number (10 = DEBUG, 20 = INFO, "
+                            "30 = WARNING, ...) or a level name. Default: env MEGATRON_LOGGING_LEVEL, else INFO "
+                            "for the megatron loggers with WARNING and above printed on the console.")
     return parser
+
+
+def _logging_level(value):
+    """``--logging-level`` value -> a ``logging`` level number; accepts numbers and level names."""
+    import logging
+
+    text = str(value).strip()
+    if text.lstrip("-").isdigit():
+        level = int(text)
+        if level < 0:
+            raise argparse.ArgumentTypeError(f"must be >= 0, got {level}")
+        return level
+    level = logging.getLevelName(text.upper())
+    if isinstance(level, int):
+        return level
+    raise argparse.ArgumentTypeError(f"{value!r} is neither a number nor a logging level name "
+                                     "(DEBUG, INFO, WARNING, ERROR, CRITICAL)")
 
 
 def _add_opentelemetry_args(parser):
@@ -479,6 +511,7 @@ def validate_args(args, defaults={}):
     _validate_schedule(args)
     _validate_model(args)
     _validate_checkpointing(args)
+    _validate_wandb(args)
     _validate_misc(args)
 
     # Run counters: the training loop and checkpoint loading advance/restore them.
@@ -521,6 +554,15 @@ def _validate_features(args):
         if getattr(args, dest) != default:
             raise ValueError(f"--{dest.replace('_', '-')} is not available in this version yet; remove it "
                              "(it would otherwise be silently ignored)")
+    for flag, dest, default, reason in _NO_EFFECT_HERE:
+        if getattr(args, dest) != default:
+            raise ValueError(f"{flag} {reason}; remove it (it would otherwise be silently ignored)")
+    if args.vocab_extra_ids and args.tokenizer_type != "SentencePieceTokenizer":
+        raise ValueError(f"--vocab-extra-ids only applies to --tokenizer-type SentencePieceTokenizer (got "
+                         f"{args.tokenizer_type}); remove it (it would otherwise be silently ignored)")
+    if args.use_mcore_models:
+        _print_rank_0(args, "WARNING: --use-mcore-models is deprecated and has no effect: the Megatron Core "
+                            "models are the only models")
 
 
 # Flags accepted by the parser (Megatron compatibility) whose behaviour is not implemented yet.
@@ -530,6 +572,29 @@ _NOT_YET_AVAILABLE = {
     "non_persistent_save_interval": None, "pretrained_checkpoint": None, "auto_detect_ckpt_format": False,
     "use_tp_pp_dp_mapping": False,
 }
+
+
+_TIKTOKEN_OR_HF = "applies only to --tokenizer-type TikTokenizer or HuggingFaceTokenizer, which this version does " \
+                  "not support"
+# (flag, dest, default, why a non-default value cannot act in this version).
+_NO_EFFECT_HERE = [
+    ("--head-lr-mult", "head_lr_mult", 1.0, "has no effect in GPT pretraining (Megatron-LM applies it only through "
+                                            "a scale_lr_cond, which pretrain_gpt does not set)"),
+    ("--overlap-param-gather", "overlap_param_gather", False,
+     "needs --use-distributed-optimizer, which is not available in this version yet"),
+    ("--use-persistent-ckpt-worker", "use_persistent_ckpt_worker", False,
+     "only applies to --async-save, which --ckpt-format torch does not support"),
+    ("--decoder-first-pipeline-num-layers", "decoder_first_pipeline_num_layers", None,
+     "needs pipeline parallelism, which is not available in this version yet"),
+    ("--decoder-last-pipeline-num-layers", "decoder_last_pipeline_num_layers", None,
+     "needs pipeline parallelism, which is not available in this version yet"),
+    ("--tokenizer-special-tokens", "tokenizer_special_tokens", None, _TIKTOKEN_OR_HF),
+    ("--tiktoken-pattern", "tiktoken_pattern", None, _TIKTOKEN_OR_HF),
+    ("--tiktoken-num-special-tokens", "tiktoken_num_special_tokens", 1000, _TIKTOKEN_OR_HF),
+    ("--trust-remote-code", "trust_remote_code", False, _TIKTOKEN_OR_HF),
+    ("--tokenizer-hf-no-use-fast", "tokenizer_hf_use_fast", True, _TIKTOKEN_OR_HF),
+    ("--tokenizer-hf-no-include-special-tokens", "tokenizer_hf_include_special_tokens", True, _TIKTOKEN_OR_HF),
+]
 
 
 def _validate_parallel_sizes(args):
@@ -601,7 +666,7 @@ def _validate_batch_sizes(args):
                 f"global batch size ({args.global_batch_size}) is not divisible by micro batch size "
                 f"({args.micro_batch_size}) times data parallel size ({args.data_parallel_size})")
     if args.rampup_batch_size is not None:
-        _print_rank_0(args, "WARNING: --rampup-batch-size is deprecated and has no effect")
+        _validate_rampup_batch_size(args)
 
     if args.eval_micro_batch_size is None:
         args.eval_micro_batch_size = args.micro_batch_size
@@ -611,6 +676,42 @@ def _validate_batch_sizes(args):
     _require(args.eval_global_batch_size % (args.eval_micro_batch_size * args.data_parallel_size) == 0,
              f"eval global batch size ({args.eval_global_batch_size}) is not divisible by eval micro batch size "
              f"({args.eval_micro_batch_size}) times data parallel size ({args.data_parallel_size})")
+
+
+def _validate_rampup_batch_size(args):
+    """``--rampup-batch-size start incr samples``: integers, sample-based training, and every batch of
+    the ramp a multiple of micro batch x data-parallel size (checked now, on every rank)."""
+    from megatron.core.num_microbatches_calculator import (
+        RampupBatchsizeNumMicroBatchesCalculator,
+        parse_rampup_batch_size,
+    )
+
+    args.rampup_batch_size = parse_rampup_batch_size(args.rampup_batch_size)
+    # The iteration of a batch change depends on consumed samples, so an iteration count cannot
+    # say where training or the LR schedule ends (Megatron-LM refuses the combination too).
+    _require(args.train_iters is None,
+             "--rampup-batch-size needs sample-based training: use --train-samples (and --lr-decay-samples, "
+             "--lr-warmup-samples) instead of --train-iters")
+    start, increment, samples = args.rampup_batch_size
+    RampupBatchsizeNumMicroBatchesCalculator(
+        args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
+        args.decrease_batch_size_if_needed, -1, start, increment, samples)
+
+
+def _validate_wandb(args):
+    """``--wandb-*``: the package must be importable and the run named; the other two need --wandb-project."""
+    if not args.wandb_project:
+        for flag, value in (("--wandb-exp-name", args.wandb_exp_name), ("--wandb-save-dir", args.wandb_save_dir)):
+            _require(not value, f"{flag} needs --wandb-project (without it nothing is logged to Weights & Biases)")
+        return
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise ValueError("--wandb-project needs the wandb package, which is not installed: pip install wandb "
+                         "(or remove --wandb-project/--wandb-exp-name/--wandb-save-dir)") from None
+    _require(bool(args.wandb_exp_name), "--wandb-project needs --wandb-exp-name (the Weights & Biases run name)")
+    _require(bool(args.wandb_save_dir or args.save),
+             "--wandb-project needs --wandb-save-dir or --save (W&B files go to <--save>/wandb by default)")
 
 
 def _validate_precision(args):

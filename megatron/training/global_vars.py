@@ -1,10 +1,13 @@
-"""Process-wide singletons of a training run: args, tokenizer, timers, TensorBoard writer, telemetry."""
+"""Process-wide singletons of a training run: args, tokenizer, timers, TensorBoard and W&B writers, telemetry."""
 import logging
+import netrc
 import os
+from urllib.parse import urlparse
 
 _GLOBAL_ARGS = None
 _GLOBAL_TOKENIZER = None
 _GLOBAL_TENSORBOARD_WRITER = None
+_GLOBAL_WANDB_WRITER = None
 _GLOBAL_TIMERS = None
 _GLOBAL_TELEMETRY = None
 
@@ -38,6 +41,14 @@ def get_tensorboard_writer():
     return _GLOBAL_TENSORBOARD_WRITER
 
 
+def get_wandb_writer():
+    """The Weights & Biases run on the last rank when --wandb-project is set, else None.
+
+    As in Megatron-LM, scalars are logged with ``get_wandb_writer().log({name: value}, iteration)``.
+    """
+    return _GLOBAL_WANDB_WRITER
+
+
 def get_timers():
     """The run's Timers object. Raises RuntimeError before set_global_variables()."""
     return _ensure_initialized(_GLOBAL_TIMERS, "timers")
@@ -49,15 +60,18 @@ def get_telemetry():
 
 
 def set_global_variables(args, build_tokenizer=True):
-    """Install args and build the microbatch calculator, tokenizer, TensorBoard writer, timers, telemetry.
+    """Install args and build telemetry, the microbatch calculator, tokenizer, TensorBoard and W&B
+    writers, and timers.
 
     Runs before the process group exists: bad MEGATRON_OTEL_* values fail here on every rank,
     and the telemetry run id comes from launcher state all ranks share (no communication).
+    Telemetry comes first so that its log bridge receives the records logged while the rest is built.
     """
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.core.timers import Timers
 
     set_args(args)
+    _set_telemetry(args)
     init_num_microbatches_calculator(
         args.rank, getattr(args, "rampup_batch_size", None), args.global_batch_size,
         args.micro_batch_size, args.data_parallel_size,
@@ -66,9 +80,9 @@ def set_global_variables(args, build_tokenizer=True):
     if build_tokenizer:
         _build_tokenizer(args)
     _set_tensorboard_writer(args)
+    _set_wandb_writer(args)
     global _GLOBAL_TIMERS
     _GLOBAL_TIMERS = Timers(args.timing_log_level, args.timing_log_option)
-    _set_telemetry(args)
 
 
 def _build_tokenizer(args):
@@ -93,6 +107,50 @@ def _set_tensorboard_writer(args):
             _GLOBAL_TENSORBOARD_WRITER.add_text(name, str(value))
 
 
+def _wandb_api_key_configured() -> bool:
+    """Whether W&B could authenticate: WANDB_API_KEY, or a ~/.netrc entry for its host (wandb login)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return host is not None and netrc.netrc().authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def _wandb_config_value(value):
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_wandb_config_value(v) for v in value]
+    return str(value)  # dtypes, signals, functions
+
+
+def _set_wandb_writer(args):
+    """Start a Weights & Biases run on the last rank when --wandb-project is set (as Megatron-LM does).
+
+    Files go to --wandb-save-dir, else <--save>/wandb. Without an API key and without WANDB_MODE the
+    run is offline (no network; upload later with ``wandb sync``). validate_args has already checked
+    that the package imports and that the run has a name and a directory.
+    """
+    global _GLOBAL_WANDB_WRITER
+    if not getattr(args, "wandb_project", "") or args.rank != args.world_size - 1:
+        return None
+    import wandb
+
+    save_dir = args.wandb_save_dir or os.path.join(args.save, "wandb")
+    os.makedirs(save_dir, exist_ok=True)
+    mode = None
+    if not os.environ.get("WANDB_MODE") and not _wandb_api_key_configured():
+        mode = "offline"
+        print(f"W&B: no API key configured (WANDB_API_KEY or `wandb login`): logging offline to {save_dir}; "
+              "upload later with `wandb sync`", flush=True)
+    config = {name: _wandb_config_value(value) for name, value in sorted(vars(args).items())}
+    _GLOBAL_WANDB_WRITER = wandb.init(dir=save_dir, name=args.wandb_exp_name, project=args.wandb_project,
+                                      config=config, mode=mode)
+    return _GLOBAL_WANDB_WRITER
+
+
 def _set_telemetry(args):
     """Configure OpenTelemetry from MEGATRON_OTEL_* / NEMO_LENS_* variables and the --otel-* flags.
 
@@ -110,10 +168,14 @@ def _set_telemetry(args):
 
 
 def destroy_global_variables():
-    """Close the writer, shut telemetry down and forget every singleton (tests, repeated runs)."""
-    global _GLOBAL_ARGS, _GLOBAL_TOKENIZER, _GLOBAL_TENSORBOARD_WRITER, _GLOBAL_TIMERS, _GLOBAL_TELEMETRY
+    """Close the writers, shut telemetry down and forget every singleton (tests, repeated runs)."""
+    global _GLOBAL_ARGS, _GLOBAL_TOKENIZER, _GLOBAL_TENSORBOARD_WRITER, _GLOBAL_WANDB_WRITER, _GLOBAL_TIMERS
+    global _GLOBAL_TELEMETRY
     if _GLOBAL_TENSORBOARD_WRITER is not None:
         _GLOBAL_TENSORBOARD_WRITER.close()
+    if _GLOBAL_WANDB_WRITER is not None:
+        _GLOBAL_WANDB_WRITER.finish()
     if _GLOBAL_TELEMETRY is not None:
         _GLOBAL_TELEMETRY.shutdown()
-    _GLOBAL_ARGS = _GLOBAL_TOKENIZER = _GLOBAL_TENSORBOARD_WRITER = _GLOBAL_TIMERS = _GLOBAL_TELEMETRY = None
+    _GLOBAL_ARGS = _GLOBAL_TOKENIZER = _GLOBAL_TENSORBOARD_WRITER = _GLOBAL_WANDB_WRITER = None
+    _GLOBAL_TIMERS = _GLOBAL_TELEMETRY = None

@@ -1,7 +1,10 @@
-"""Start a run: parse flags, set the globals, join the process group, build parallel groups, seed RNGs."""
+"""Start a run: parse flags, apply the logging level, set the globals, join the process group, build groups, seed."""
+import argparse
+import logging
 import os
 import random
 import re
+import sys
 from datetime import timedelta
 
 import numpy as np
@@ -10,9 +13,70 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-from megatron.training.arguments import parse_args, validate_args
+from megatron.training.arguments import _logging_level, parse_args, validate_args
 from megatron.training.global_vars import get_args, set_global_variables
+from megatron.training.training_log import CONSOLE_PRINTED
 from megatron.training.utils import print_rank_0
+
+_CONSOLE_HANDLER = None
+
+
+class _ConsoleHandler(logging.StreamHandler):
+    """Prints log records on the current ``sys.stderr`` (looked up per record, so redirections
+    apply), message only, as Python's last-resort handler does; skips records whose text the
+    framework has already printed (``CONSOLE_PRINTED``), so nothing appears twice."""
+
+    def __init__(self, level):
+        super().__init__()
+        self.setLevel(level)
+        self.addFilter(lambda record: not getattr(record, CONSOLE_PRINTED, False))
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _):
+        pass
+
+
+def setup_logging(args) -> int:
+    """Apply ``--logging-level`` (else env MEGATRON_LOGGING_LEVEL) as Megatron-LM does, and give
+    framework records somewhere to go.
+
+    With a level: the root and ``megatron`` loggers get it and records at or above it are printed
+    on stderr. Without one: the ``megatron`` loggers default to INFO (so the OpenTelemetry log
+    bridge receives the operator messages: iteration summary, checkpoints, evaluation) and only
+    WARNING and above are printed, as before. The console handler is added to the root logger only
+    when no handler other than the log bridge is there (a user's own logging setup is left alone);
+    it never prints a message the framework has already printed. Returns the effective level of the
+    ``megatron`` logger. Raises ValueError naming MEGATRON_LOGGING_LEVEL when it is not a level.
+    """
+    global _CONSOLE_HANDLER
+    from megatron.core.telemetry.logging_bridge import OtelLogHandler
+
+    level = getattr(args, "logging_level", None)
+    if level is None and os.environ.get("MEGATRON_LOGGING_LEVEL", "").strip():
+        try:
+            level = _logging_level(os.environ["MEGATRON_LOGGING_LEVEL"])
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"MEGATRON_LOGGING_LEVEL: {exc}") from None
+    root, framework = logging.getLogger(), logging.getLogger("megatron")
+    if level is not None:
+        root.setLevel(level)
+        framework.setLevel(level)
+        if getattr(args, "rank", 0) == 0:
+            print(f"> setting logging level to {logging.getLevelName(level)} ({level})", flush=True)
+    elif framework.level == logging.NOTSET:
+        framework.setLevel(logging.INFO)
+    console_level = level if level is not None else logging.WARNING
+    if _CONSOLE_HANDLER is not None:
+        root.removeHandler(_CONSOLE_HANDLER)
+        _CONSOLE_HANDLER = None
+    if all(isinstance(handler, OtelLogHandler) for handler in root.handlers):
+        _CONSOLE_HANDLER = _ConsoleHandler(console_level)
+        root.addHandler(_CONSOLE_HANDLER)
+    return framework.getEffectiveLevel()
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -101,11 +165,13 @@ def initialize_megatron(extra_args_provider=None, args_defaults=None, ignore_unk
                         parsed_args=None, argv=None):
     """Everything a run needs before the model is built. Returns the validated args.
 
-    Order: parse + validate flags (fails fast with the flag named), set globals (tokenizer,
-    timers, TensorBoard, telemetry), join the process group, build the parallel groups, seed.
+    Order: parse + validate flags (fails fast with the flag named), apply the logging level, set
+    globals (telemetry, microbatch calculator, tokenizer, timers, TensorBoard, W&B), join the
+    process group, build the parallel groups, seed.
     """
     args = parsed_args if parsed_args is not None else parse_args(extra_args_provider, ignore_unknown_args, argv)
     validate_args(args, args_defaults or {})
+    setup_logging(args)
     set_global_variables(args)
     _initialize_distributed(args)
     _set_random_seed(args.seed, getattr(args, "data_parallel_random_init", False))

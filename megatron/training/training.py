@@ -12,7 +12,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.collective_device import get_collective_device
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.num_microbatches_calculator import get_num_microbatches, update_num_microbatches
+from megatron.core.num_microbatches_calculator import (
+    build_num_microbatches_calculator,
+    get_num_microbatches,
+    update_num_microbatches,
+)
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -21,10 +25,16 @@ from megatron.core.utils import get_model_config
 from megatron.training import telemetry_hooks as telemetry
 from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron.training.datasets.data_samplers import build_pretraining_data_loader
-from megatron.training.global_vars import get_args, get_tensorboard_writer, get_timers
+from megatron.training.global_vars import get_args, get_tensorboard_writer, get_timers, get_wandb_writer
 from megatron.training.initialize import initialize_megatron
-from megatron.training.training_log import LogAccumulator, num_floating_point_operations, training_log
+from megatron.training.training_log import (
+    LogAccumulator,
+    log_operator_message,
+    num_floating_point_operations,
+    training_log,
+)
 from megatron.training.utils import calc_params_l2_norm, get_device, print_rank_0, print_rank_last
+from megatron.training.utils import get_rank, is_last_rank
 
 _TRAIN_START_TIME = time.time()
 
@@ -162,6 +172,9 @@ def setup_model_and_optimizer(model_provider_func):
             )
             timers("load-checkpoint").stop(barrier=True)
             timers.log(["load-checkpoint"])
+        if args.iteration > 0 or args.finetune:
+            log_operator_message(f"successfully loaded checkpoint from {args.load} at iteration {args.iteration}",
+                                 printed_on_this_rank=get_rank() == 0)
     return model, optimizer, opt_param_scheduler
 
 
@@ -312,9 +325,11 @@ def evaluate(forward_step_func, data_iterator, model, verbose=False):
 
 
 def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, iteration, verbose=False):
-    """Evaluate, print Megatron's validation block on the last rank, and write TensorBoard scalars."""
+    """Evaluate, print Megatron's validation block on the last rank (also sent through ``logging``),
+    and write TensorBoard and W&B scalars."""
     args = get_args()
     writer = get_tensorboard_writer()
+    wandb_writer = get_wandb_writer()
     results = evaluate(forward_step_func, data_iterator, model, verbose)
     string = f" validation loss at {prefix} | "
     for key, loss in results.items():
@@ -328,10 +343,16 @@ def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, 
                 writer.add_scalar(f"{key} validation ppl vs samples", ppl, args.consumed_train_samples)
         if key == "lm loss":
             telemetry.record_validation_metrics(loss=loss, ppl=ppl)
+        if wandb_writer is not None:
+            scalars = {f"{key} validation": loss}
+            if args.log_validation_ppl_to_tensorboard:
+                scalars[f"{key} validation ppl"] = ppl
+            wandb_writer.log(scalars, step=iteration)
     length = len(string) + 1
     print_rank_last("-" * length)
     print_rank_last(string)
     print_rank_last("-" * length)
+    log_operator_message(string.strip(), printed_on_this_rank=is_last_rank())
     return results
 
 
@@ -365,6 +386,13 @@ def _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far):
         save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops_so_far)
         timers("save-checkpoint").stop(barrier=True)
         timers.log(["save-checkpoint"])
+    log_operator_message(f"successfully saved checkpoint from iteration {iteration:7d} to {get_args().save}",
+                         printed_on_this_rank=get_rank() == 0)
+
+
+def _exit_message(message):
+    print_rank_0(message)
+    log_operator_message(message, printed_on_this_rank=get_rank() == 0)
 
 
 def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration, flops_so_far, signal_flag):
@@ -374,7 +402,7 @@ def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration,
     if signal_flag is not None and _any_rank(signal_flag.received):
         if args.save:
             _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far)
-        print_rank_0(f"exiting program after receiving {signal_flag.signal.name}.")
+        _exit_message(f"exiting program after receiving {signal_flag.signal.name}.")
         return True
     if args.save and args.save_interval and iteration % args.save_interval == 0:
         _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far)
@@ -387,12 +415,12 @@ def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration,
         if value.item() > args.exit_duration_in_mins:
             if args.save and not saved:
                 _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far)
-            print_rank_0(f"exiting program after {value.item():.2f} minutes")
+            _exit_message(f"exiting program after {value.item():.2f} minutes")
             return True
     if args.exit_interval and iteration % args.exit_interval == 0:
         if args.save and not saved:
             _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far)
-        print_rank_0(f"exiting program at iteration {iteration}")
+        _exit_message(f"exiting program at iteration {iteration}")
         return True
     return False
 
@@ -421,7 +449,8 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     print_rank_0("training ...")
     with telemetry.span("job", "megatron.train", train_iters=args.train_iters):
         while iteration < args.train_iters:
-            update_num_microbatches(args.consumed_train_samples)
+            # --rampup-batch-size: this iteration's batch follows the samples consumed so far.
+            update_num_microbatches(args.consumed_train_samples, consistency_check=True, verbose=True)
             num_microbatches = get_num_microbatches()
             args.curr_iteration = iteration
             with telemetry.step_span(iteration + 1, first=(iteration == args.start_iteration)) as step_span:
@@ -463,6 +492,27 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     return iteration, flops_so_far, False
 
 
+def train_iters_for_samples(args) -> int:
+    """Iterations that ``--train-samples`` allows: each iteration consumes the global batch of the
+    batch-size schedule at that point (``--rampup-batch-size``), and only whole batches that fit in
+    ``--train-samples`` run (a partial last batch is dropped, as Megatron-LM does for a constant batch).
+    """
+    calculator = build_num_microbatches_calculator(
+        -1, args.rampup_batch_size, args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
+        args.decrease_batch_size_if_needed)
+    rampup_samples = args.rampup_batch_size[2] if args.rampup_batch_size is not None else -1
+    iterations = consumed = 0
+    while consumed <= rampup_samples:  # the ramp: batch sizes change, count iteration by iteration
+        calculator.update(consumed)
+        batch = calculator.get_current_running_global_batch_size()
+        if consumed + batch > args.train_samples:
+            return iterations
+        consumed += batch
+        iterations += 1
+    calculator.update(consumed)
+    return iterations + (args.train_samples - consumed) // calculator.get_current_running_global_batch_size()
+
+
 def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_func, extra_args_provider=None,
              args_defaults=None, argv=None):
     """Megatron's entry point: initialise, build everything, train, evaluate, save.
@@ -476,7 +526,7 @@ def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fun
     initialize_megatron(extra_args_provider, args_defaults, argv=argv)
     args = get_args()
     if args.train_iters is None:  # --train-samples: the loop still counts iterations
-        args.train_iters = args.train_samples // args.global_batch_size
+        args.train_iters = train_iters_for_samples(args)
     with telemetry.span("job", "megatron.pretrain", model_type="GPT", train_iters=args.train_iters,
                         global_batch_size=args.global_batch_size):
         model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider)

@@ -1,12 +1,19 @@
-"""Per-iteration reporting: Megatron's log line, TensorBoard scalars, step metrics, and the FLOP count."""
+"""Per-iteration reporting: Megatron's log line, TensorBoard/W&B scalars, step metrics, operator log records, FLOPs."""
+import logging
 import math
 from datetime import datetime
 
 import torch
 
 from megatron.training import telemetry_hooks as telemetry
-from megatron.training.global_vars import get_args, get_tensorboard_writer, get_timers
-from megatron.training.utils import print_rank_last
+from megatron.training.global_vars import get_args, get_telemetry, get_tensorboard_writer, get_timers, get_wandb_writer
+from megatron.training.utils import is_last_rank, print_rank_last
+
+logger = logging.getLogger(__name__)
+
+# LogRecord attribute marking a message that is already on the console (printed by print_rank_*):
+# the framework's console handler skips such records, so nothing is printed twice.
+CONSOLE_PRINTED = "megatron_console_printed"
 
 # Level-1 timers Megatron prints after each log line (§8.4 of the compatibility spec).
 _LOGGED_TIMERS = [
@@ -37,6 +44,35 @@ def num_floating_point_operations(args, batch_size: int) -> int:
 
 # ---------------------------------------------------------------------------------------------------
 
+def log_operator_message(message: str, printed_on_this_rank: bool, level: int = logging.INFO) -> None:
+    """Send a message that is also printed on the console (iteration summary, checkpoint saved or
+    loaded, evaluation results, exit reason) through Python ``logging`` as well.
+
+    The record goes out on the rank that printed it and on ranks whose OpenTelemetry log bridge is
+    active (which may not be the printing rank), so the bridge and any user handler receive it; it
+    carries ``CONSOLE_PRINTED`` so the framework's console handler does not print it a second time.
+    """
+    if not (printed_on_this_rank or _log_bridge_active()):
+        return
+    if logger.isEnabledFor(level):
+        logger.log(level, message, extra={CONSOLE_PRINTED: True})
+
+
+def _log_bridge_active() -> bool:
+    handle = get_telemetry()
+    return handle is not None and getattr(handle, "logger_provider", None) is not None
+
+
+class _WandbScalars:
+    """``add_scalar(tag, value, step)`` onto a W&B run, so Timers.write serves both writers."""
+
+    def __init__(self, run):
+        self.run = run
+
+    def add_scalar(self, tag, value, step):
+        self.run.log({tag: value}, step=step)
+
+
 class LogAccumulator:
     """Sums losses and counts between two log lines (Megatron's ``total_loss_dict``)."""
 
@@ -66,16 +102,20 @@ def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm
                  num_microbatches, is_log_iteration):
     """Accumulate this iteration; on log iterations print Megatron's log line (last rank).
 
-    TensorBoard scalars are written every ``--tensorboard-log-interval`` iterations. Returns the
-    averaged losses on log iterations, else None.
+    TensorBoard scalars (and the same names on W&B, without the ``vs samples`` twins) are written
+    every ``--tensorboard-log-interval`` iterations. The log line also goes through ``logging``
+    (see :func:`log_operator_message`). ``num_microbatches`` is this iteration's count, so the
+    ``global batch size`` shown follows ``--rampup-batch-size``. Returns the averaged losses on log
+    iterations, else None.
     """
     args = get_args()
     timers = get_timers()
     writer = get_tensorboard_writer()
+    wandb_writer = get_wandb_writer()
     acc.add(loss_dict, skipped_iter)
     batch_size = args.micro_batch_size * args.data_parallel_size * num_microbatches
 
-    if writer is not None and iteration % args.tensorboard_log_interval == 0:
+    if (writer is not None or wandb_writer is not None) and iteration % args.tensorboard_log_interval == 0:
         samples = args.consumed_train_samples
         scalars = {"learning-rate": learning_rate, "batch-size": batch_size}
         scalars.update({key: float(value) for key, value in loss_dict.items()})
@@ -87,28 +127,37 @@ def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm
             scalars["num-zeros"] = num_zeros_in_grad
         if params_norm is not None:
             scalars["params-norm"] = params_norm
-        for tag, value in scalars.items():
-            writer.add_scalar(tag, value, iteration)
-            writer.add_scalar(tag + " vs samples", value, samples)
+        per_iteration = {}  # no "vs samples" twin
         if args.log_world_size_to_tensorboard:
-            writer.add_scalar("world-size", args.world_size, iteration)
+            per_iteration["world-size"] = args.world_size
         if args.log_memory_to_tensorboard and torch.cuda.is_available():
             stats = torch.cuda.memory_stats()
-            writer.add_scalar("mem-reserved-bytes", stats["reserved_bytes.all.current"], iteration)
-            writer.add_scalar("mem-allocated-bytes", stats["allocated_bytes.all.current"], iteration)
-            writer.add_scalar("mem-max-allocated-bytes", stats["allocated_bytes.all.peak"], iteration)
-            writer.add_scalar("mem-allocated-count", stats["allocation.all.current"], iteration)
+            per_iteration["mem-reserved-bytes"] = stats["reserved_bytes.all.current"]
+            per_iteration["mem-allocated-bytes"] = stats["allocated_bytes.all.current"]
+            per_iteration["mem-max-allocated-bytes"] = stats["allocated_bytes.all.peak"]
+            per_iteration["mem-allocated-count"] = stats["allocation.all.current"]
+        if writer is not None:
+            for tag, value in scalars.items():
+                writer.add_scalar(tag, value, iteration)
+                writer.add_scalar(tag + " vs samples", value, samples)
+            for tag, value in per_iteration.items():
+                writer.add_scalar(tag, value, iteration)
+        if wandb_writer is not None:
+            wandb_writer.log({**scalars, **per_iteration}, step=iteration)
 
     if not is_log_iteration:
         return None
     elapsed_per_iteration = elapsed_since_last_log / max(iterations_since_last_log, 1)
     flops = num_floating_point_operations(args, batch_size)
     throughput = flops / (elapsed_per_iteration * 1e12 * args.world_size)
-    if writer is not None and args.log_timers_to_tensorboard:
-        writer.add_scalar("iteration-time", elapsed_per_iteration, iteration)
-        if args.log_throughput:
-            writer.add_scalar("throughput", throughput, iteration)
-        timers.write(_LOGGED_TIMERS, writer, iteration, normalizer=max(iterations_since_last_log, 1))
+    if args.log_timers_to_tensorboard:
+        for target in (writer, _WandbScalars(wandb_writer) if wandb_writer is not None else None):
+            if target is None:
+                continue
+            target.add_scalar("iteration-time", elapsed_per_iteration, iteration)
+            if args.log_throughput:
+                target.add_scalar("throughput", throughput, iteration)
+            timers.write(_LOGGED_TIMERS, target, iteration, normalizer=max(iterations_since_last_log, 1))
 
     line = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f')}]"
     line += f" iteration {iteration:8d}/{args.train_iters:8d} |"
@@ -134,6 +183,7 @@ def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm
     line += f" number of skipped iterations: {acc.skipped:3d} |"
     line += f" number of nan iterations: {acc.nan:3d} |"
     print_rank_last(line)
+    log_operator_message(line, printed_on_this_rank=is_last_rank())
     telemetry.record_step_metrics(
         elapsed_ms=elapsed_per_iteration * 1000.0, loss=averages.get("lm loss"), throughput_tflops=throughput,
         tokens_per_sec=batch_size * args.seq_length / max(elapsed_per_iteration, 1e-12), grad_norm=grad_norm,
