@@ -1,4 +1,6 @@
 """Start-up helpers: the rendezvous host and port taken from SLURM variables."""
+import os
+
 import pytest
 
 from megatron.training.initialize import _set_rendezvous_env_from_slurm, first_slurm_host
@@ -29,3 +31,18 @@ def test_rendezvous_from_slurm_variables(monkeypatch):
 
     assert os.environ["MASTER_ADDR"] == "node17"
     assert os.environ["MASTER_PORT"] == str(10000 + 123456 % 50000)
+
+
+def test_cuda_device_max_connections_set_for_tp_and_user_value_kept(monkeypatch):
+    from types import SimpleNamespace
+
+    from megatron.training.initialize import _set_cuda_device_max_connections
+
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    _set_cuda_device_max_connections(SimpleNamespace(tensor_model_parallel_size=1))
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ
+    _set_cuda_device_max_connections(SimpleNamespace(tensor_model_parallel_size=2))
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    _set_cuda_device_max_connections(SimpleNamespace(tensor_model_parallel_size=2))
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"

@@ -106,13 +106,20 @@ def _set_rendezvous_env_from_slurm():
     os.environ.setdefault("MASTER_PORT", "6000")
 
 
+def _set_cuda_device_max_connections(args) -> None:
+    """Set env CUDA_DEVICE_MAX_CONNECTIONS=1 when TP > 1 unless the user set it.
+
+    The TP linear layers' backward overlaps its collectives with the GEMMs, which only works when
+    the GPU runs kernels in launch order: one hardware queue. CUDA reads the variable when the
+    context is created, so this runs before the first CUDA call.
+    """
+    if args.tensor_model_parallel_size > 1 and "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ:
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+
+
 def _initialize_distributed(args):
     """Join the default process group (NCCL on GPU, gloo on CPU) and build the model-parallel groups."""
-    if args.tensor_model_parallel_size > 1 and "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ:
-        # The TP linear layers' backward overlaps its collectives with the GEMMs, which only works
-        # when the GPU runs kernels in launch order: one hardware queue. CUDA reads this when the
-        # context is created, so it is set before the first CUDA call; a user's own value is kept.
-        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    _set_cuda_device_max_connections(args)
     if torch.cuda.is_available() and args.distributed_backend == "nccl":
         device_count = torch.cuda.device_count()
         if args.local_rank >= device_count:
