@@ -19,3 +19,28 @@ def test_context_parallelism_is_refused_until_it_exists(single_process, monkeypa
     with pytest.raises(ValueError, match="--context-parallel-size 2: context parallelism is not available"):
         validate_args(parse_args(args=[*VALID, "--context-parallel-size", "2"]))
     assert validate_args(parse_args(args=[*VALID, "--context-parallel-size", "1"])).context_parallel_size == 1
+
+
+def test_negative_split_weight_is_refused_naming_the_flag():
+    """'-1,2,3' used to be read as '1,2,3'."""
+    from megatron.core.datasets.utils import parse_and_normalize_split
+
+    for split in ("-1,2,3", "98, -2, 0", "1/ -1"):
+        with pytest.raises(ValueError, match=r"--split .*negative"):
+            parse_and_normalize_split(split)
+    assert parse_and_normalize_split("98,2,0") == pytest.approx([0.98, 0.02, 0.0])
+    assert parse_and_normalize_split("98-2") == pytest.approx([0.98, 0.02, 0.0])  # '-' as a separator
+
+
+def test_empty_training_split_stops_the_run_naming_split_and_data(shared_data, shakespeare_prefix, tmp_path):
+    """--split 0,0,100 with --train-iters used to train nothing, save nothing and exit 0."""
+    from pretrain_utils import run_pretrain
+
+    ckpt = tmp_path / "ckpt"
+    out = run_pretrain(1, ["--micro-batch-size", "2", "--train-iters", "3", "--split", "0,0,100", "--save", str(ckpt),
+                        "--save-interval", "3"],
+                       shared_data, shakespeare_prefix, tmp_path, expect_failure=True)
+    errors = [line for line in out.splitlines() if "training split is empty" in line]
+    assert errors, out[-3000:]
+    assert "--split '0,0,100'" in errors[0] and shakespeare_prefix in errors[0], errors[0]
+    assert not ckpt.exists()

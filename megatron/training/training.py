@@ -205,6 +205,8 @@ def build_train_valid_test_data_iterators(train_valid_test_dataset_provider):
     if dist.is_initialized():
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     args.do_train, args.do_valid, args.do_test = (bool(v) for v in flags.tolist())
+    if args.train_iters > 0 and not args.skip_train and not args.do_train:
+        raise ValueError(_empty_train_split_message(args))  # every rank agrees (flags are reduced)
 
     def _iterator(loader):
         if loader is None:
@@ -214,6 +216,19 @@ def build_train_valid_test_data_iterators(train_valid_test_dataset_provider):
         return iter(loader)
 
     return _iterator(train_loader), _iterator(valid_loader), _iterator(test_loader)
+
+
+def _empty_train_split_message(args) -> str:
+    """Why training was asked for but there is nothing to train on, naming the flags to change."""
+    if args.data_path:
+        where = (f"--split {args.split!r} leaves no documents of --data-path {' '.join(args.data_path)} "
+                 "for training; give the first (train) weight of --split a positive value")
+    elif args.train_data_path or args.valid_data_path or args.test_data_path:
+        where = f"--train-data-path is {' '.join(args.train_data_path) if args.train_data_path else 'not given'}"
+    else:
+        where = "the dataset provider returned no training dataset"
+    return (f"--train-iters {args.train_iters} asks for training, but the training split is empty: {where} "
+            "(or pass --skip-train to only evaluate)")
 
 
 def _cyclic_iter(iterable):
