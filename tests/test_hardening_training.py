@@ -44,3 +44,38 @@ def test_empty_training_split_stops_the_run_naming_split_and_data(shared_data, s
     assert errors, out[-3000:]
     assert "--split '0,0,100'" in errors[0] and shakespeare_prefix in errors[0], errors[0]
     assert not ckpt.exists()
+
+
+def test_validation_metrics_record_the_split(shared_data, shakespeare_prefix, tmp_path, monkeypatch):
+    """The test-set loss after training used to land in the same megatron.validation.* series as the
+    validation loss (no attribute), so the "validation" series ended on the test value."""
+    import json
+    import re
+
+    from pretrain_utils import run_pretrain
+
+    monkeypatch.setenv("MEGATRON_OTEL_ENABLED", "1")
+    monkeypatch.setenv("MEGATRON_OTEL_EXPORTER", "console")
+    out = run_pretrain(1, ["--micro-batch-size", "2", "--train-iters", "3", "--split", "90,5,5"],
+                       shared_data, shakespeare_prefix, tmp_path)
+    printed = {}
+    for line in out.splitlines():
+        match = re.search(r"validation loss at iteration 3 on (validation|test) set \| lm loss value: (\S+) \|", line)
+        if match:
+            printed[match.group(1)] = float(match.group(2))
+    assert set(printed) == {"validation", "test"} and printed["validation"] != printed["test"], printed
+    points = {}
+    for line in out.splitlines():
+        if not line.startswith("{"):
+            continue
+        for rm in json.loads(line).get("resource_metrics", []):
+            for sm in rm["scope_metrics"]:
+                for metric in sm["metrics"]:
+                    if metric["name"] in ("megatron.validation.loss", "megatron.validation.ppl"):
+                        for point in metric["data"]["data_points"]:
+                            split = point["attributes"].get("megatron.split")
+                            points[(metric["name"], split)] = point["value"]
+    assert points[("megatron.validation.loss", "validation")] == pytest.approx(printed["validation"], rel=1e-5)
+    assert points[("megatron.validation.loss", "test")] == pytest.approx(printed["test"], rel=1e-5)
+    assert set(points) == {(name, split) for name in ("megatron.validation.loss", "megatron.validation.ppl")
+                           for split in ("validation", "test")}, points

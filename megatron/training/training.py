@@ -339,9 +339,11 @@ def evaluate(forward_step_func, data_iterator, model, verbose=False):
     return results
 
 
-def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, iteration, verbose=False):
+def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, iteration, verbose=False,
+                               split="validation"):
     """Evaluate, print Megatron's validation block on the last rank (also sent through ``logging``),
-    and write TensorBoard and W&B scalars."""
+    and write TensorBoard and W&B scalars. ``split`` ("validation" or "test") labels the telemetry
+    gauges (TensorBoard keeps Megatron's tags, which do not name the split)."""
     args = get_args()
     writer = get_tensorboard_writer()
     wandb_writer = get_wandb_writer()
@@ -357,7 +359,7 @@ def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, 
                 writer.add_scalar(f"{key} validation ppl", ppl, iteration)
                 writer.add_scalar(f"{key} validation ppl vs samples", ppl, args.consumed_train_samples)
         if key == "lm loss":
-            telemetry.record_validation_metrics(loss=loss, ppl=ppl)
+            telemetry.record_validation_metrics(loss=loss, ppl=ppl, split=split)
         if wandb_writer is not None:
             scalars = {f"{key} validation": loss}
             if args.log_validation_ppl_to_tensorboard:
@@ -560,7 +562,7 @@ def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fun
                                            model, iteration, verbose=True)
             if args.do_test:
                 evaluate_and_print_results(f"iteration {iteration} on test set", forward_step_func, test_it,
-                                           model, iteration, verbose=True)
+                                           model, iteration, verbose=True, split="test")
     _shutdown()
     if exited:
         sys.exit(0)
