@@ -79,3 +79,69 @@ def test_validation_metrics_record_the_split(shared_data, shakespeare_prefix, tm
     assert points[("megatron.validation.loss", "test")] == pytest.approx(printed["test"], rel=1e-5)
     assert set(points) == {(name, split) for name in ("megatron.validation.loss", "megatron.validation.ppl")
                            for split in ("validation", "test")}, points
+
+
+def _write_tokens(prefix, sequences):
+    import numpy
+
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
+
+    builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=numpy.uint16)
+    for seq in sequences:
+        builder.add_item(seq)
+        builder.end_document()
+    builder.finalize(get_idx_path(prefix))
+    return prefix
+
+
+def test_token_id_beyond_the_vocabulary_names_the_data_file(tmp_path):
+    """A sample holding an id >= the model's vocabulary used to crash inside the embedding with a bare
+    'IndexError: index out of range in self'."""
+    from collections import OrderedDict
+
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.utils import Split
+
+    class _Tokenizer:
+        eod, pad, vocab_size = 0, -1, 64
+        unique_identifiers = OrderedDict([("class", "StandIn"), ("vocab_size", 64)])
+
+    prefix = _write_tokens(str(tmp_path / "bad"), [[1, 2, 3, 4, 5, 0], [6, 7, 70, 8, 9, 0], [10, 11, 12, 13, 0]])
+    config = GPTDatasetConfig(random_seed=1, sequence_length=4, split="1,0,0", tokenizer=_Tokenizer(),
+                              blend=([prefix], None), path_to_cache=str(tmp_path / "cache"), vocab_size=64)
+    low = GPTDataset.build_low_level_dataset(prefix, config)
+    dataset = GPTDataset(low, prefix, numpy_indices(low), 10, Split.train, config)
+    messages = set()
+    for i in range(len(dataset)):
+        try:
+            dataset[i]
+        except ValueError as error:
+            messages.add(str(error))
+    assert messages, "no sample reported the token id 70 of a 64-token vocabulary"
+    for message in messages:
+        assert f"{prefix}.bin" in message and "token id 70" in message and "vocabulary of 64" in message, message
+        assert "\n" not in message
+    ok = GPTDatasetConfig(random_seed=1, sequence_length=4, split="1,0,0", tokenizer=_Tokenizer(),
+                          blend=([prefix], None), path_to_cache=str(tmp_path / "cache"), vocab_size=71)
+    dataset = GPTDataset(low, prefix, numpy_indices(low), 10, Split.train, ok)
+    assert all(int(dataset[i]["tokens"].max()) <= 70 for i in range(len(dataset)))
+
+
+def numpy_indices(low):
+    import numpy
+
+    return numpy.arange(len(low), dtype=numpy.int32)
+
+
+def test_out_of_vocabulary_data_stops_training_with_one_clear_line(shared_data, tmp_path):
+    """End to end: every document holds an id beyond GPT-2's padded vocabulary (50304)."""
+    from pretrain_utils import run_pretrain
+
+    prefix = _write_tokens(str(tmp_path / "oov_text_document"), [[100, 200, 60000 + i, 300] * 20 + [50256]
+                                                                 for i in range(40)])
+    out = run_pretrain(1, ["--micro-batch-size", "2", "--train-iters", "3", "--split", "100,0,0"],
+                       shared_data, prefix, tmp_path, expect_failure=True)
+    assert "index out of range in self" not in out
+    lines = [line for line in out.splitlines() if "outside the model's vocabulary" in line]
+    assert lines, out[-3000:]
+    assert f"{prefix}.bin" in lines[0] and "vocabulary of 50304" in lines[0], lines[0]
