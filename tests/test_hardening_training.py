@@ -145,3 +145,38 @@ def test_out_of_vocabulary_data_stops_training_with_one_clear_line(shared_data, 
     lines = [line for line in out.splitlines() if "outside the model's vocabulary" in line]
     assert lines, out[-3000:]
     assert f"{prefix}.bin" in lines[0] and "vocabulary of 50304" in lines[0], lines[0]
+
+
+def test_nan_iterations_are_counted_whether_or_not_the_step_was_skipped():
+    """fp32/bf16 steps are never skipped, so a NaN loss or grad norm used to count as nothing."""
+    import torch
+
+    from megatron.training.training_log import LogAccumulator
+
+    acc = LogAccumulator()
+    acc.add({"lm loss": torch.tensor(2.0)}, 0, grad_norm=1.0)
+    acc.add({"lm loss": torch.tensor(float("nan"))}, 0, grad_norm=float("nan"))  # applied step, NaN loss
+    acc.add({"lm loss": torch.tensor(3.0)}, 0, grad_norm=float("inf"))  # finite loss, non-finite grads
+    acc.add({"lm loss": torch.tensor(float("inf"))}, 1, grad_norm=None)  # fp16 overflow skip
+    assert (acc.advanced, acc.skipped, acc.nan) == (3, 1, 3)
+    acc.reset()
+    assert acc.nan == 0
+
+
+def test_no_nan_check_run_counts_nan_iterations_and_keeps_the_loss_in_the_log(shared_data, shakespeare_prefix,
+                                                                                tmp_path):
+    """--no-check-for-nan-in-loss-and-grad with a diverging --lr: training proceeds (as the flag says)
+    and the log line shows the non-finite loss and counts the iteration as a nan iteration."""
+    import re
+
+    from pretrain_utils import run_pretrain
+
+    out = run_pretrain(1, ["--micro-batch-size", "4", "--train-iters", "5", "--lr", "1e6", "--min-lr", "0",
+                           "--lr-decay-style", "constant", "--no-check-for-nan-in-loss-and-grad"], shared_data, shakespeare_prefix, tmp_path)
+    lines = [line for line in out.splitlines() if "elapsed time per iteration" in line]
+    assert len(lines) == 5, out[-3000:]
+    assert all(" lm loss: " in line for line in lines), lines
+    nan_counts = [int(re.search(r"number of nan iterations:\s+(\d+)", line).group(1)) for line in lines]
+    non_finite = [line for line in lines if re.search(r"(lm loss|grad norm): (NAN|INF|nan|inf)", line)]
+    assert non_finite, "the run did not diverge; the test needs a NaN/inf iteration"
+    assert sum(nan_counts) == len(non_finite) and sum(nan_counts) >= 1, lines

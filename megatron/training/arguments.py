@@ -185,7 +185,9 @@ def _add_training_args(parser):
     group.add_argument("--distribute-saved-activations", action="store_true",
                        help="Split recomputed checkpoints across the tensor-parallel group.")
     group.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
-                       dest="check_for_nan_in_loss_and_grad", help="Do not check loss and grads for NaN/Inf.")
+                       dest="check_for_nan_in_loss_and_grad",
+                       help="Do not stop on a NaN/Inf gradient: training proceeds (fp32/bf16 steps are applied, as in "
+                            "Megatron-LM) and the log line counts such iterations as 'number of nan iterations'.")
     group.add_argument("--train-iters", type=int, default=None, help="Total training iterations.")
     group.add_argument("--train-samples", type=int, default=None, help="Total training samples.")
     group.add_argument("--exit-interval", type=int, default=None, help="Save and exit when iteration %% N == 0.")
