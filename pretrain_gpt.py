@@ -106,6 +106,7 @@ def core_gpt_dataset_config_from_args(args) -> GPTDatasetConfig:
         create_attention_mask=args.create_attention_mask_in_dataloader and args.reset_attention_mask,
         mid_level_dataset_surplus=args.mid_level_dataset_surplus,
         mock=args.mock_data,
+        vocab_size=args.padded_vocab_size,  # ids beyond it are reported naming the .bin file
     )
 
 

@@ -300,7 +300,7 @@ def _drop(argv, flag):
     (_drop(MODEL, "--seq-length") + TRAIN, 1, "--seq-length is required"),
     (MODEL + TRAIN + ["--tensor-model-parallel-size", "2"], 3,
      r"world size \(3\) is not divisible by total_model_size \(2\)"),
-    (MODEL + TRAIN + ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2"], 6,
+    (MODEL + TRAIN + ["--tensor-model-parallel-size", "4"], 6,
      r"world size \(6\) is not divisible by total_model_size \(4\)"),
     (MODEL + TRAIN + ["--global-batch-size", "6"], 4,
      r"global batch size \(6\) is not divisible by micro batch size \(2\) times data parallel size \(4\)"),

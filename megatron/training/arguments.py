@@ -185,7 +185,9 @@ def _add_training_args(parser):
     group.add_argument("--distribute-saved-activations", action="store_true",
                        help="Split recomputed checkpoints across the tensor-parallel group.")
     group.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
-                       dest="check_for_nan_in_loss_and_grad", help="Do not check loss and grads for NaN/Inf.")
+                       dest="check_for_nan_in_loss_and_grad",
+                       help="Do not stop on a NaN/Inf gradient: training proceeds (fp32/bf16 steps are applied, as in "
+                            "Megatron-LM) and the log line counts such iterations as 'number of nan iterations'.")
     group.add_argument("--train-iters", type=int, default=None, help="Total training iterations.")
     group.add_argument("--train-samples", type=int, default=None, help="Total training samples.")
     group.add_argument("--exit-interval", type=int, default=None, help="Save and exit when iteration %% N == 0.")
@@ -491,7 +493,7 @@ def validate_args(args, defaults={}):
     left at None, and prints the arguments on rank 0. Returns ``args``.
 
     Raises ValueError naming the offending flag(s) and values, including for features that
-    are not available in this version (pipeline parallelism, the distributed optimizer,
+    are not available in this version (pipeline and context parallelism, the distributed optimizer,
     non-torch checkpoint formats, Transformer Engine, MoE).
     """
     # Applied first so that script defaults take part in every check below; a flag given on
@@ -531,6 +533,10 @@ def _validate_features(args):
     if args.pipeline_model_parallel_size > 1:
         raise ValueError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: pipeline "
                          "parallelism is not available in this version yet (planned in a later issue); use 1")
+    if args.context_parallel_size > 1:
+        # Accepting it would have every rank of a context-parallel group redo the same work.
+        raise ValueError(f"--context-parallel-size {args.context_parallel_size}: context parallelism is not "
+                         "available in this version yet; use 1")
     if args.num_layers_per_virtual_pipeline_stage is not None or args.num_virtual_stages_per_pipeline_rank is not None:
         raise ValueError("--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank need "
                          "pipeline parallelism, which is not available in this version yet")

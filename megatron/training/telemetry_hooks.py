@@ -69,8 +69,10 @@ def record_step_metrics(elapsed_ms, loss, throughput_tflops, tokens_per_sec, gra
     )
 
 
-def record_validation_metrics(loss, ppl):
-    """``megatron.validation.loss`` / ``.ppl`` gauges (exporting ranks only)."""
+def record_validation_metrics(loss, ppl, split="validation"):
+    """``megatron.validation.loss`` / ``.ppl`` gauges (exporting ranks only), with the attribute
+    ``megatron.split`` = ``split`` ("validation" or "test") so the final test-set evaluation forms its
+    own series instead of ending the validation one."""
     meter = _meter()
     if meter is not None:
-        record_training_metrics(meter, validation_loss=loss, validation_ppl=ppl)
+        record_training_metrics(meter, attributes={"megatron.split": split}, validation_loss=loss, validation_ppl=ppl)

@@ -205,6 +205,8 @@ def build_train_valid_test_data_iterators(train_valid_test_dataset_provider):
     if dist.is_initialized():
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     args.do_train, args.do_valid, args.do_test = (bool(v) for v in flags.tolist())
+    if args.train_iters > 0 and not args.skip_train and not args.do_train:
+        raise ValueError(_empty_train_split_message(args))  # every rank agrees (flags are reduced)
 
     def _iterator(loader):
         if loader is None:
@@ -214,6 +216,19 @@ def build_train_valid_test_data_iterators(train_valid_test_dataset_provider):
         return iter(loader)
 
     return _iterator(train_loader), _iterator(valid_loader), _iterator(test_loader)
+
+
+def _empty_train_split_message(args) -> str:
+    """Why training was asked for but there is nothing to train on, naming the flags to change."""
+    if args.data_path:
+        where = (f"--split {args.split!r} leaves no documents of --data-path {' '.join(args.data_path)} "
+                 "for training; give the first (train) weight of --split a positive value")
+    elif args.train_data_path or args.valid_data_path or args.test_data_path:
+        where = f"--train-data-path is {' '.join(args.train_data_path) if args.train_data_path else 'not given'}"
+    else:
+        where = "the dataset provider returned no training dataset"
+    return (f"--train-iters {args.train_iters} asks for training, but the training split is empty: {where} "
+            "(or pass --skip-train to only evaluate)")
 
 
 def _cyclic_iter(iterable):
@@ -324,9 +339,11 @@ def evaluate(forward_step_func, data_iterator, model, verbose=False):
     return results
 
 
-def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, iteration, verbose=False):
+def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, iteration, verbose=False,
+                               split="validation"):
     """Evaluate, print Megatron's validation block on the last rank (also sent through ``logging``),
-    and write TensorBoard and W&B scalars."""
+    and write TensorBoard and W&B scalars. ``split`` ("validation" or "test") labels the telemetry
+    gauges (TensorBoard keeps Megatron's tags, which do not name the split)."""
     args = get_args()
     writer = get_tensorboard_writer()
     wandb_writer = get_wandb_writer()
@@ -342,7 +359,7 @@ def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, 
                 writer.add_scalar(f"{key} validation ppl", ppl, iteration)
                 writer.add_scalar(f"{key} validation ppl vs samples", ppl, args.consumed_train_samples)
         if key == "lm loss":
-            telemetry.record_validation_metrics(loss=loss, ppl=ppl)
+            telemetry.record_validation_metrics(loss=loss, ppl=ppl, split=split)
         if wandb_writer is not None:
             scalars = {f"{key} validation": loss}
             if args.log_validation_ppl_to_tensorboard:
@@ -545,7 +562,7 @@ def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fun
                                            model, iteration, verbose=True)
             if args.do_test:
                 evaluate_and_print_results(f"iteration {iteration} on test set", forward_step_func, test_it,
-                                           model, iteration, verbose=True)
+                                           model, iteration, verbose=True, split="test")
     _shutdown()
     if exited:
         sys.exit(0)

@@ -83,14 +83,29 @@ class LogAccumulator:
         self.losses = {}
         self.advanced = 0
         self.skipped = 0
-        self.nan = 0
+        self._nan_flags = []  # per iteration: a bool, or a device bool tensor read at the log line
 
-    def add(self, loss_dict, skipped_iter):
-        """Count one iteration; a skipped one (optimizer step not taken) is a "nan iteration" when its loss was NaN/Inf."""
+    @property
+    def nan(self) -> int:
+        """Iterations since the last reset whose loss or grad norm was NaN/Inf (host sync on device flags)."""
+        return sum(int(flag) for flag in self._nan_flags)
+
+    def add(self, loss_dict, skipped_iter, grad_norm=None):
+        """Count one iteration.
+
+        A "nan iteration" is one whose loss or grad norm was NaN/Inf, whether its optimizer step was
+        skipped (fp16 overflow) or applied (fp32/bf16 with ``--no-check-for-nan-in-loss-and-grad``,
+        which, as in Megatron-LM, lets training proceed). Losses of applied steps are summed as they
+        are, so a non-finite loss shows in the averaged loss of the log line.
+        """
+        if grad_norm is not None and not math.isfinite(grad_norm):
+            self._nan_flags.append(True)
+        elif loss_dict:
+            # Device tensors: the flag is read at the log line, so no host sync per iteration.
+            flags = [~torch.isfinite(torch.as_tensor(value)).all() for value in loss_dict.values()]
+            self._nan_flags.append(torch.stack(flags).any() if len(flags) > 1 else flags[0])
         if skipped_iter:
             self.skipped += 1
-            if any(not math.isfinite(float(value)) for value in loss_dict.values()):
-                self.nan += 1
             return
         self.advanced += 1
         for key, value in loss_dict.items():  # device tensors: no host sync until the log line
@@ -112,7 +127,7 @@ def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm
     timers = get_timers()
     writer = get_tensorboard_writer()
     wandb_writer = get_wandb_writer()
-    acc.add(loss_dict, skipped_iter)
+    acc.add(loss_dict, skipped_iter, grad_norm)
     batch_size = args.micro_batch_size * args.data_parallel_size * num_microbatches
 
     if (writer is not None or wandb_writer is not None) and iteration % args.tensorboard_log_interval == 0:
@@ -171,7 +186,7 @@ def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm
     averages = {}
     for key, total in acc.losses.items():
         averages[key] = float(total) / max(acc.advanced, 1)
-        if averages[key] >= 0:
+        if not averages[key] < 0:  # NaN/Inf are shown: hiding them would hide the divergence
             line += f" {key}: {averages[key]:.6E} |"
     line += f" loss scale: {float(loss_scale):.1f} |"
     if grad_norm is not None:

@@ -37,6 +37,11 @@ class GPTDatasetConfig(BlendedMegatronDatasetConfig):
         drop_last_partial_validation_sequence: floor (not ceil) the valid split's sample count.
         add_extra_token_to_sequence: read S+1 tokens per sample so labels are the next tokens
             (always True in pretrain_gpt).
+        vocab_size: the model's (padded) vocabulary; when set, a sample holding a token id outside
+            ``[0, vocab_size)`` raises ValueError naming the ``.bin`` file, the id and the vocabulary
+            instead of failing later inside the embedding. The check is a max/min over the sample's
+            S+1 tokens in the loader (no device sync), so it costs nothing measurable; it reports the
+            first bad sample a rank reads, not a scan of the whole file at start-up.
 
     Raises:
         ValueError: no tokenizer, or the tokenizer has no EOD id while an option needs one.
@@ -48,6 +53,7 @@ class GPTDatasetConfig(BlendedMegatronDatasetConfig):
     create_attention_mask: bool = True
     drop_last_partial_validation_sequence: bool = True
     add_extra_token_to_sequence: bool = True
+    vocab_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -310,9 +316,25 @@ class GPTDataset(MegatronDataset):
     def __len__(self) -> int:
         return self.sample_index.shape[0] - 1
 
+    def _check_token_ids(self, text: numpy.ndarray) -> None:
+        """Raise ValueError (one line) if ``text`` holds an id outside ``[0, config.vocab_size)``."""
+        high, low = int(text.max()), int(text.min())
+        if high < self.config.vocab_size and low >= 0:
+            return
+        bad = high if high >= self.config.vocab_size else low
+        source = getattr(self.dataset, "path_prefix", None) or self.dataset_path
+        where = f"data file {get_bin_path(source)}" if source else f"{type(self).__name__}"
+        raise ValueError(
+            f"{where} holds token id {bad}, outside the model's vocabulary of {self.config.vocab_size} ids "
+            "(the padded vocabulary of --tokenizer-type/--vocab-size); it was tokenised with a different "
+            "tokenizer: preprocess it again with the model's tokenizer or fix the tokenizer flags"
+        )
+
     def __getitem__(self, idx: Optional[int]) -> Dict[str, torch.Tensor]:
         """Sample ``idx`` (None = a padding sample whose loss mask is all zero)."""
         text, _ = self._query_document_sample_shuffle_indices(0 if idx is None else idx)
+        if self.config.vocab_size is not None and len(text):
+            self._check_token_ids(text)
         text = torch.from_numpy(text)
         if self.config.add_extra_token_to_sequence:
             tokens = text[:-1].contiguous()

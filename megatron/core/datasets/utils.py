@@ -114,11 +114,17 @@ def parse_and_normalize_split(split: str) -> List[float]:
     """Parse a ``--split`` string such as ``"969, 30, 1"`` into three fractions summing to 1.
 
     Every number matching the regex ``[.0-9]+`` counts (any separator works); fewer than three
-    numbers are padded with 0.0.
+    numbers are padded with 0.0. A ``-`` directly before a number that does not follow a digit is a
+    minus sign: such a weight is refused rather than read as positive.
 
     Raises:
-        ValueError: more than three numbers, a malformed number, or all numbers zero.
+        ValueError: a negative weight, more than three numbers, a malformed number, or all numbers zero.
     """
+    for minus in re.finditer(r"-\s*([.0-9]+)", split):
+        before = split[:minus.start()].rstrip()
+        if not before or before[-1] not in ".0123456789":  # not "98-2" (a '-' separator)
+            raise ValueError(f"--split {split!r}: the weight -{minus.group(1)} is negative; "
+                             "split weights must be >= 0")
     try:
         values = [float(token) for token in re.findall(r"[.0-9]+", split)]
     except ValueError:
