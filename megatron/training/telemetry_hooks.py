@@ -23,7 +23,7 @@ def span(group: str, name: str, **attrs):
 def step_span(iteration: int, first: bool = False):
     """The ``megatron.train_step`` span of ``iteration`` (1-based, as in the log line).
 
-    Its parent is derived from the run id and the iteration, so every pipeline stage's spans of
+    Its parent is derived from the run id, the launch uuid and the iteration, so every pipeline stage's spans of
     this iteration share one trace with no communication (spec section 7). The first iteration of
     a run is also emitted under the ``first_iteration`` group, so its compile/warm-up cost can be
     selected separately.
@@ -32,7 +32,8 @@ def step_span(iteration: int, first: bool = False):
     if not is_span_group_enabled(group):
         return managed_span(group, "megatron.train_step")
     handle = get_telemetry()
-    context = iteration_trace_context(handle.run_id, iteration) if handle is not None and handle.run_id else None
+    context = (iteration_trace_context(handle.run_id, iteration, launch_uuid=handle.launch_uuid)
+               if handle is not None and handle.run_id else None)
     return managed_span(group, "megatron.train_step", context=context, **{"megatron.iteration": iteration})
 
 
