@@ -53,8 +53,18 @@ def _meter():
     return handle.meter
 
 
+def _export_now():
+    # Gauges keep only their last value: snapshot them now or the next log interval overwrites them.
+    handle = get_telemetry()
+    if handle is not None and handle.is_exporting:
+        handle.snapshot_metrics()
+
+
 def record_step_metrics(elapsed_ms, loss, throughput_tflops, tokens_per_sec, grad_norm, skipped, learning_rate):
-    """The ``megatron.training.*`` instruments at a log iteration (exporting ranks only)."""
+    """The ``megatron.training.*`` instruments at a log iteration (exporting ranks only), then a
+    snapshot for export, so every logged value reaches the exporter whatever
+    ``OTEL_METRIC_EXPORT_INTERVAL`` is. ``skipped`` is the number of skipped iterations since the last
+    log; the ``skipped_iters`` counter is recorded even at 0, so it is exported from the first log."""
     meter = _meter()
     if meter is None:
         return
@@ -65,9 +75,10 @@ def record_step_metrics(elapsed_ms, loss, throughput_tflops, tokens_per_sec, gra
         memory_gb = torch.cuda.max_memory_allocated() / 1e9
     record_training_metrics(
         meter, step_duration_ms=elapsed_ms, loss=loss, throughput_tflops=throughput_tflops,
-        tokens_per_sec=tokens_per_sec, grad_norm=grad_norm, skipped_iters=skipped or None,
+        tokens_per_sec=tokens_per_sec, grad_norm=grad_norm, skipped_iters=skipped or 0,
         learning_rate=learning_rate, memory_allocated_gb=memory_gb,
     )
+    _export_now()
 
 
 def record_validation_metrics(loss, ppl, split="validation"):
@@ -77,3 +88,4 @@ def record_validation_metrics(loss, ppl, split="validation"):
     meter = _meter()
     if meter is not None:
         record_training_metrics(meter, attributes={"megatron.split": split}, validation_loss=loss, validation_ppl=ppl)
+        _export_now()

@@ -85,6 +85,17 @@ class TelemetryHandle:
 
         return force_flush_providers(self._providers, timeout_ms)
 
+    def snapshot_metrics(self) -> None:
+        """Queue the current metric values for export now (the training loop calls it after each
+        ``--log-interval`` record, so no logged gauge value is overwritten unexported). Cheap, never
+        waits on the collector; a no-op on non-exporting ranks, after shutdown, in forked children and
+        with a caller-supplied reader that has no ``snapshot`` (tests collect those themselves)."""
+        if self._providers is None or self._shutdown_done or os.getpid() != self._pid:
+            return
+        snapshot = getattr(self._providers.metric_reader, "snapshot", None)
+        if snapshot is not None:
+            snapshot()
+
     def shutdown(self, timeout_ms: int = 5000) -> None:
         """End open spans (marked ``nemo.span.truncated=true``), flush, and stop exporting.
 
