@@ -60,18 +60,21 @@ def get_telemetry():
 
 
 def set_global_variables(args, build_tokenizer=True):
-    """Install args and build telemetry, the microbatch calculator, tokenizer, TensorBoard and W&B
-    writers, and timers.
+    """Install args, check the telemetry settings, and build the microbatch calculator, tokenizer,
+    TensorBoard and W&B writers, and timers.
 
-    Runs before the process group exists: bad MEGATRON_OTEL_* values fail here on every rank,
-    and the telemetry run id comes from launcher state all ranks share (no communication).
-    Telemetry comes first so that its log bridge receives the records logged while the rest is built.
+    Runs before the process group exists: bad MEGATRON_OTEL_* values fail here on every rank.
+    Telemetry itself is set up by ``set_telemetry`` once the process group exists, because its run
+    id and launch uuid are agreed over it (one broadcast from rank 0): launcher state such as
+    MASTER_ADDR/MASTER_PORT is the same for two launches on one host, so it cannot name a launch.
     """
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.core.timers import Timers
 
     set_args(args)
-    _set_telemetry(args)
+    from megatron.core.telemetry.args_integration import load_config_from_args
+
+    load_config_from_args(args)  # ValueError naming the variable, on every rank, before anything is built
     init_num_microbatches_calculator(
         args.rank, getattr(args, "rampup_batch_size", None), args.global_batch_size,
         args.micro_batch_size, args.data_parallel_size,
@@ -151,12 +154,14 @@ def _set_wandb_writer(args):
     return _GLOBAL_WANDB_WRITER
 
 
-def _set_telemetry(args):
+def set_telemetry(args):
     """Configure OpenTelemetry from MEGATRON_OTEL_* / NEMO_LENS_* variables and the --otel-* flags.
 
-    The one place where environment and command line meet (spec section 1). Bad values raise
-    ValueError on every rank before the model is built. Returns the handle, or None when
-    OpenTelemetry is not installed (training then runs unchanged).
+    The one place where environment and command line meet (spec section 1). Call it on every rank
+    after ``torch.distributed.init_process_group`` (``initialize_megatron`` does): the run id and
+    launch uuid are agreed over the process group. Bad values raise ValueError on every rank before
+    the model is built. Returns the handle, or None when OpenTelemetry is not installed (training
+    then runs unchanged).
     """
     global _GLOBAL_TELEMETRY
     from megatron.core.telemetry import setup_telemetry_from_args

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.training.arguments import _logging_level, parse_args, validate_args
-from megatron.training.global_vars import get_args, set_global_variables
+from megatron.training.global_vars import get_args, set_global_variables, set_telemetry
 from megatron.training.training_log import CONSOLE_PRINTED
 from megatron.training.utils import print_rank_0
 
@@ -178,14 +178,15 @@ def initialize_megatron(extra_args_provider=None, args_defaults=None, ignore_unk
     """Everything a run needs before the model is built. Returns the validated args.
 
     Order: parse + validate flags (fails fast with the flag named), apply the logging level, set
-    globals (telemetry, microbatch calculator, tokenizer, timers, TensorBoard, W&B), join the
-    process group, build the parallel groups, seed.
+    globals (telemetry settings checked, microbatch calculator, tokenizer, timers, TensorBoard, W&B),
+    join the process group, build the parallel groups, set telemetry up, seed.
     """
     args = parsed_args if parsed_args is not None else parse_args(extra_args_provider, ignore_unknown_args, argv)
     validate_args(args, args_defaults or {})
     setup_logging(args)
     set_global_variables(args)
     _initialize_distributed(args)
+    set_telemetry(args)  # after the process group: its run id and launch uuid are agreed over it
     _set_random_seed(args.seed, getattr(args, "data_parallel_random_init", False))
     if torch.cuda.is_available() and getattr(args, "bf16", False):
         torch.backends.cuda.matmul.allow_tf32 = True

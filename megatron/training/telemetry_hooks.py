@@ -23,7 +23,7 @@ def span(group: str, name: str, **attrs):
 def step_span(iteration: int, first: bool = False):
     """The ``megatron.train_step`` span of ``iteration`` (1-based, as in the log line).
 
-    Its parent is derived from the run id and the iteration, so every pipeline stage's spans of
+    Its parent is derived from the run id, the launch uuid and the iteration, so every pipeline stage's spans of
     this iteration share one trace with no communication (spec section 7). The first iteration of
     a run is also emitted under the ``first_iteration`` group, so its compile/warm-up cost can be
     selected separately.
@@ -32,7 +32,8 @@ def step_span(iteration: int, first: bool = False):
     if not is_span_group_enabled(group):
         return managed_span(group, "megatron.train_step")
     handle = get_telemetry()
-    context = iteration_trace_context(handle.run_id, iteration) if handle is not None and handle.run_id else None
+    context = (iteration_trace_context(handle.run_id, iteration, launch_uuid=handle.launch_uuid)
+               if handle is not None and handle.run_id else None)
     return managed_span(group, "megatron.train_step", context=context, **{"megatron.iteration": iteration})
 
 
@@ -52,8 +53,18 @@ def _meter():
     return handle.meter
 
 
+def _export_now():
+    # Gauges keep only their last value: snapshot them now or the next log interval overwrites them.
+    handle = get_telemetry()
+    if handle is not None and handle.is_exporting:
+        handle.snapshot_metrics()
+
+
 def record_step_metrics(elapsed_ms, loss, throughput_tflops, tokens_per_sec, grad_norm, skipped, learning_rate):
-    """The ``megatron.training.*`` instruments at a log iteration (exporting ranks only)."""
+    """The ``megatron.training.*`` instruments at a log iteration (exporting ranks only), then a
+    snapshot for export, so every logged value reaches the exporter whatever
+    ``OTEL_METRIC_EXPORT_INTERVAL`` is. ``skipped`` is the number of skipped iterations since the last
+    log; the ``skipped_iters`` counter is recorded even at 0, so it is exported from the first log."""
     meter = _meter()
     if meter is None:
         return
@@ -64,9 +75,10 @@ def record_step_metrics(elapsed_ms, loss, throughput_tflops, tokens_per_sec, gra
         memory_gb = torch.cuda.max_memory_allocated() / 1e9
     record_training_metrics(
         meter, step_duration_ms=elapsed_ms, loss=loss, throughput_tflops=throughput_tflops,
-        tokens_per_sec=tokens_per_sec, grad_norm=grad_norm, skipped_iters=skipped or None,
+        tokens_per_sec=tokens_per_sec, grad_norm=grad_norm, skipped_iters=skipped or 0,
         learning_rate=learning_rate, memory_allocated_gb=memory_gb,
     )
+    _export_now()
 
 
 def record_validation_metrics(loss, ppl, split="validation"):
@@ -76,3 +88,4 @@ def record_validation_metrics(loss, ppl, split="validation"):
     meter = _meter()
     if meter is not None:
         record_training_metrics(meter, attributes={"megatron.split": split}, validation_loss=loss, validation_ppl=ppl)
+        _export_now()

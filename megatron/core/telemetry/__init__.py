@@ -30,7 +30,7 @@ from .helpers import (
 )
 from .logging_bridge import setup_logging_bridge, teardown_logging_bridge
 from .propagation import extract_context, inject_context
-from .resources import compute_job_uuids, detect_resource_attributes, resolve_run_id
+from .resources import compute_job_uuids, detect_resource_attributes, resolve_run_id, resolve_run_identity
 from .sampling import register_sampling_strategy, registered_sampling_strategies, unregister_sampling_strategy
 from .span_groups import MegatronSpanGroup
 from .state import get_enabled_groups, get_pipeline_carrier, set_enabled_groups, set_pipeline_carrier
@@ -54,7 +54,7 @@ __all__ = [
     "setup_logging_bridge", "teardown_logging_bridge", "record_training_metrics", "TRAINING_INSTRUMENTS",
     "register_rank_strategy", "register_export_strategy", "unregister_rank_strategy", "registered_rank_strategies",
     "should_export", "register_sampling_strategy", "unregister_sampling_strategy", "registered_sampling_strategies",
-    "compute_job_uuids", "detect_resource_attributes", "resolve_run_id",
+    "compute_job_uuids", "detect_resource_attributes", "resolve_run_id", "resolve_run_identity",
     "build_telemetry_resource_attrs", "build_otel_worker_bootstrap", "setup_telemetry_from_args",
     "load_config_from_args",
 ]

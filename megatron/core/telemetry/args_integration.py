@@ -139,7 +139,7 @@ def _warn_no_otel(reason: str) -> None:
 
 
 def setup_telemetry_from_args(args, rank: int, world_size: int, local_rank: Optional[int] = None):
-    """What ``global_vars._set_telemetry()`` does (spec section 1): load and validate the config on
+    """What ``global_vars.set_telemetry()`` does (spec section 1): load and validate the config on
     every rank (``ValueError`` on bad settings, before any model is built), build resource attributes
     only when enabled and this rank exports (no NVML probe otherwise), call ``setup_telemetry``, and
     start the logging bridge when enabled, logs on, and this rank exports.

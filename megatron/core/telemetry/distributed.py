@@ -17,11 +17,15 @@ CARRIER_BYTES = 256
 _TRACE_ID_LIMIT = (1 << 64) - 1
 
 
-def iteration_span_ids(run_id: str, iteration: int) -> Tuple[int, int]:
+def iteration_span_ids(run_id: str, iteration: int, launch_uuid: Optional[str] = None) -> Tuple[int, int]:
     """``(trace_id, parent_span_id)`` of ``iteration``: the first 16 and next 8 bytes of
-    SHA-256(``megatron.trace/{run_id}/{iteration}``). Every stage computes the same pair without
-    communicating, because the run id is shared (resources.identity)."""
-    digest = hashlib.sha256(f"megatron.trace/{run_id}/{int(iteration)}".encode()).digest()
+    SHA-256(``megatron.trace/{run_id}/{launch_uuid}/{iteration}``), or of
+    ``megatron.trace/{run_id}/{iteration}`` without a launch uuid. Every stage computes the same pair
+    without communicating, because run id and launch uuid are shared (resources.identity); the launch
+    uuid (``TelemetryHandle.launch_uuid``) keeps a restart or requeue that reuses the run id from
+    reusing its trace ids."""
+    key = f"{run_id}/{launch_uuid}" if launch_uuid else f"{run_id}"
+    digest = hashlib.sha256(f"megatron.trace/{key}/{int(iteration)}".encode()).digest()
     trace_id = int.from_bytes(digest[:16], "big") or 1
     span_id = int.from_bytes(digest[16:24], "big") or 1
     return trace_id, span_id
@@ -47,9 +51,10 @@ def iteration_sampled(trace_id: int, environ: Optional[Mapping[str, str]] = None
     return True
 
 
-def iteration_trace_context(run_id: str, iteration: int, sampled: Optional[bool] = None):
+def iteration_trace_context(run_id: str, iteration: int, sampled: Optional[bool] = None,
+                            launch_uuid: Optional[str] = None):
     """An OpenTelemetry Context whose (remote, never exported) parent span is derived from
-    ``run_id`` and ``iteration``: pass it as ``context=`` to the step span on every pipeline stage
+    ``run_id``, ``launch_uuid`` and ``iteration`` (``iteration_span_ids``): pass it as ``context=`` to the step span on every pipeline stage
     and all stages' spans of that iteration land in one trace, with zero communication.
 
     ``sampled`` defaults to ``iteration_sampled`` so ratio sampling stays consistent across stages.
@@ -59,7 +64,7 @@ def iteration_trace_context(run_id: str, iteration: int, sampled: Optional[bool]
         from opentelemetry import trace
     except ImportError:
         return None
-    trace_id, span_id = iteration_span_ids(run_id, iteration)
+    trace_id, span_id = iteration_span_ids(run_id, iteration, launch_uuid)
     if sampled is None:
         sampled = iteration_sampled(trace_id)
     span_context = trace.SpanContext(

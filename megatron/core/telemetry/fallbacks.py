@@ -173,7 +173,8 @@ def create_linked_span(name: str, carrier=None, tracer=None, group: str = "commu
     return _NULL_CM
 
 
-def iteration_trace_context(run_id: str, iteration: int, sampled: Optional[bool] = None):
+def iteration_trace_context(run_id: str, iteration: int, sampled: Optional[bool] = None,
+                            launch_uuid: Optional[str] = None):
     """No-op: ``None`` (start spans without a shared parent)."""
     return None
 

@@ -9,7 +9,7 @@ from typing import Mapping, Optional
 
 from . import state as _state
 from .fallbacks import NOOP_METER, NOOP_TRACER
-from .resources import compute_job_uuids, detect_resource_attributes, resolve_run_id, service_instance_id
+from .resources import compute_job_uuids, detect_resource_attributes, resolve_run_identity, service_instance_id
 from .strategies import node_local_rank, should_export
 
 __all__ = ["TelemetryHandle", "setup_telemetry", "get_active_handle", "TRACER_NAME", "AT_EXIT_TIMEOUT_MS"]
@@ -35,12 +35,14 @@ class TelemetryHandle:
 
     def __init__(self, config, rank: int, world_size: int, is_exporting: bool, run_id: Optional[str],
                  tracer=NOOP_TRACER, meter=NOOP_METER, providers=None, enabled_span_groups=frozenset(),
-                 resource_attributes: Optional[Mapping[str, object]] = None):
+                 resource_attributes: Optional[Mapping[str, object]] = None, launch_uuid: Optional[str] = None):
         self.config = config
         self.rank = int(rank)
         self.world_size = int(world_size)
         self.is_exporting = bool(is_exporting)
         self.run_id = run_id
+        # New for every launch/restart and shared by all ranks: the per-iteration trace ids derive from it.
+        self.launch_uuid = launch_uuid
         self.tracer = tracer
         self.meter = meter
         self.enabled_span_groups = frozenset(enabled_span_groups)
@@ -82,6 +84,17 @@ class TelemetryHandle:
         from .providers import force_flush_providers
 
         return force_flush_providers(self._providers, timeout_ms)
+
+    def snapshot_metrics(self) -> None:
+        """Queue the current metric values for export now (the training loop calls it after each
+        ``--log-interval`` record, so no logged gauge value is overwritten unexported). Cheap, never
+        waits on the collector; a no-op on non-exporting ranks, after shutdown, in forked children and
+        with a caller-supplied reader that has no ``snapshot`` (tests collect those themselves)."""
+        if self._providers is None or self._shutdown_done or os.getpid() != self._pid:
+            return
+        snapshot = getattr(self._providers.metric_reader, "snapshot", None)
+        if snapshot is not None:
+            snapshot()
 
     def shutdown(self, timeout_ms: int = 5000) -> None:
         """End open spans (marked ``nemo.span.truncated=true``), flush, and stop exporting.
@@ -139,9 +152,9 @@ def setup_telemetry(
     """Set up telemetry for this process (spec sections 1, 2, 5 and 8).
 
     ``config`` is validated first on every rank (``ValueError`` names the bad setting). When it is
-    disabled a no-op handle is returned. Otherwise the run id is resolved (identical on all ranks;
-    at most one broadcast when ``torch.distributed`` is initialised and no launcher id exists, so
-    call this on every rank), ``export_strategy`` (a registered name or a callable
+    disabled a no-op handle is returned. Otherwise the run id and the launch uuid are resolved
+    (identical on all ranks; one broadcast when ``torch.distributed`` is initialised with more than
+    one rank, so call this on every rank, after ``init_process_group`` for ids unique per launch), ``export_strategy`` (a registered name or a callable
     ``fn(config, rank, world_size)``; default ``config.rank_strategy``) decides whether this rank
     exports, and only an exporting rank detects resources and builds SDK providers.
     ``span_exporter``/``metric_reader``/``log_exporter`` replace the configured sinks (tests);
@@ -167,10 +180,11 @@ def setup_telemetry(
                 "call handle.shutdown() before setting telemetry up again"
             )
         groups = config.resolved_span_groups()
-        run_id = resolve_run_id(config.run_id, world_size)
+        run_id, launch_uuid = resolve_run_identity(config.run_id, world_size)
         exporting = should_export(config, rank, world_size, export_strategy) and not _sdk_disabled()
         if not exporting:
-            handle = TelemetryHandle(config, rank, world_size, is_exporting=False, run_id=run_id)
+            handle = TelemetryHandle(config, rank, world_size, is_exporting=False, run_id=run_id,
+                                     launch_uuid=launch_uuid)
             _state.activate(frozenset(), NOOP_TRACER, NOOP_METER, handle)
             return handle
 
@@ -187,6 +201,7 @@ def setup_telemetry(
             "nemo.run.id": run_id,
             "nemo.lens.job_uuid": job_uuid,
             "nemo.lens.run_uuid": run_uuid,
+            "megatron.launch.uuid": launch_uuid,
             "dl.rank": int(rank),
             "dl.world_size": int(world_size),
         })
@@ -204,7 +219,7 @@ def setup_telemetry(
         enabled_groups = groups if providers.tracer_provider is not None else frozenset()
         handle = TelemetryHandle(config, rank, world_size, is_exporting=True, run_id=run_id, tracer=tracer,
                                  meter=meter, providers=providers, enabled_span_groups=enabled_groups,
-                                 resource_attributes=attrs)
+                                 resource_attributes=attrs, launch_uuid=launch_uuid)
         _state.activate(enabled_groups, tracer, meter, handle)
         if not _ATEXIT_REGISTERED:
             atexit.register(_shutdown_at_exit)

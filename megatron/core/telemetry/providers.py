@@ -14,7 +14,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 from opentelemetry.sdk._logs import LoggerProvider
 from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, LogRecordExporter, LogRecordExportResult
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, PeriodicExportingMetricReader
+from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
@@ -23,6 +23,7 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID
 
 from .config import check_otlp_headers, otlp_protocol
+from .metric_reader import LogIntervalMetricReader, export_interval_ms
 
 __all__ = ["PrivateIdGenerator", "OpenSpanTracker", "Providers", "build_providers", "shutdown_providers",
            "force_flush_providers", "build_resource", "compact_json_line", "rank_aware_sampler"]
@@ -362,6 +363,7 @@ class Providers:
     meter_provider: Optional[MeterProvider] = None
     logger_provider: Optional[LoggerProvider] = None
     span_tracker: Optional[OpenSpanTracker] = None
+    metric_reader: Optional[object] = None
     exporters: List[_ExporterGuard] = field(default_factory=list)
 
 
@@ -377,7 +379,8 @@ def build_providers(
     """Create tracer/meter/logger providers for the enabled signals of ``config``.
 
     ``span_exporter``/``log_exporter`` replace the configured exporter; ``metric_reader`` replaces
-    the periodic reader (``OTEL_METRIC_EXPORT_INTERVAL``). Providers are not installed globally and
+    the ``LogIntervalMetricReader`` (a snapshot at each ``snapshot_metrics`` call, i.e. every
+    ``--log-interval``, plus one every ``OTEL_METRIC_EXPORT_INTERVAL``). Providers are not installed globally and
     do not register their own (unbounded) ``atexit`` shutdown; ``shutdown_providers`` is bounded.
     Raises ``ValueError`` for a bad ``OTEL_EXPORTER_OTLP_*PROTOCOL`` or malformed ``..._HEADERS``.
     """
@@ -395,8 +398,9 @@ def build_providers(
     if config.metrics_enabled:
         if metric_reader is None:
             exporter = GuardedMetricExporter(_build_exporter(config.exporter, "metrics", out))
-            metric_reader = PeriodicExportingMetricReader(exporter)
+            metric_reader = LogIntervalMetricReader(exporter, export_interval_ms())
             providers.exporters.append(exporter)
+        providers.metric_reader = metric_reader
         providers.meter_provider = MeterProvider(resource=resource, metric_readers=[metric_reader],
                                                  shutdown_on_exit=False)
     if config.logs_enabled:

@@ -4,14 +4,14 @@ from __future__ import annotations
 from typing import Dict, Mapping, Optional
 
 from .gpu import detect_gpu_identity, gpu_count, physical_gpu_index
-from .identity import agree_on_run_id, compute_job_uuids, resolve_run_id, service_instance_id
+from .identity import agree_on_run_id, compute_job_uuids, resolve_run_id, resolve_run_identity, service_instance_id
 from .kubernetes import detect_kubernetes_attributes
 from .local import detect_local_attributes, package_version
 from .slurm import detect_slurm_attributes, slurm_identity_attributes
 
 __all__ = [
     "detect_resource_attributes", "detect_gpu_identity", "gpu_count", "physical_gpu_index",
-    "agree_on_run_id", "compute_job_uuids", "resolve_run_id", "service_instance_id",
+    "agree_on_run_id", "compute_job_uuids", "resolve_run_id", "resolve_run_identity", "service_instance_id",
     "detect_kubernetes_attributes", "detect_local_attributes", "package_version",
     "detect_slurm_attributes", "slurm_identity_attributes",
 ]

@@ -1,4 +1,4 @@
-"""Job identity shared by every rank: run id, ``nemo.lens.job_uuid`` and ``nemo.lens.run_uuid``."""
+"""Job identity shared by every rank: run id, launch uuid, ``nemo.lens.job_uuid`` and ``nemo.lens.run_uuid``."""
 from __future__ import annotations
 
 import hashlib
@@ -8,7 +8,7 @@ import sys
 import uuid
 from typing import Mapping, Optional, Tuple
 
-__all__ = ["compute_job_uuids", "resolve_run_id", "service_instance_id", "agree_on_run_id"]
+__all__ = ["compute_job_uuids", "resolve_run_id", "resolve_run_identity", "service_instance_id", "agree_on_run_id"]
 
 logger = logging.getLogger(__name__)
 RUN_ID_LENGTH = 12
@@ -59,39 +59,67 @@ def agree_on_run_id(proposal: str, group=None) -> str:
     return bytes(buf.cpu().tolist()).rstrip(b"\0").decode("ascii")
 
 
+def _collective_ready(world_size: int, allow_collective: bool) -> bool:
+    dist = sys.modules.get("torch.distributed")
+    return bool(allow_collective and world_size > 1 and dist is not None and dist.is_available()
+                and dist.is_initialized())
+
+
+def resolve_run_identity(
+    explicit: Optional[str] = None,
+    world_size: int = 1,
+    environ: Optional[Mapping[str, str]] = None,
+    allow_collective: bool = True,
+) -> Tuple[str, str]:
+    """``(run_id, launch_uuid)``, both identical on every rank of one launch (spec section 5).
+
+    ``launch_uuid`` (32 hex characters) is new for every launch, restart and requeue: rank 0 draws a
+    uuid4 and broadcasts it once when ``torch.distributed`` is initialised with more than one rank
+    (then every rank must call this); a single process draws its own. Per-iteration trace ids are
+    derived from it (``distributed.iteration_span_ids``), so two launches never share a trace even
+    when they share a run id (a SLURM requeue keeps ``SLURM_JOB_ID``; a user may reuse an explicit id).
+
+    Run id order: ``explicit`` (``MEGATRON_OTEL_RUN_ID``/``NEMO_LENS_RUN_ID``, kept as given),
+    ``SLURM_JOB_ID``, a 12-character hash of ``TORCHELASTIC_RUN_ID`` (when not torchrun's placeholder
+    ``none``), else the first 12 characters of ``launch_uuid``: unique per launch, unlike launcher
+    state such as ``MASTER_ADDR``/``MASTER_PORT`` that two launches on one host share.
+
+    Only without an initialised process group and with more than one rank can ranks not agree on a
+    fresh value; then both fall back to a hash of the launcher's rendezvous state and the restart
+    counters (one warning: that id repeats when the same address and port are reused).
+    """
+    env = os.environ if environ is None else environ
+    if _collective_ready(world_size, allow_collective):
+        launch = agree_on_run_id(uuid.uuid4().hex)
+    elif world_size > 1:
+        addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+        logger.warning("telemetry set up before the process group exists: the %d ranks cannot agree on a "
+                       "per-launch id, so trace ids repeat when a launch reuses MASTER_ADDR/MASTER_PORT "
+                       "(set it up after torch.distributed.init_process_group)", world_size)
+        _, run_uuid = compute_job_uuids(env)
+        launch = hashlib.sha256(
+            f"launcher/{addr}:{port}/{env.get('WORLD_SIZE', world_size)}/{run_uuid}".encode()).hexdigest()[:32]
+    else:
+        launch = uuid.uuid4().hex
+    if explicit and explicit.strip():
+        return explicit.strip(), launch
+    slurm = (env.get("SLURM_JOB_ID") or "").strip()
+    if slurm:
+        return slurm, launch
+    elastic = (env.get("TORCHELASTIC_RUN_ID") or "").strip()
+    if elastic and elastic.lower() != "none":
+        return _short_hash("torchelastic/" + elastic), launch
+    return launch[:RUN_ID_LENGTH], launch
+
+
 def resolve_run_id(
     explicit: Optional[str] = None,
     world_size: int = 1,
     environ: Optional[Mapping[str, str]] = None,
     allow_collective: bool = True,
 ) -> str:
-    """The run id, identical on every rank of a job (spec section 5).
-
-    Order: ``explicit`` (``MEGATRON_OTEL_RUN_ID``/``NEMO_LENS_RUN_ID``), ``SLURM_JOB_ID``, a
-    12-character hash of ``TORCHELASTIC_RUN_ID`` (when not torchrun's placeholder ``none``), one
-    broadcast from rank 0 when ``torch.distributed`` is already initialised with more than one rank
-    (all ranks must call this then), a hash of the launcher's shared rendezvous state
-    (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``), and finally a random id for one process.
-    """
-    env = os.environ if environ is None else environ
-    if explicit and explicit.strip():
-        return explicit.strip()
-    slurm = (env.get("SLURM_JOB_ID") or "").strip()
-    if slurm:
-        return slurm
-    elastic = (env.get("TORCHELASTIC_RUN_ID") or "").strip()
-    if elastic and elastic.lower() != "none":
-        return _short_hash("torchelastic/" + elastic)
-    dist = sys.modules.get("torch.distributed")
-    if allow_collective and world_size > 1 and dist is not None and dist.is_available() and dist.is_initialized():
-        return agree_on_run_id(uuid.uuid4().hex[:RUN_ID_LENGTH])
-    addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
-    if world_size > 1:
-        if addr and port:
-            return _short_hash(f"launcher/{addr}:{port}/{env.get('WORLD_SIZE', world_size)}")
-        logger.warning("no SLURM, torchelastic or MASTER_ADDR/MASTER_PORT state to derive a shared run id from; "
-                       "set MEGATRON_OTEL_RUN_ID so all %d ranks agree", world_size)
-    return uuid.uuid4().hex[:RUN_ID_LENGTH]
+    """The run id of ``resolve_run_identity`` (same rules, same collective: call it on every rank)."""
+    return resolve_run_identity(explicit, world_size, environ, allow_collective)[0]
 
 
 def service_instance_id(run_id: str, rank: int) -> str:
