@@ -4,6 +4,7 @@ Launch with torchrun, e.g.::
 
     torchrun --nproc_per_node 2 pretrain_gpt.py --num-layers 4 --hidden-size 128 ... --data-path PREFIX
 """
+import os
 from functools import partial
 
 import torch
@@ -16,6 +17,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.global_vars import get_args, get_timers, get_tokenizer
 from megatron.training.training import pretrain
+from megatron.training.user_errors import UserInputError, run_reporting_user_errors
 from megatron.training.utils import get_batch_on_this_tp_rank, print_rank_0
 
 
@@ -84,6 +86,28 @@ def is_dataset_built_on_rank() -> bool:
     ) and parallel_state.get_tensor_model_parallel_rank() == 0
 
 
+def check_data_prefixes(args) -> None:
+    """Every prefix of ``--data-path`` / ``--train|valid|test-data-path`` has its ``.bin`` and ``.idx``.
+
+    Raises:
+        UserInputError: naming the flag and the prefix; when ``PREFIX_text_document.bin`` exists (the
+            name tools/preprocess_data.py gives its output) the message suggests that prefix.
+    """
+    if args.mock_data:
+        return
+    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        blend = get_blend_from_list(getattr(args, flag, None))
+        for prefix in blend[0] if blend else []:
+            missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+            if not missing:
+                continue
+            name = "--" + flag.replace("_", "-")
+            message = f"{name}: no dataset at prefix {prefix!r} (missing {', '.join(missing)})"
+            if os.path.isfile(prefix + "_text_document.bin") and os.path.isfile(prefix + "_text_document.idx"):
+                message += f"; did you mean {name} {prefix}_text_document?"
+            raise UserInputError(message)
+
+
 def core_gpt_dataset_config_from_args(args) -> GPTDatasetConfig:
     """GPTDatasetConfig from the data flags."""
     return GPTDatasetConfig(
@@ -113,6 +137,7 @@ def core_gpt_dataset_config_from_args(args) -> GPTDatasetConfig:
 def train_valid_test_datasets_provider(train_val_test_num_samples):
     """Build the train, validation and test datasets (None where a split is empty)."""
     args = get_args()
+    check_data_prefixes(args)
     config = core_gpt_dataset_config_from_args(args)
     dataset_type = MockGPTDataset if args.mock_data else GPTDataset
     print_rank_0("> building train, validation, and test datasets for GPT ...")
@@ -123,5 +148,10 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
     return train_ds, valid_ds, test_ds
 
 
+def main() -> None:
+    """Pretrain with the command-line flags; a user-input error ends the run with one line, no traceback."""
+    run_reporting_user_errors(pretrain, train_valid_test_datasets_provider, model_provider, forward_step)
+
+
 if __name__ == "__main__":
-    pretrain(train_valid_test_datasets_provider, model_provider, forward_step)
+    main()

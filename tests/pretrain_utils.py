@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dist_utils import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 LOG_LINE = re.compile(
     r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\] iteration\s+(\d+)/\s+(\d+) \| consumed samples:\s+(\d+) \| "
@@ -33,8 +35,45 @@ def run_pretrain(nproc, flags, shared_data, data_prefix, tmp_path, expect_failur
     Returns stdout (stdout + stderr when ``expect_failure`` or ``stderr_too``). Fails the test if the
     exit status is not what was expected.
     """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           *_pretrain_argv(flags, shared_data, data_prefix, tmp_path)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    if expect_failure:
+        assert result.returncode != 0, result.stdout[-3000:]
+        return result.stdout + result.stderr
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout + result.stderr if stderr_too else result.stdout
+
+
+def run_ranks_without_launcher(nproc, flags, shared_data, data_prefix, tmp_path, timeout=300) -> list:
+    """Start the ``nproc`` ranks of ``pretrain_gpt.py`` as independent processes (torchrun's environment
+    variables, no torchrun) and wait for each: ``[(exit status, stdout + stderr)]`` indexed by rank.
+
+    For start-up failures on every rank: under torchrun the first rank to fail gets the others killed,
+    so which ranks print their message depends on timing; here each rank runs to its own end.
+    """
+    argv = [sys.executable, *_pretrain_argv(flags, shared_data, data_prefix, tmp_path)]
+    port = free_port()
+    procs, logs = [], [tmp_path / f"rank{rank}.log" for rank in range(nproc)]
+    try:
+        for rank in range(nproc):
+            env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+            with open(logs[rank], "w") as log:  # a file, not a pipe: no rank blocks on a full pipe
+                procs.append(subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+        statuses = [proc.wait(timeout=timeout) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return [(status, log.read_text()) for status, log in zip(statuses, logs)]
+
+
+def _pretrain_argv(flags, shared_data, data_prefix, tmp_path) -> list:
+    """``pretrain_gpt.py`` and the flags of the small test model; later ``flags`` override the defaults."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
         "pretrain_gpt.py",
         "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
         "--max-position-embeddings", "32", "--global-batch-size", "8", "--lr", "1e-3", "--min-lr", "1e-4",
@@ -48,13 +87,7 @@ def run_pretrain(nproc, flags, shared_data, data_prefix, tmp_path, expect_failur
     if "--train-samples" in flags:  # sample-based runs take --lr-warmup-samples instead
         at = cmd.index("--lr-warmup-iters")
         del cmd[at:at + 2]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    if expect_failure:
-        assert result.returncode != 0, result.stdout[-3000:]
-        return result.stdout + result.stderr
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout + result.stderr if stderr_too else result.stdout
+    return cmd
 
 
 def losses_from_log(stdout: str) -> dict:

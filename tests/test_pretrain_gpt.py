@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain_utils import REPO, losses_from_log as _losses, run_pretrain as _pretrain
+from pretrain_utils import REPO, losses_from_log as _losses, run_pretrain as _pretrain, run_ranks_without_launcher
 
 
 def test_dp2_matches_dp1_and_logs_megatron_format(shared_data, shakespeare_prefix, tmp_path):
@@ -140,12 +140,15 @@ def test_weight_decay_exclusions_follow_megatron():
 def test_bad_telemetry_variable_fails_every_rank_at_start_up(shared_data, shakespeare_prefix, tmp_path, monkeypatch):
     monkeypatch.setenv("MEGATRON_OTEL_ENABLED", "1")
     monkeypatch.setenv("MEGATRON_OTEL_RANK_STRATEGY", "every_other_rank")
-    out = _pretrain(2, ["--micro-batch-size", "2", "--train-iters", "3"], shared_data, shakespeare_prefix, tmp_path,
-                    expect_failure=True)
-    # Both ranks raise (before the process group exists, so no rank waits on the other).
-    assert out.count("ValueError: MEGATRON_OTEL_RANK_STRATEGY='every_other_rank'") == 2, out[-2000:]
-    assert "valid choices: single_rank, all_ranks, sampled, first_rank_per_node" in out
-    assert "building GPT model" not in out
+    # Each rank stops on its own, before the process group exists (so no rank waits on the other); run
+    # without torchrun, which would kill the slower rank as soon as the first one fails.
+    ranks = run_ranks_without_launcher(2, ["--micro-batch-size", "2", "--train-iters", "3"], shared_data,
+                                       shakespeare_prefix, tmp_path)
+    for rank, (status, out) in enumerate(ranks):
+        assert status != 0, f"rank {rank}: {out[-2000:]}"
+        assert "MEGATRON_OTEL_RANK_STRATEGY='every_other_rank'" in out, f"rank {rank}: {out[-2000:]}"
+        assert "valid choices: single_rank, all_ranks, sampled, first_rank_per_node" in out
+        assert "building GPT model" not in out
 
 
 

@@ -894,6 +894,9 @@ def _validate_misc(args):
     except (KeyError, ValueError):
         names = ", ".join(sorted(s.name for s in signal.Signals))
         raise ValueError(f"--exit-signal {args.exit_signal!r} is not a signal name; choose one of {names}") from None
+    # SIGKILL/SIGSTOP cannot be caught; SIGCHLD is how the DataLoader learns that a worker died.
+    _require(args.exit_signal not in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD),
+             f"--exit-signal {args.exit_signal.name} cannot be handled; use SIGTERM, SIGINT, SIGUSR1 or SIGUSR2")
     if args.seed is not None:
         _require(args.seed > 0, f"--seed must be > 0, got {args.seed}")
 

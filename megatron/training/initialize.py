@@ -16,6 +16,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.training.arguments import _logging_level, parse_args, validate_args
 from megatron.training.global_vars import get_args, set_global_variables, set_telemetry
 from megatron.training.training_log import CONSOLE_PRINTED
+from megatron.training.user_errors import UserInputError
 from megatron.training.utils import print_rank_0
 
 _CONSOLE_HANDLER = None
@@ -177,14 +178,24 @@ def initialize_megatron(extra_args_provider=None, args_defaults=None, ignore_unk
                         parsed_args=None, argv=None):
     """Everything a run needs before the model is built. Returns the validated args.
 
+    Raises:
+        UserInputError: a bad flag (exit status 2), a missing tokenizer file or a bad telemetry variable.
+
     Order: parse + validate flags (fails fast with the flag named), apply the logging level, set
     globals (telemetry settings checked, microbatch calculator, tokenizer, timers, TensorBoard, W&B),
     join the process group, build the parallel groups, set telemetry up, seed.
     """
     args = parsed_args if parsed_args is not None else parse_args(extra_args_provider, ignore_unknown_args, argv)
-    validate_args(args, args_defaults or {})
+    try:
+        validate_args(args, args_defaults or {})
+    except ValueError as error:  # validate_args raises ValueError only to name a bad flag
+        raise UserInputError(str(error), exit_status=2) from error
     setup_logging(args)
-    set_global_variables(args)
+    try:
+        set_global_variables(args)
+    except (FileNotFoundError, ValueError) as error:
+        # A missing --vocab-file/--tokenizer-model, a bad MEGATRON_OTEL_* variable: the messages name them.
+        raise UserInputError(str(error)) from error
     _initialize_distributed(args)
     set_telemetry(args)  # after the process group: its run id and launch uuid are agreed over it
     _set_random_seed(args.seed, getattr(args, "data_parallel_random_init", False))

@@ -1,7 +1,9 @@
 """Batch samplers that resume from consumed_samples, and the DataLoader that pretraining reads batches from."""
 from __future__ import annotations
 
-from typing import Any, Iterator, List, Optional
+import signal
+from functools import partial
+from typing import Any, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -157,6 +159,19 @@ class MegatronPretrainingRandomSampler:
                 batch = []
 
 
+def _ignore_signals_in_worker(signals: Sequence[int], worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: the worker ignores ``signals``.
+
+    Launchers deliver a preemption signal to whole process groups (torchrun ``killpg``s each rank,
+    SLURM's scancel signals every process), so loader workers get it too; dying of it would make the
+    main process fail with "DataLoader worker ... killed by signal" before it reaches the iteration
+    boundary where ``--exit-signal-handler`` saves. Workers still exit when the main process does
+    (the loader shuts them down, and they watch their parent).
+    """
+    for sig in signals:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def build_pretraining_data_loader_from(
     dataset: Any,
     consumed_samples: int,
@@ -169,6 +184,7 @@ def build_pretraining_data_loader_from(
     seed: int,
     data_sharding: bool = True,
     full_validation: bool = False,
+    worker_ignored_signals: Sequence[int] = (),
 ) -> Any:
     """A ``torch.utils.data.DataLoader`` over ``dataset`` that starts after ``consumed_samples`` samples.
 
@@ -181,6 +197,8 @@ def build_pretraining_data_loader_from(
             draws from the global torch RNG (checkpoints restore that RNG; a resumed run must match).
         data_sharding: per-rank buckets for ``cyclic``.
         full_validation: a valid-split dataset is read from its start, whatever ``consumed_samples``.
+        worker_ignored_signals: signals the worker processes ignore (``--exit-signal`` under
+            ``--exit-signal-handler``: the main process alone handles it, at an iteration boundary).
 
     Returns:
         the DataLoader (batches are dicts of stacked tensors), the dataset itself for ``external``,
@@ -221,6 +239,7 @@ def build_pretraining_data_loader_from(
         pin_memory=torch.cuda.is_available(),
         persistent_workers=num_workers > 0,
         generator=generator,
+        worker_init_fn=partial(_ignore_signals_in_worker, tuple(worker_ignored_signals)) if worker_ignored_signals else None,
     )
 
 
@@ -228,7 +247,8 @@ def build_pretraining_data_loader(dataset: Any, consumed_samples: int, micro_bat
     """``build_pretraining_data_loader_from`` with the settings of ``get_args()`` and the DP rank/size of
     ``megatron.core.parallel_state`` (``--dataloader-type``, ``--micro-batch-size`` unless
     ``micro_batch_size`` is given (evaluation uses ``--eval-micro-batch-size``), ``--num-workers``,
-    ``--seed``, ``--no-data-sharding``, ``--full-validation``).
+    ``--seed``, ``--no-data-sharding``, ``--full-validation``; workers ignore ``--exit-signal`` under
+    ``--exit-signal-handler``).
 
     Returns:
         see ``build_pretraining_data_loader_from``; None when ``dataset`` is None.
@@ -250,4 +270,5 @@ def build_pretraining_data_loader(dataset: Any, consumed_samples: int, micro_bat
         seed=getattr(args, "seed", 1234),
         data_sharding=getattr(args, "data_sharding", True),
         full_validation=getattr(args, "full_validation", False),
+        worker_ignored_signals=(args.exit_signal,) if getattr(args, "exit_signal_handler", False) else (),
     )

@@ -1,0 +1,54 @@
+"""README examples run verbatim and do not damage each other's output (issue 9 item 12)."""
+import re
+import shlex
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _commands():
+    """The README's bash commands, continuation lines joined and ``"${NAME[@]}"`` arrays expanded."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), re.S):
+        text = block.replace("\\\n", " ")
+        arrays = {name: shlex.split(body, comments=True)
+                  for name, body in re.findall(r"^(\w+)=\((.*?)\)", text, re.S | re.M)}
+        text = re.sub(r"^\w+=\(.*?\)", "", text, flags=re.S | re.M)
+        for line in text.splitlines():
+            words = shlex.split(line, comments=True)
+            expanded = []
+            for word in words:
+                match = re.fullmatch(r"\$\{(\w+)\[@\]\}", word)
+                expanded.extend(arrays[match.group(1)] if match else [word])
+            if expanded:
+                commands.append(expanded)
+    return commands
+
+
+def _flag(words, name):
+    return words[words.index(name) + 1] if name in words else None
+
+
+def test_readme_commands_have_no_placeholders():
+    for words in _commands():
+        assert "..." not in words, f"placeholder in a README command: {' '.join(words)}"
+
+
+def test_readme_training_commands_train_past_their_warmup():
+    runs = [w for w in _commands() if "pretrain_gpt.py" in w]
+    assert len(runs) >= 4
+    for words in runs:
+        warmup, train = _flag(words, "--lr-warmup-iters"), _flag(words, "--train-iters")
+        if warmup is not None and train is not None:
+            assert int(warmup) < int(train), f"--lr-warmup-iters {warmup} >= --train-iters {train}: {' '.join(words)}"
+
+
+def test_readme_examples_write_distinct_outputs():
+    """No two README commands save to the same checkpoint directory or write the same log file."""
+    seen = {}
+    for words in _commands():
+        outputs = [_flag(words, "--save")] if "--save" in words else []
+        outputs += [words[i + 1] for i, word in enumerate(words[:-1]) if word in (">", "tee")]
+        for output in outputs:
+            assert output not in seen, f"{output} written by two README examples:\n{seen[output]}\n{' '.join(words)}"
+            seen[output] = " ".join(words)
