@@ -26,10 +26,17 @@ def _check_one_line_per_rank(ranks, message, status):
         assert lines[0].startswith(f"[rank {rank}] error: ")
 
 
-def test_bad_batch_sizes_one_line_per_rank_exit_2(shared_data, shakespeare_prefix, tmp_path):
+def test_bad_batch_sizes_one_line_from_rank_0_exit_2(shared_data, shakespeare_prefix, tmp_path):
+    """A flag error is the same on every rank: rank 0 prints it once, every rank exits 2."""
     ranks = run_ranks_without_launcher(2, ["--micro-batch-size", "3", "--global-batch-size", "8", "--train-iters", "2"],
                                        shared_data, shakespeare_prefix, tmp_path)
-    _check_one_line_per_rank(ranks, "global batch size (8) is not divisible by micro batch size (3)", 2)
+    for rank, (exit_status, out) in enumerate(ranks):
+        assert exit_status == 2, f"rank {rank} exit {exit_status}: {out[-2000:]}"
+        assert "Traceback" not in out, f"rank {rank}: {out[-3000:]}"
+    rank0_lines, rank1_lines = _error_lines(ranks[0][1]), _error_lines(ranks[1][1])
+    assert len(rank0_lines) == 1 and rank0_lines[0].startswith("error: "), ranks[0][1][-2000:]
+    assert "global batch size (8) is not divisible by micro batch size (3)" in rank0_lines[0]
+    assert rank1_lines == [], ranks[1][1][-2000:]
 
 
 def test_missing_vocab_file_one_line_per_rank(shared_data, shakespeare_prefix, tmp_path):

@@ -189,7 +189,8 @@ def initialize_megatron(extra_args_provider=None, args_defaults=None, ignore_unk
     try:
         validate_args(args, args_defaults or {})
     except ValueError as error:  # validate_args raises ValueError only to name a bad flag
-        raise UserInputError(str(error), exit_status=2) from error
+        # The flags are the same on every rank, so is this error: rank 0 alone reports it.
+        raise UserInputError(str(error), exit_status=2, same_on_every_rank=True) from error
     setup_logging(args)
     try:
         set_global_variables(args)

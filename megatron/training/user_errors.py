@@ -1,6 +1,11 @@
-"""Errors caused by the user's input (flags, environment, files): one line per failing rank, no traceback."""
+"""Errors caused by the user's input (flags, environment, files): one line, no traceback."""
 import os
 import sys
+import time
+
+# How long a rank that leaves the message to rank 0 waits before exiting: torchrun stops the other
+# ranks as soon as one exits, so rank 0 must have printed by then.
+_SILENT_RANK_GRACE_S = 10.0
 
 
 class UserInputError(ValueError):
@@ -9,23 +14,30 @@ class UserInputError(ValueError):
     The entry point prints it as one ``error: ...`` line and exits with ``exit_status`` (2 for flag
     errors, as argparse does; 1 otherwise) instead of showing a traceback; any other exception is an
     internal error and keeps its traceback. A ``ValueError`` so callers that catch those still do.
+
+    ``same_on_every_rank`` marks errors that every rank necessarily raises alike (the flags are the
+    same on every rank): then only rank 0 prints the line.
     """
 
-    def __init__(self, message: str, exit_status: int = 1):
+    def __init__(self, message: str, exit_status: int = 1, same_on_every_rank: bool = False):
         super().__init__(message)
         self.exit_status = exit_status
+        self.same_on_every_rank = same_on_every_rank
 
 
 def error_line(error: BaseException) -> str:
-    """``error: MESSAGE``, prefixed with ``[rank N]`` when several ranks run.
-
-    Every failing rank prints its own line: the ranks cannot know that the others agree before the
-    process group exists, and torchrun kills the remaining ranks as soon as one exits, so a rank that
-    stayed silent for another could leave the user with no message at all.
-    """
+    """``error: MESSAGE``, prefixed with ``[rank N]`` when several ranks run and the error may differ
+    per rank (a file missing on one node, say); an error every rank raises alike is printed by
+    rank 0 alone, without the prefix."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    prefix = f"[rank {os.environ.get('RANK', '0')}] " if world_size > 1 else ""
+    alike = getattr(error, "same_on_every_rank", False)
+    prefix = f"[rank {os.environ.get('RANK', '0')}] " if world_size > 1 and not alike else ""
     return f"{prefix}error: {error}"
+
+
+def _leaves_message_to_rank_0(error: BaseException) -> bool:
+    return (getattr(error, "same_on_every_rank", False) and int(os.environ.get("WORLD_SIZE", "1")) > 1
+            and os.environ.get("RANK", "0") != "0")
 
 
 def run_reporting_user_errors(main, *args, **kwargs):
@@ -38,5 +50,10 @@ def run_reporting_user_errors(main, *args, **kwargs):
         return main(*args, **kwargs)
     except UserInputError as error:
         sys.stdout.flush()
-        print(error_line(error), file=sys.stderr, flush=True)
+        if _leaves_message_to_rank_0(error):
+            # Rank 0 raises the same error and prints it; exiting at once could get rank 0 stopped
+            # by torchrun before it has printed.
+            time.sleep(_SILENT_RANK_GRACE_S)
+        else:
+            print(error_line(error), file=sys.stderr, flush=True)
         sys.exit(error.exit_status)
