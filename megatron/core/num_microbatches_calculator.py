@@ -1,5 +1,6 @@
 """Global batch size -> number of microbatches per iteration, constant or ramped up (process-wide singleton)."""
 import logging
+from abc import ABC, abstractmethod
 from typing import List, Optional, Sequence, Union
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ def _running_batch_size(global_batch_size: int, micro_batch_size: int, data_para
     return running
 
 
-class NumMicroBatchesCalculator:
+class NumMicroBatchesCalculator(ABC):
     """What both schedules answer: microbatches per iteration and the batch sizes behind them."""
 
     num_micro_batches: int
@@ -59,9 +60,9 @@ class NumMicroBatchesCalculator:
         """Samples per microbatch per rank."""
         return self.micro_batch_size
 
+    @abstractmethod
     def update(self, consumed_samples: int, consistency_check: bool = True, verbose: bool = False) -> None:
         """Recompute the batch size for ``consumed_samples`` samples consumed so far."""
-        raise NotImplementedError
 
 
 class ConstantNumMicroBatchesCalculator(NumMicroBatchesCalculator):
