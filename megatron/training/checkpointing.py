@@ -351,6 +351,9 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
 
     Layout (spec §8.8): ``<save>/iter_{iteration:07d}/mp_rank_XX[_YYY]/model_optim_rng.pt``, one
     file per (tp, pp) rank written by data-parallel rank 0, then ``latest_checkpointed_iteration.txt``.
+    With the distributed optimizer its sharded state is gathered to data-parallel rank 0 and written
+    beside it as ``distrib_optim.pt`` (Megatron's legacy layout, see DistributedOptimizer.
+    get_parameter_state_dp_zero); ``model_optim_rng.pt`` then holds only its param groups and scaler.
     Atomic: files go to a hidden ``.iter_{iteration:07d}.tmp-<pid>`` directory in the same parent, are
     fsynced, and after every rank has finished rank 0 renames it to ``iter_{iteration:07d}`` (an existing
     one is replaced) and only then atomically replaces the tracker. A failure on any rank leaves
@@ -724,7 +727,8 @@ def _load_model(model, state_dict, strict, checkpoint_name):
 
 __all__ = [
     "CHECKPOINT_VERSION", "get_checkpoint_name", "get_checkpoint_tracker_filename", "read_metadata",
-    "get_rng_state", "generate_state_dict", "save_checkpoint", "get_distributed_optimizer_checkpoint_name", "load_checkpoint", "load_state_dict_file",
+    "get_rng_state", "generate_state_dict", "save_checkpoint", "get_distributed_optimizer_checkpoint_name",
+    "load_checkpoint", "load_state_dict_file",
     "CheckpointReadError", "check_checkpoint_args", "get_checkpoint_version", "set_checkpoint_version",
 ]
 

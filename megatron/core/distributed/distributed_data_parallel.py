@@ -204,6 +204,23 @@ class DistributedDataParallel(torch.nn.Module):
         for param in self.module.parameters():
             dist.broadcast(param.data, src=src, group=self.data_parallel_group)
 
+    def gather_reduced_grads(self, params):
+        """Make ``main_grad`` of ``params`` hold the whole reduced grad on every data-parallel rank.
+
+        A no-op without the distributed optimizer (the all-reduce already leaves whole grads);
+        with it, all-gathers the reduced shards of the buckets holding ``params`` (a collective:
+        every data-parallel rank must call it with the same params). Call after :meth:`finish_grad_sync`.
+        """
+        if not self.ddp_config.use_distributed_optimizer:
+            return
+        groups = []
+        for param in params:
+            group = self.param_to_bucket_group.get(param)
+            if group is not None and group not in groups:
+                groups.append(group)
+        for group in sorted(groups, key=self.bucket_groups.index):
+            group.all_gather_grads()
+
     def sync_params_for_read(self):
         """Complete pending param gathers so the full params can be read (checkpoint save, eval, norms)."""
         if self.ddp_config.use_distributed_optimizer:

@@ -86,6 +86,9 @@ def _allreduce_word_embedding_grads(model: List[torch.nn.Module], config):
     weight = owner.shared_embedding_or_output_weight()
     if weight is None:
         return
+    gather = getattr(chunk, "gather_reduced_grads", None)
+    if gather is not None:  # distributed optimizer: the stages shard this grad differently
+        gather([weight])
     grad = _main_grad(weight)
     if grad is not None:
         dist.all_reduce(grad, group=parallel_state.get_embedding_group())

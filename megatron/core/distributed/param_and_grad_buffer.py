@@ -255,6 +255,19 @@ class _ParamAndGradBucketGroup:
         else:
             self.params_stale = False
 
+    def all_gather_grads(self):
+        """All-gather the reduced grad shards so every rank holds the whole reduced ``grad_data``.
+
+        Only needed with the distributed optimizer when a grad is reduced once more over another
+        group whose ranks shard it differently (the tied embedding across pipeline stages).
+        A synchronous collective over the data-parallel group.
+        """
+        group = self.intra_distributed_optimizer_instance_group
+        for bucket in self.buckets:
+            local = shard_buffer(bucket.grad_data, self.intra_distributed_optimizer_instance_size)[
+                self.data_parallel_rank]
+            _collective("all_gather_into_tensor")(bucket.grad_data, local.clone(), group=group)
+
     def _wait_param_gather(self):
         for handle in self.param_gather_handle:
             handle.wait()

@@ -213,6 +213,10 @@ class DistributedOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
         """One sharded update; returns ``(False, None, None)`` on overflow, else ``(True, grad_norm, num_zeros)``."""
+        for chunk in self.model_chunks:
+            # A gather still in flight (a bucket no forward pre-hook waited for) must land before
+            # this step rewrites the shards it reads.
+            chunk.start_param_sync(force_sync=True)
         timer = self._start_timer("optimizer-copy-to-main-grad")
         self._copy_model_grads_to_main_grads()
         if timer is not None:
