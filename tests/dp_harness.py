@@ -101,6 +101,9 @@ def train_layouts(rank: int, world: int, layouts: list, iters: int = 20) -> list
     'num_buckets'}."""
     results = []
     for layout in layouts:
+        if callable(layout):  # a module-level check function sharing this launch
+            results.append(layout(rank, world))
+            continue
         ps.initialize_model_parallel(tensor_model_parallel_size=layout.get("tp", 1))
         try:
             model, optimizer = make(layout)
@@ -117,3 +120,51 @@ def train_layouts(rank: int, world: int, layouts: list, iters: int = 20) -> list
         finally:
             ps.destroy_model_parallel()
     return results
+
+
+def distopt_shard_checks(rank: int, world: int) -> dict:
+    """fp16 distributed optimizer on a two-layer MLP: the grad norm over shards and the overflow skip.
+
+    Every rank fills the same grads (times the loss scale), so after the reduce-scatter each shard
+    holds its part of one known grad: the norm summed over shards must equal the norm of the whole
+    grad, counted once. Then only the last rank's shard gets an Inf: every rank must skip the step
+    and halve the scale. Returns the numbers for the test to compare.
+    """
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    ps.initialize_model_parallel()
+    try:
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)).half()
+        model = DistributedDataParallel(ModelParallelConfig(), DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=True), module)
+        optimizer = get_megatron_optimizer(OptimizerConfig(
+            lr=0.1, fp16=True, params_dtype=torch.float16, clip_grad=1e9, initial_loss_scale=2.0 ** 8,
+            hysteresis=1, use_distributed_optimizer=True), [model])
+        scale = optimizer.get_loss_scale().item()
+        g = torch.Generator().manual_seed(1)
+        grads = {p: torch.randn(p.shape, generator=g) for p in module.parameters()}
+        expected_norm = torch.cat([x.flatten() for x in grads.values()]).double().norm().item()
+        model.zero_grad_buffer()
+        for p, grad in grads.items():
+            p.main_grad.copy_(grad * scale)
+        model.finish_grad_sync()
+        ok, grad_norm, _ = optimizer.step()
+        # The all-gather leaves the same fp16 params everywhere.
+        buffer = model.buffers[0].param_data
+        gathered = [torch.empty_like(buffer) for _ in range(world)]
+        dist.all_gather(gathered, buffer)
+        same_params = all(torch.equal(gathered[0], other) for other in gathered)
+
+        model.zero_grad_buffer()
+        bucket = model.buffers[0].buckets[0]
+        if rank == world - 1:
+            shard = bucket.grad_data.numel() // world
+            bucket.grad_data[(world - 1) * shard] = float("inf")
+        model.finish_grad_sync()
+        skipped_ok, skipped_norm, _ = optimizer.step()
+        return dict(ok=ok, grad_norm=grad_norm, expected_norm=expected_norm, same_params=same_params,
+                    skipped_ok=skipped_ok, skipped_norm=skipped_norm, scale_before=scale,
+                    scale_after=optimizer.get_loss_scale().item())
+    finally:
+        ps.destroy_model_parallel()

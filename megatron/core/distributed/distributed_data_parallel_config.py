@@ -12,9 +12,12 @@ class DistributedDataParallelConfig:
             (``--accumulate-allreduce-grads-in-fp32``).
         overlap_grad_reduce: launch each bucket's all-reduce asynchronously as soon as all of its grads
             are ready during the last microbatch's backward (``--overlap-grad-reduce``).
-        overlap_param_gather: gather params in forward pre-hooks (needs the distributed optimizer).
-        use_distributed_optimizer: lay the buffer out for a sharded optimizer (param starts padded to
-            64 elements, bucket ends to lcm(dp, 128)).
+        overlap_param_gather: all-gather the updated params bucket by bucket in forward pre-hooks of the
+            next forward instead of at the end of the optimizer step (needs the distributed optimizer
+            and ``overlap_grad_reduce``; ``--overlap-param-gather``).
+        use_distributed_optimizer: lay the buffers out for a sharded optimizer (param starts padded to
+            64 elements, bucket ends to lcm(dp, 128)), add a param buffer, reduce-scatter the grads
+            (``--use-distributed-optimizer``).
         check_for_nan_in_grad: fail before the collective if a bucket's grad norm is NaN/Inf.
         bucket_size: elements per bucket; None -> max(40e6, 1e6 * dp) when overlapping, else one bucket.
         average_in_collective: reduce with AVG instead of pre-scaling by 1/dp and SUM
