@@ -163,8 +163,52 @@ def distopt_shard_checks(rank: int, world: int) -> dict:
             bucket.grad_data[(world - 1) * shard] = float("inf")
         model.finish_grad_sync()
         skipped_ok, skipped_norm, _ = optimizer.step()
+
+        # gather_reduced_grads (tied embedding across pipeline stages): rank-dependent grads, whose
+        # reduced mean every rank must then hold whole, not only in its own shard.
+        model.zero_grad_buffer()
+        for p, grad in grads.items():
+            p.main_grad.copy_(grad * (rank + 1))
+        model.finish_grad_sync()
+        model.gather_reduced_grads(list(module.parameters()))
+        whole_grads = all(torch.allclose(p.main_grad, grad * (world + 1) / 2, rtol=1e-6)
+                          for p, grad in grads.items())
+        deferred = _deferred_param_gather(rank, world)
         return dict(ok=ok, grad_norm=grad_norm, expected_norm=expected_norm, same_params=same_params,
+                    whole_grads=whole_grads, **deferred,
                     skipped_ok=skipped_ok, skipped_norm=skipped_norm, scale_before=scale,
                     scale_after=optimizer.get_loss_scale().item())
     finally:
         ps.destroy_model_parallel()
+
+
+def _deferred_param_gather(rank: int, world: int) -> dict:
+    """--overlap-param-gather: after the step only this rank's shard of the param buffer is new; the
+    next forward's pre-hooks gather the others' shards."""
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    model = DistributedDataParallel(ModelParallelConfig(), DistributedDataParallelConfig(
+        overlap_grad_reduce=True, overlap_param_gather=True, use_distributed_optimizer=True), module)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=0.1, use_distributed_optimizer=True), [model])
+    buffer = model.buffers[0].param_data
+    shard = buffer.numel() // world
+    own = slice(rank * shard, (rank + 1) * shard)
+    before = buffer.clone()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    model.zero_grad_buffer()
+    model(x).square().sum().backward()
+    model.finish_grad_sync()
+    optimizer.step()
+    after_step = buffer.clone()
+    others_unchanged = torch.equal(torch.cat([after_step[:own.start], after_step[own.stop:]]),
+                                   torch.cat([before[:own.start], before[own.stop:]]))
+    own_changed = not torch.equal(after_step[own], before[own])
+    with torch.no_grad():
+        model(x)
+    gathered = [torch.empty_like(buffer) for _ in range(world)]
+    dist.all_gather(gathered, buffer)
+    return dict(stale_after_step=others_unchanged and own_changed,
+                gathered_by_forward=all(torch.equal(gathered[0], g) for g in gathered)
+                and not torch.equal(buffer, after_step))

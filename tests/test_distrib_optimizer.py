@@ -79,11 +79,13 @@ def dp2_launch():
 
 @pytest.mark.timeout(900)
 def test_dp2_layouts_match_dp1(dp1, dp2_launch):
-    """Also (same launch) the fp16 distributed optimizer: grad norm over shards counted once, and an
-    Inf in one rank's shard skips the step on every rank."""
+    """Also (same launch) the fp16 distributed optimizer: grad norm over shards counted once, an Inf in
+    one rank's shard skips the step on every rank, and gather_reduced_grads makes reduced grads whole."""
     _check_launch(dp2_launch, list(DP_LAYOUTS), DP_LAYOUTS, dp1, 2)
     for rank, checks in enumerate(result[-1] for result in dp2_launch):
         assert checks["ok"] and checks["same_params"], rank
+        assert checks["whole_grads"], rank  # gather_reduced_grads
+        assert checks["stale_after_step"] and checks["gathered_by_forward"], rank  # --overlap-param-gather
         assert checks["grad_norm"] == pytest.approx(checks["expected_norm"], rel=1e-6), rank
         assert checks["skipped_ok"] is False and checks["skipped_norm"] is None, rank
         assert checks["scale_after"] == checks["scale_before"] / 2, rank
