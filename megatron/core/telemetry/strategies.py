@@ -67,6 +67,7 @@ _REGISTRY: Dict[str, RankStrategyFn] = {
     "sampled": _sampled,
     "first_rank_per_node": _first_rank_per_node,
 }
+_BUILTIN_FNS: Dict[str, RankStrategyFn] = dict(_REGISTRY)
 _LOCK = threading.Lock()
 
 
@@ -79,17 +80,18 @@ def _normalise(name: str) -> str:
 def register_rank_strategy(name: str, fn: RankStrategyFn, *, allow_override: bool = False) -> None:
     """Register ``fn(config, rank, world_size) -> bool`` under ``name`` (case-insensitive).
 
-    Raises ``ValueError`` when the name is empty, names a built-in, or is already registered and
+    A built-in name (``single_rank``, ...) can be replaced too, like any registered one, but only
+    with ``allow_override=True`` (as in nemo-lens); ``unregister_rank_strategy`` then restores the
+    built-in. Raises ``ValueError`` when the name is empty or already registered and
     ``allow_override`` is false; ``TypeError`` when ``fn`` is not callable.
     """
     key = _normalise(name)
     if not callable(fn):
         raise TypeError(f"rank strategy {name!r}: fn must be callable, got {type(fn).__name__}")
     with _LOCK:
-        if key in BUILTIN_RANK_STRATEGIES:
-            raise ValueError(f"rank strategy {key!r} is built in and cannot be replaced")
         if key in _REGISTRY and not allow_override:
-            raise ValueError(f"rank strategy {key!r} is already registered; pass allow_override=True to replace it")
+            kind = "a built-in" if key in BUILTIN_RANK_STRATEGIES else "already registered"
+            raise ValueError(f"rank strategy {key!r} is {kind}; pass allow_override=True to replace it")
         _REGISTRY[key] = fn
 
 
@@ -97,12 +99,22 @@ register_export_strategy = register_rank_strategy
 
 
 def unregister_rank_strategy(name: str) -> bool:
-    """Remove a custom strategy; returns whether it existed. Raises ``ValueError`` for built-ins."""
+    """Remove a custom strategy (returns ``True``); an overridden built-in gets its original back.
+
+    Raises ``ValueError`` for a name that is not registered (as nemo-lens does) and for a built-in
+    that was not overridden (built-ins cannot be removed).
+    """
     key = _normalise(name)
     with _LOCK:
-        if key in BUILTIN_RANK_STRATEGIES:
-            raise ValueError(f"rank strategy {key!r} is built in and cannot be unregistered")
-        return _REGISTRY.pop(key, None) is not None
+        if key in _BUILTIN_FNS:
+            if _REGISTRY.get(key) is _BUILTIN_FNS[key]:
+                raise ValueError(f"rank strategy {key!r} is built in and cannot be unregistered")
+            _REGISTRY[key] = _BUILTIN_FNS[key]
+            return True
+        if key not in _REGISTRY:
+            raise ValueError(f"rank strategy {key!r} is not registered; registered: {', '.join(_REGISTRY)}")
+        del _REGISTRY[key]
+        return True
 
 
 def registered_rank_strategies() -> Tuple[str, ...]:
