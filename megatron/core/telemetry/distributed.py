@@ -12,7 +12,7 @@ from .helpers import _LiveSpanCM, _NULL_SPAN_CM, sanitize_attributes
 from .propagation import extract_context, has_remote_span, inject_context
 
 __all__ = ["iteration_span_ids", "iteration_sampled", "iteration_trace_context", "broadcast_trace_context",
-           "create_linked_span", "CARRIER_BYTES"]
+           "create_linked_span", "iteration_step_span", "CARRIER_BYTES", "ITERATION_ROOT_SPAN"]
 
 CARRIER_BYTES = 256
 _TRACE_ID_LIMIT = (1 << 64) - 1
@@ -73,6 +73,81 @@ def iteration_trace_context(run_id: str, iteration: int, sampled: Optional[bool]
         trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED if sampled else trace.TraceFlags.DEFAULT),
     )
     return trace.set_span_in_context(trace.NonRecordingSpan(span_context))
+
+
+ITERATION_ROOT_SPAN = "megatron.iteration"
+STEP_SPAN = "megatron.train_step"
+
+
+class _IterationStepCM:
+    """Enter: (on the root rank) start the iteration's root span, then the step span under it; link
+    the step and the job span both ways. Exit: end both, the step first."""
+
+    __slots__ = ("_group", "_iteration", "_handle", "_attrs", "_root", "_step")
+
+    def __init__(self, group: str, iteration: int, handle, attrs):
+        self._group, self._iteration, self._handle, self._attrs = group, int(iteration), handle, attrs
+        self._root = self._step = None
+
+    def __enter__(self):
+        from opentelemetry import trace
+        from opentelemetry.context import Context
+
+        handle = self._handle
+        job = trace.get_current_span()
+        job_ctx = job.get_span_context()
+        links = [trace.Link(job_ctx, {"megatron.link": "job"})] if job_ctx.is_valid else None
+        attrs = {"megatron.iteration": self._iteration, **self._attrs}
+        if handle.rank == getattr(handle, "iteration_root_rank", None) and handle.tracer_provider is not None:
+            from .providers import start_span_with_ids
+
+            trace_id, root_id = iteration_span_ids(handle.run_id, self._iteration, handle.launch_uuid)
+            self._root = start_span_with_ids(handle.tracer, ITERATION_ROOT_SPAN, trace_id, root_id, links=links,
+                                             attributes=sanitize_attributes(attrs))
+            context = trace.set_span_in_context(self._root, Context())
+        else:
+            context = iteration_trace_context(handle.run_id, self._iteration, launch_uuid=handle.launch_uuid)
+        self._step = _LiveSpanCM(STEP_SPAN, None, context, attrs, links=links)
+        span = self._step.__enter__()
+        if job.is_recording():  # the other direction: megatron.train -> this step (and its root)
+            for target in (self._root, span):
+                if target is not None:
+                    job.add_link(target.get_span_context(), {"megatron.link": "step",
+                                                             "megatron.iteration": self._iteration})
+        return span
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            return self._step.__exit__(exc_type, exc, tb)
+        finally:
+            if self._root is not None:
+                if exc is not None:
+                    from opentelemetry.trace import Status, StatusCode
+
+                    self._root.set_status(Status(StatusCode.ERROR, f"{exc_type.__name__}: {exc}"))
+                self._root.end()
+
+
+def iteration_step_span(group: str, iteration: int, handle=None, **attrs):
+    """Context manager for iteration ``iteration``'s ``megatron.train_step`` span (``group`` is
+    ``step`` or ``first_iteration``), yielding the span, or ``None`` when the group is off.
+
+    Every pipeline stage puts its step into one trace per iteration without communicating: the
+    trace id and the root's span id derive from run id, launch uuid and iteration
+    (``iteration_span_ids``). The root is a real exported span, ``megatron.iteration``, emitted by
+    exactly one rank (``TelemetryHandle.iteration_root_rank``: the lowest exporting rank), with the
+    step span of that rank as its child; the other ranks' step spans name it as their (remote)
+    parent, so no parent id dangles. Each step span (and the root) carries a Link to the enclosing
+    ``megatron.train`` span, and ``megatron.train`` gets a Link back to each (the SDK keeps the most
+    recent ``OTEL_SPAN_LINK_COUNT_LIMIT``, 128 by default). ``handle`` defaults to the live one;
+    without a handle or run id it is a plain ``managed_span``.
+    """
+    if group not in _state.ENABLED_GROUPS:
+        return _NULL_SPAN_CM
+    handle = _state.live_handle() if handle is None else handle
+    if handle is None or not handle.run_id:
+        return _LiveSpanCM(STEP_SPAN, None, None, {"megatron.iteration": int(iteration), **attrs})
+    return _IterationStepCM(group, iteration, handle, attrs)
 
 
 def _fresh_traceparent() -> str:

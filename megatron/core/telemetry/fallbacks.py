@@ -8,7 +8,7 @@ __all__ = [
     "NoOpSpan", "NoOpTracer", "NoOpMeter", "NoOpInstrument", "NOOP_SPAN", "NOOP_TRACER", "NOOP_METER",
     "managed_span", "span_cm", "trace_fn", "safe_set_span_attributes", "is_span_group_enabled",
     "record_training_metrics", "inject_context", "extract_context", "broadcast_trace_context",
-    "create_linked_span", "iteration_trace_context", "setup_logging_bridge",
+    "create_linked_span", "iteration_trace_context", "iteration_step_span", "setup_logging_bridge",
 ]
 
 
@@ -176,6 +176,11 @@ def create_linked_span(*args, **kwargs):
     span the caller ends), else a context manager yielding ``None``."""
     if args and not isinstance(args[0], str):
         return NOOP_SPAN
+    return _NULL_CM
+
+
+def iteration_step_span(group: str, iteration: int, handle=None, **attrs) -> _NullCM:
+    """No-op ``iteration_step_span``: the body runs, the ``as`` target is ``None``."""
     return _NULL_CM
 
 

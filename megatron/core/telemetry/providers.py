@@ -24,7 +24,7 @@ from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID
 from .config import check_otlp_headers, otlp_protocol
 from .metric_reader import LogIntervalMetricReader, export_interval_ms
 
-__all__ = ["PrivateIdGenerator", "OpenSpanTracker", "Providers", "build_providers", "shutdown_providers",
+__all__ = ["PrivateIdGenerator", "start_span_with_ids", "OpenSpanTracker", "Providers", "build_providers", "shutdown_providers",
            "force_flush_providers", "build_resource", "compact_json_line", "rank_aware_sampler"]
 
 logger = logging.getLogger(__name__)
@@ -52,16 +52,28 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_RANDOM.reseed)
 
 
+_FORCED = threading.local()
+
+
 class PrivateIdGenerator(IdGenerator):
-    """Random 128-bit trace ids and 64-bit span ids from telemetry's own OS-seeded RNG."""
+    """Random 128-bit trace ids and 64-bit span ids from telemetry's own OS-seeded RNG, except for
+    the one span ``start_span_with_ids`` starts on this thread (the derived iteration root)."""
 
     def generate_span_id(self) -> int:
+        forced = getattr(_FORCED, "span_id", None)
+        if forced is not None:
+            _FORCED.span_id = None
+            return forced
         span_id = _RANDOM.rng.getrandbits(64)
         while span_id == INVALID_SPAN_ID:
             span_id = _RANDOM.rng.getrandbits(64)
         return span_id
 
     def generate_trace_id(self) -> int:
+        forced = getattr(_FORCED, "trace_id", None)
+        if forced is not None:
+            _FORCED.trace_id = None
+            return forced
         trace_id = _RANDOM.rng.getrandbits(128)
         while trace_id == INVALID_TRACE_ID:
             trace_id = _RANDOM.rng.getrandbits(128)
@@ -69,6 +81,21 @@ class PrivateIdGenerator(IdGenerator):
 
     def is_trace_id_random(self) -> bool:
         return True
+
+
+def start_span_with_ids(tracer, name: str, trace_id: int, span_id: int, **kwargs):
+    """Start ``name`` as a new root whose trace id and span id are the given ones (not random), on a
+    tracer of a provider built here; ``kwargs`` go to ``tracer.start_span`` (``context`` defaults
+    to an empty one, i.e. a root). Used for the per-iteration root that every pipeline stage
+    derives without communication (``distributed.iteration_span_ids``). Returns the started span."""
+    from opentelemetry.context import Context
+
+    kwargs.setdefault("context", Context())
+    _FORCED.trace_id, _FORCED.span_id = int(trace_id), int(span_id)
+    try:
+        return tracer.start_span(name, **kwargs)
+    finally:
+        _FORCED.trace_id = _FORCED.span_id = None
 
 
 # -------------------------------------------------------------------------------------- sampling

@@ -4,12 +4,12 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 __all__ = [
     "RankStrategyFn", "register_rank_strategy", "register_export_strategy", "unregister_rank_strategy",
     "registered_rank_strategies", "get_rank_strategy", "should_export", "rank_sample_fraction",
-    "node_local_rank", "BUILTIN_RANK_STRATEGIES",
+    "node_local_rank", "BUILTIN_RANK_STRATEGIES", "lowest_exporting_rank",
 ]
 
 # fn(config, rank, world_size) -> bool
@@ -140,3 +140,31 @@ def should_export(config, rank: int, world_size: int, strategy=None) -> bool:
         strategy = getattr(config, "rank_strategy", "single_rank")
     fn = strategy if callable(strategy) else get_rank_strategy(strategy)
     return bool(fn(config, int(rank), int(world_size)))
+
+
+def lowest_exporting_rank(config, world_size: int, strategy=None) -> Optional[int]:
+    """The lowest rank that exports under ``strategy`` (as ``should_export``), computed by every
+    rank alike without communication, or ``None`` when no rank exports.
+
+    The built-ins are pure functions of ``(config, rank, world_size)`` except
+    ``first_rank_per_node``, which reads this process's node-local rank: under it rank 0 is taken
+    (launchers give global rank 0 node-local rank 0). A custom strategy is called for each rank in
+    turn, so it must depend on nothing else for the answer to agree across ranks.
+    """
+    if strategy is None:
+        strategy = getattr(config, "rank_strategy", "single_rank")
+    fn = strategy if callable(strategy) else get_rank_strategy(strategy)
+    if fn is _first_rank_per_node:
+        return 0
+    if fn is _single_rank:
+        target = int(getattr(config, "export_rank", -1))
+        target = world_size - 1 if target < 0 else target
+        return target if 0 <= target < world_size else None
+    keep = None
+    if (getattr(config, "sampling_strategy", "") or "").strip().lower() == "rank_aware":
+        rate = float(getattr(config, "export_sample_rate", 1.0))
+        keep = lambda rank: rank_sample_fraction(rank) < rate  # noqa: E731 (the rank_aware sampler's rule)
+    for rank in range(int(world_size)):
+        if fn(config, rank, int(world_size)) and (keep is None or keep(rank)):
+            return rank
+    return None
