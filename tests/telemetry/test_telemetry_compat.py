@@ -134,7 +134,11 @@ def test_span_cm_record_exception_false():
     assert dict(got["quiet"].attributes) == {"megatron.iteration": 2}
     assert got["quiet"].status.status_code == StatusCode.ERROR
     assert [e.name for e in got["loud"].events] == ["exception"]
-    with fallbacks.span_cm("x", None, record_exception=False) as span:
+    with pytest.raises(ValueError):
+        with tel.span_cm("positional", None, False):  # nemo-lens's (name, tracer, record_exception)
+            raise ValueError("boom")
+    assert list(finished(handle, spans)["positional"].events) == []
+    with fallbacks.span_cm("x", None, False) as span:
         assert span is None
 
 

@@ -126,7 +126,7 @@ def managed_span(group: str, name: str, tracer=None, context=None, **attrs) -> _
     return _NULL_CM
 
 
-def span_cm(name: str, tracer=None, context=None, record_exception: bool = True, **attrs) -> _NullCM:
+def span_cm(name: str, tracer=None, record_exception: bool = True, *, context=None, **attrs) -> _NullCM:
     """No-op ``span_cm``: the body runs, the ``as`` target is ``None``."""
     return _NULL_CM
 

@@ -151,7 +151,7 @@ def managed_span(group: str, name: str, tracer=None, context=None, **attrs: Any)
     return _LiveSpanCM(name, tracer, context, attrs)
 
 
-def span_cm(name: str, tracer=None, context=None, record_exception: bool = True, **attrs: Any):
+def span_cm(name: str, tracer=None, record_exception: bool = True, *, context=None, **attrs: Any):
     """Context manager that always starts a span (for cold paths) on ``tracer``, else the live
     handle's tracer, else the OpenTelemetry global provider's (so an application that configured
     OpenTelemetry itself gets the span); on ranks that do not export it is the shared no-op span.
