@@ -73,8 +73,9 @@ class OtelLogHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         if record.name.startswith(_OWN_LOGGERS) or _export_suppressed():
-            if not _printed_elsewhere(record) and logging.lastResort is not None \
-                    and record.levelno >= logging.lastResort.level:
+            if (not getattr(record, "_megatron_bridge_printed", False) and not _printed_elsewhere(record)
+                    and logging.lastResort is not None and record.levelno >= logging.lastResort.level):
+                record._megatron_bridge_printed = True  # once, even with bridges on several loggers
                 logging.lastResort.handle(record)
             return
         if os.getpid() != self._pid:
