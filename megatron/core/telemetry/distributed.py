@@ -54,9 +54,10 @@ def iteration_sampled(trace_id: int, environ: Optional[Mapping[str, str]] = None
 
 def iteration_trace_context(run_id: str, iteration: int, sampled: Optional[bool] = None,
                             launch_uuid: Optional[str] = None):
-    """An OpenTelemetry Context whose (remote, never exported) parent span is derived from
+    """An OpenTelemetry Context whose remote parent span is derived from
     ``run_id``, ``launch_uuid`` and ``iteration`` (``iteration_span_ids``): pass it as ``context=`` to the step span on every pipeline stage
-    and all stages' spans of that iteration land in one trace, with zero communication.
+    and all stages' spans of that iteration land in one trace, with zero communication. The parent
+    itself is exported only when one rank emits it: use ``iteration_step_span``, which does.
 
     ``sampled`` defaults to ``iteration_sampled`` so ratio sampling stays consistent across stages.
     Returns ``None`` when OpenTelemetry is not installed.
