@@ -76,6 +76,15 @@ def test_telemetry_spans_and_metrics_from_the_training_loop(shared_data, shakesp
         assert len(children) == 1
     assert len({s["context"]["trace_id"] for s in steps}) == 3
     span_ids = {s["context"]["span_id"]: s for s in spans}
+    # Each step trace has an exported root (megatron.iteration), the step links to megatron.train and
+    # back, and no span names a parent that was not exported.
+    roots = {s["context"]["span_id"] for s in by_name["megatron.iteration"]}
+    assert len(roots) == 3 and all(step["parent_id"] in roots for step in steps)
+    train_ids = {s["context"]["span_id"] for s in by_name["megatron.train"]}
+    assert all({link["context"]["span_id"] for link in step["links"]} == train_ids for step in steps)
+    assert {s["context"]["span_id"] for s in steps} <= {
+        link["context"]["span_id"] for s in by_name["megatron.train"] for link in s["links"]}
+    assert all(s["parent_id"] is None or s["parent_id"] in span_ids for s in spans)
     parent_name = lambda s: span_ids[s["parent_id"]]["name"] if s["parent_id"] in span_ids else None  # noqa: E731
     for name, parent in (("megatron.microbatch.forward", "megatron.forward_backward"),
                          ("megatron.microbatch.backward", "megatron.forward_backward"),

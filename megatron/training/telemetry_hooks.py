@@ -5,7 +5,7 @@ not selected, or this rank does not export.
 """
 from megatron.core.telemetry import (
     is_span_group_enabled,
-    iteration_trace_context,
+    iteration_step_span,
     managed_span,
     record_training_metrics,
     safe_set_span_attributes,
@@ -23,18 +23,16 @@ def span(group: str, name: str, **attrs):
 def step_span(iteration: int, first: bool = False):
     """The ``megatron.train_step`` span of ``iteration`` (1-based, as in the log line).
 
-    Its parent is derived from the run id, the launch uuid and the iteration, so every pipeline stage's spans of
-    this iteration share one trace with no communication (spec section 7). The first iteration of
+    Its trace derives from the run id, the launch uuid and the iteration, so every pipeline stage's
+    spans of this iteration share one trace with no communication (spec section 7); its root,
+    ``megatron.iteration``, is emitted by one rank, and the step links to ``megatron.train``. The first iteration of
     a run is also emitted under the ``first_iteration`` group, so its compile/warm-up cost can be
     selected separately.
     """
     group = "first_iteration" if first and is_span_group_enabled("first_iteration") else "step"
     if not is_span_group_enabled(group):
         return managed_span(group, "megatron.train_step")
-    handle = get_telemetry()
-    context = (iteration_trace_context(handle.run_id, iteration, launch_uuid=handle.launch_uuid)
-               if handle is not None and handle.run_id else None)
-    return managed_span(group, "megatron.train_step", context=context, **{"megatron.iteration": iteration})
+    return iteration_step_span(group, iteration, get_telemetry())
 
 
 def set_attributes(span_or_none, **attrs):

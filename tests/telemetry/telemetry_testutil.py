@@ -4,6 +4,7 @@ import os
 import pytest
 
 from megatron.core.telemetry import state
+from megatron.core.telemetry.resources.gpu import reset_nvml_probe
 
 _PREFIXES = ("MEGATRON_OTEL_", "NEMO_LENS_", "OTEL_", "SLURM_", "K8S_", "KUBERNETES_", "TORCHELASTIC_",
              "LENS_SLURM_", "NVRX_")
@@ -17,7 +18,9 @@ def clean_telemetry(monkeypatch):
     for name in list(os.environ):
         if name.startswith(_PREFIXES) or name in _NAMES:
             monkeypatch.delenv(name, raising=False)
+    reset_nvml_probe()
     yield
+    reset_nvml_probe()
     handle = state.live_handle()
     if handle is not None:
         handle.shutdown(timeout_ms=2000)

@@ -27,8 +27,21 @@ def _ranks_body(rank, world_size):
                       [(l.context.trace_id, l.context.span_id) for l in s.links])
              for s in exporter.get_finished_spans()}
     handle.shutdown(timeout_ms=2000)
+    # Every rank exports: each iteration's root is emitted once (rank 0), all steps hang from it.
+    exporter2 = InMemorySpanExporter()
+    cfg2 = tel.TelemetryConfig(enabled=True, span_groups="per_step", metrics_enabled=False, rank_strategy="all_ranks")
+    handle2 = tel.setup_telemetry(cfg2, rank, world_size, span_exporter=exporter2)
+    with tel.managed_span("job", "megatron.train"):
+        for iteration in (1, 2):
+            with tel.iteration_step_span("step", iteration):
+                with tel.managed_span("optimizer", "megatron.optimizer_step"):
+                    pass
+    handle2.force_flush(3000)
+    all_ranks = [(s.name, s.context.trace_id, s.context.span_id, s.parent.span_id if s.parent else None,
+                  [l.context.span_id for l in s.links]) for s in exporter2.get_finished_spans()]
+    handle2.shutdown(timeout_ms=2000)
     return {"agreed": agreed, "run_id": handle.run_id, "exporting": handle.is_exporting, "carrier": carrier,
-            "spans": spans}
+            "spans": spans, "all_ranks": all_ranks}
 
 
 def test_pipeline_stages_share_run_id_and_trace():
@@ -44,6 +57,19 @@ def test_pipeline_stages_share_run_id_and_trace():
     _, link_trace, link_span, _ = r1["carrier"]["traceparent"].split("-")
     linked = r1["spans"]["megatron.pp.recv_forward.linked"]
     assert linked[0] == trace_id and linked[2] == [(int(link_trace, 16), int(link_span, 16))]
+    # all_ranks: one exported root per iteration (from rank 0), both ranks' steps in its trace, no parent
+    # id that no rank exported, every step linked to its rank's megatron.train.
+    spans = r0["all_ranks"] + r1["all_ranks"]
+    ids = {span_id for _, _, span_id, _, _ in spans}
+    assert all(parent is None or parent in ids for _, _, _, parent, _ in spans)
+    roots = {trace: span_id for name, trace, span_id, _, _ in r0["all_ranks"] if name == "megatron.iteration"}
+    assert len(roots) == 2 and not [s for s in r1["all_ranks"] if s[0] == "megatron.iteration"]
+    for per_rank in (r0["all_ranks"], r1["all_ranks"]):
+        train = [span_id for name, _, span_id, _, _ in per_rank if name == "megatron.train"]
+        steps = [s for s in per_rank if s[0] == "megatron.train_step"]
+        assert len(steps) == 2
+        for _, trace, _, parent, links in steps:
+            assert roots[trace] == parent and links == train
 
 
 def test_iteration_context_is_deterministic_and_sampler_consistent(monkeypatch):

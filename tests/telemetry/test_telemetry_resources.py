@@ -9,6 +9,7 @@ from megatron.core.telemetry.resources import (
     detect_gpu_identity, detect_kubernetes_attributes, detect_resource_attributes, detect_slurm_attributes,
     physical_gpu_index, resolve_run_id, service_instance_id,
 )
+from megatron.core.telemetry.resources.gpu import reset_nvml_probe
 from telemetry_testutil import clean_telemetry  # noqa: F401
 
 
@@ -108,8 +109,10 @@ def test_gpu_identity_with_fake_nvml(monkeypatch):
     assert physical_gpu_index(0, {"CUDA_VISIBLE_DEVICES": "GPU-abc"}) is None  # UUID/MIG entries
     mod2, _ = _fake_pynvml(serial_fails=True)
     monkeypatch.setitem(sys.modules, "pynvml", mod2)
+    reset_nvml_probe()  # NVML is probed once per process and device: forget the first fake's answers
     assert "dl.gpu.serial" not in detect_gpu_identity(0) and "dl.gpu.uuid" in detect_gpu_identity(0)
     mod2.nvmlInit = lambda: (_ for _ in ()).throw(RuntimeError("no driver"))
+    reset_nvml_probe()
     assert detect_gpu_identity(0) == {}
 
 

@@ -64,8 +64,8 @@ def test_custom_strategy_registration_rules():
         register_export_strategy("even", lambda c, r, w: r == 1, allow_override=True)
         assert _exporters(TelemetryConfig(rank_strategy="even"), 6) == [1]
         assert should_export(TelemetryConfig(), 3, 6, strategy=even) is False  # explicit callable
-        with pytest.raises(ValueError, match="built in"):
-            register_rank_strategy("all_ranks", even, allow_override=True)
+        with pytest.raises(ValueError, match="built-in; pass allow_override=True"):
+            register_rank_strategy("all_ranks", even)
         with pytest.raises(ValueError, match="built in and cannot be unregistered"):
             unregister_rank_strategy("single_rank")
         with pytest.raises(TypeError, match="must be callable"):
@@ -74,7 +74,8 @@ def test_custom_strategy_registration_rules():
             register_rank_strategy(" ", even)
     finally:
         assert unregister_rank_strategy("even") is True
-    assert unregister_rank_strategy("even") is False
+    with pytest.raises(ValueError, match="'even' is not registered"):
+        unregister_rank_strategy("even")
     with pytest.raises(ValueError, match="unknown rank strategy 'even'"):
         should_export(TelemetryConfig(rank_strategy="even"), 0, 2)
 

@@ -16,6 +16,7 @@ from .distributed import (
     create_linked_span,
     iteration_sampled,
     iteration_span_ids,
+    iteration_step_span,
     iteration_trace_context,
 )
 from .groups import SpanGroup
@@ -49,7 +50,7 @@ __all__ = [
     "managed_span", "span_cm", "trace_fn", "safe_set_span_attributes", "sanitize_attributes",
     "is_span_group_enabled", "get_enabled_groups", "set_enabled_groups",
     "inject_context", "extract_context", "broadcast_trace_context", "create_linked_span",
-    "iteration_trace_context", "iteration_span_ids", "iteration_sampled",
+    "iteration_trace_context", "iteration_span_ids", "iteration_sampled", "iteration_step_span",
     "get_pipeline_carrier", "set_pipeline_carrier",
     "setup_logging_bridge", "teardown_logging_bridge", "record_training_metrics", "TRAINING_INSTRUMENTS",
     "register_rank_strategy", "register_export_strategy", "unregister_rank_strategy", "registered_rank_strategies",

@@ -127,6 +127,16 @@ def _parse_float(value: str, name: str) -> float:
     return out
 
 
+def _check_sample_rate(rate, source: str) -> None:
+    """``ValueError`` naming ``source`` unless ``rate`` is a number in [0, 1]."""
+    try:
+        ok = 0.0 <= float(rate) <= 1.0
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{source}={rate!r} is outside [0, 1]")
+
+
 @dataclasses.dataclass
 class TelemetryConfig:
     """Everything that decides what telemetry a process emits (spec section 1).
@@ -150,6 +160,11 @@ class TelemetryConfig:
     service_name: str = "megatron-lm"
     span_group_cls: type = MegatronSpanGroup
     sources: Dict[str, str] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Refused at construction (as nemo-lens does), not only by validate(): a config object with
+        # an impossible rate never exists.
+        _check_sample_rate(self.export_sample_rate, self.sources.get("export_sample_rate", "export_sample_rate"))
 
     @classmethod
     def from_env(
@@ -203,6 +218,8 @@ class TelemetryConfig:
             raw, name = read(*keys)
             if raw is not None:
                 setattr(cfg, field, parse(raw, name))
+                if field == "export_sample_rate":
+                    _check_sample_rate(cfg.export_sample_rate, name)
                 cfg.sources[field] = name
             else:
                 cfg.sources[field] = f"{prefix}_{keys[0]}"

@@ -8,7 +8,7 @@ __all__ = [
     "NoOpSpan", "NoOpTracer", "NoOpMeter", "NoOpInstrument", "NOOP_SPAN", "NOOP_TRACER", "NOOP_METER",
     "managed_span", "span_cm", "trace_fn", "safe_set_span_attributes", "is_span_group_enabled",
     "record_training_metrics", "inject_context", "extract_context", "broadcast_trace_context",
-    "create_linked_span", "iteration_trace_context", "setup_logging_bridge",
+    "create_linked_span", "iteration_trace_context", "iteration_step_span", "setup_logging_bridge",
 ]
 
 
@@ -126,21 +126,22 @@ def managed_span(group: str, name: str, tracer=None, context=None, **attrs) -> _
     return _NULL_CM
 
 
-def span_cm(name: str, tracer=None, context=None, **attrs) -> _NullCM:
+def span_cm(name: str, tracer=None, record_exception: bool = True, *, context=None, **attrs) -> _NullCM:
     """No-op ``span_cm``: the body runs, the ``as`` target is ``None``."""
     return _NULL_CM
 
 
-def trace_fn(group: str, name: Optional[str] = None) -> Callable[[Callable], Callable]:
+def trace_fn(group: str, name: Optional[str] = None, tracer=None) -> Callable[[Callable], Callable]:
     """No-op ``trace_fn``: returns the function unchanged."""
     def decorate(fn: Callable) -> Callable:
         return fn
     return decorate
 
 
-def safe_set_span_attributes(span, attributes: Optional[Mapping[str, Any]] = None, **kwargs) -> Dict[str, Any]:
-    """No-op: sets nothing and returns ``{}``."""
-    return {}
+def safe_set_span_attributes(span, attributes: Optional[Mapping[str, Any]] = None, redact_keys=None,
+                             **kwargs) -> None:
+    """No-op: sets nothing and returns ``None``."""
+    return None
 
 
 def is_span_group_enabled(group: str) -> bool:
@@ -163,13 +164,23 @@ def extract_context(carrier: Optional[Mapping[str, str]]):
     return None
 
 
-def broadcast_trace_context(context=None, src: int = 0, group=None) -> Dict[str, str]:
-    """No-op: ``{}`` without communicating."""
+def broadcast_trace_context(*args, **kwargs) -> Optional[Dict[str, str]]:
+    """No-op without communicating: ``None`` for nemo-lens's ``(rank, src_rank=0)`` shape, else ``{}``."""
+    if "rank" in kwargs or "src_rank" in kwargs or (args and isinstance(args[0], int)):
+        return None
     return {}
 
 
-def create_linked_span(name: str, carrier=None, tracer=None, group: str = "communication", **attrs) -> _NullCM:
-    """No-op ``create_linked_span``."""
+def create_linked_span(*args, **kwargs):
+    """No-op ``create_linked_span``: ``NOOP_SPAN`` for nemo-lens's ``(tracer, name, ...)`` shape (a
+    span the caller ends), else a context manager yielding ``None``."""
+    if args and not isinstance(args[0], str):
+        return NOOP_SPAN
+    return _NULL_CM
+
+
+def iteration_step_span(group: str, iteration: int, handle=None, **attrs) -> _NullCM:
+    """No-op ``iteration_step_span``: the body runs, the ``as`` target is ``None``."""
     return _NULL_CM
 
 
@@ -179,7 +190,8 @@ def iteration_trace_context(run_id: str, iteration: int, sampled: Optional[bool]
     return None
 
 
-def setup_logging_bridge(target=None, level: int = logging.NOTSET, logger: Optional[logging.Logger] = None):
+def setup_logging_bridge(target=None, level: Optional[int] = None, logger: Optional[logging.Logger] = None, *,
+                         logger_name: Optional[str] = None):
     """No-op: attaches nothing and returns ``None``."""
     return None
 

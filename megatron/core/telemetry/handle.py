@@ -10,7 +10,7 @@ from typing import Mapping, Optional
 from . import state as _state
 from .fallbacks import NOOP_METER, NOOP_TRACER
 from .resources import compute_job_uuids, detect_resource_attributes, resolve_run_identity, service_instance_id
-from .strategies import node_local_rank, should_export
+from .strategies import lowest_exporting_rank, node_local_rank, should_export
 
 __all__ = ["TelemetryHandle", "setup_telemetry", "get_active_handle", "TRACER_NAME", "AT_EXIT_TIMEOUT_MS"]
 
@@ -43,6 +43,9 @@ class TelemetryHandle:
         self.run_id = run_id
         # New for every launch/restart and shared by all ranks: the per-iteration trace ids derive from it.
         self.launch_uuid = launch_uuid
+        # The one rank that emits each iteration's root span (megatron.iteration); see
+        # distributed.iteration_step_span. Set on exporting ranks by setup_telemetry.
+        self.iteration_root_rank: Optional[int] = None
         self.tracer = tracer
         self.meter = meter
         self.enabled_span_groups = frozenset(enabled_span_groups)
@@ -113,6 +116,10 @@ class TelemetryHandle:
         _state.deactivate(self)
         if self._providers is None or os.getpid() != self._pid:
             return
+        if self._providers.tracer_provider is not None:
+            from .global_tracer import uninstall_tracer_provider
+
+            uninstall_tracer_provider(self._providers.tracer_provider)
         from .providers import shutdown_providers
 
         try:
@@ -212,14 +219,24 @@ def setup_telemetry(
             config, attrs, span_exporter=span_exporter, metric_reader=metric_reader,
             log_exporter=log_exporter, sampler=build_sampler(config, rank, world_size), out=out,
         )
-        tracer = (providers.tracer_provider.get_tracer(TRACER_NAME, package_version())
-                  if providers.tracer_provider is not None else NOOP_TRACER)
+        tracer = NOOP_TRACER
+        if providers.tracer_provider is not None:
+            from .global_tracer import install_tracer_provider
+
+            # Spans from trace.get_tracer(...) in user code and libraries reach our exporters too
+            # (unless the application installed a provider of its own first: then it keeps it).
+            install_tracer_provider(providers.tracer_provider)
+            tracer = providers.tracer_provider.get_tracer(TRACER_NAME, package_version())
         meter = (providers.meter_provider.get_meter(TRACER_NAME, package_version())
                  if providers.meter_provider is not None else NOOP_METER)
         enabled_groups = groups if providers.tracer_provider is not None else frozenset()
         handle = TelemetryHandle(config, rank, world_size, is_exporting=True, run_id=run_id, tracer=tracer,
                                  meter=meter, providers=providers, enabled_span_groups=enabled_groups,
                                  resource_attributes=attrs, launch_uuid=launch_uuid)
+        try:
+            handle.iteration_root_rank = lowest_exporting_rank(config, world_size, export_strategy)
+        except Exception:  # a custom strategy that cannot answer for other ranks: no derived root
+            logger.warning("telemetry: cannot tell which rank emits the per-iteration root span", exc_info=True)
         _state.activate(enabled_groups, tracer, meter, handle)
         if not _ATEXIT_REGISTERED:
             atexit.register(_shutdown_at_exit)

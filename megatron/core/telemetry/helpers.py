@@ -4,13 +4,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
-from typing import Any, Callable, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, FrozenSet, Iterable, Mapping, Optional
 
 from . import state as _state
-from .fallbacks import NOOP_TRACER
+from .global_tracer import default_tracer
 
 __all__ = ["managed_span", "span_cm", "trace_fn", "safe_set_span_attributes", "sanitize_attributes",
-           "is_span_group_enabled", "REDACTED"]
+           "is_span_group_enabled", "REDACTED", "DEFAULT_REDACT_KEYS"]
 
 REDACTED = "[REDACTED]"
 _SECRET_WORDS = frozenset({
@@ -44,14 +44,27 @@ def _scalar(value: Any):
     return None
 
 
-def sanitize_attributes(attributes: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+# Content keys (reference nemo-lens's defaults): prompts and generated text are user data, not
+# telemetry. A key is redacted when it, or its last dotted component, is one of them.
+DEFAULT_REDACT_KEYS: FrozenSet[str] = frozenset({"prompt", "text", "input_text", "output_text", "key"})
+
+
+def _is_redacted(key: str, redact_keys: FrozenSet[str]) -> bool:
+    return key in redact_keys or key.rsplit(".", 1)[-1] in redact_keys or _is_secret_key(key)
+
+
+def sanitize_attributes(attributes: Optional[Mapping[str, Any]],
+                        redact_keys: Optional[Iterable[str]] = None) -> Dict[str, Any]:
     """Keep bool/int/float/str values and homogeneous lists/tuples of them; convert 0-d tensors and
     numpy scalars with ``.item()``; drop everything else (``None``, dicts, n-d tensors, mixed lists,
-    non-string keys); replace the value of secret-looking keys (``*token``, ``password``,
-    ``api_key``, ``authorization``, ...) with ``"[REDACTED]"``."""
+    non-string keys); replace with ``"[REDACTED]"`` the value of a key that is, or ends in
+    ``.<k>`` for, a ``k`` of ``redact_keys`` (default ``DEFAULT_REDACT_KEYS``: prompt, text,
+    input_text, output_text, key) and, always, of a secret-looking key (``*token``, ``password``,
+    ``api_key``, ``authorization``, ...)."""
     out: Dict[str, Any] = {}
     if not attributes:
         return out
+    redact = DEFAULT_REDACT_KEYS if redact_keys is None else frozenset(redact_keys)
     for key, value in attributes.items():
         if not isinstance(key, str) or not key:
             continue
@@ -64,24 +77,24 @@ def sanitize_attributes(attributes: Optional[Mapping[str, Any]]) -> Dict[str, An
             clean = _scalar(value)
             if clean is None:
                 continue
-        out[key] = REDACTED if _is_secret_key(key) else clean
+        out[key] = REDACTED if _is_redacted(key, redact) else clean
     return out
 
 
-def safe_set_span_attributes(span, attributes: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> Dict[str, Any]:
-    """Set the sanitized ``attributes`` (plus ``kwargs``) on ``span`` if it is recording.
-
-    ``span`` may be ``None`` (a disabled ``managed_span``). Returns the attributes that were kept
-    (see ``sanitize_attributes``). Never raises for odd values.
-    """
+def safe_set_span_attributes(span, attributes: Optional[Mapping[str, Any]] = None,
+                             redact_keys: Optional[Iterable[str]] = None, **kwargs: Any) -> None:
+    """Set the sanitized ``attributes`` (plus ``kwargs``) on ``span`` if it is recording (see
+    ``sanitize_attributes``; ``redact_keys`` replaces the default content keys, secret-looking keys
+    are redacted whatever it holds). ``span`` may be ``None`` (a disabled ``managed_span``).
+    Returns ``None`` (as nemo-lens does); never raises for odd values."""
     if span is None:
-        return {}
+        return None
     merged = dict(attributes) if attributes else {}
     merged.update(kwargs)
-    clean = sanitize_attributes(merged)
+    clean = sanitize_attributes(merged, redact_keys)
     if clean and span.is_recording():
         span.set_attributes(clean)
-    return clean
+    return None
 
 
 def is_span_group_enabled(group: str) -> bool:
@@ -98,20 +111,22 @@ _NULL_SPAN_CM = contextlib.nullcontext()
 
 
 class _LiveSpanCM:
-    """Starts ``name`` as the current span on enter; on exit records an exception (then
-    re-raised), sets an error status and ends the span."""
+    """Starts ``name`` as the current span on enter; on exit records an exception (unless
+    ``record_exception`` is false), sets an error status, re-raises, and ends the span."""
 
-    __slots__ = ("_name", "_tracer", "_context", "_attrs", "_links", "_cm")
+    __slots__ = ("_name", "_tracer", "_context", "_attrs", "_links", "_record", "_cm")
 
-    def __init__(self, name: str, tracer, context, attrs: Mapping[str, Any], links=None):
+    def __init__(self, name: str, tracer, context, attrs: Mapping[str, Any], links=None,
+                 record_exception: bool = True):
         self._name, self._tracer, self._context, self._attrs, self._links = name, tracer, context, attrs, links
+        self._record = record_exception
         self._cm = None
 
     def __enter__(self):
-        tracer = self._tracer or _state.TRACER or NOOP_TRACER
+        tracer = self._tracer or _state.TRACER or default_tracer()
         self._cm = tracer.start_as_current_span(
             self._name, context=self._context, attributes=sanitize_attributes(self._attrs) or None,
-            links=self._links, record_exception=True, set_status_on_exception=True,
+            links=self._links, record_exception=self._record, set_status_on_exception=True,
         )
         return self._cm.__enter__()
 
@@ -128,21 +143,25 @@ def managed_span(group: str, name: str, tracer=None, context=None, **attrs: Any)
     runs), which ``torch.compile`` traces without a graph break. An enabled span inside a compiled
     region does break the graph (spans are Python side effects). Otherwise
     the span is current inside the block, ``context`` (an OpenTelemetry Context) optionally sets its
-    parent, and an exception escaping the block is recorded on the span and re-raised.
+    parent, and an exception escaping the block is recorded on the span and re-raised. The tracer is
+    ``tracer``, else the live handle's, else the OpenTelemetry global provider's.
     """
     if group not in _state.ENABLED_GROUPS:
         return _NULL_SPAN_CM
     return _LiveSpanCM(name, tracer, context, attrs)
 
 
-def span_cm(name: str, tracer=None, context=None, **attrs: Any):
-    """Context manager that always starts a span (for cold paths), on ``tracer`` or the handle's
-    tracer; on ranks without a real tracer the span is the shared no-op span."""
-    return _LiveSpanCM(name, tracer, context, attrs)
+def span_cm(name: str, tracer=None, record_exception: bool = True, *, context=None, **attrs: Any):
+    """Context manager that always starts a span (for cold paths) on ``tracer``, else the live
+    handle's tracer, else the OpenTelemetry global provider's (so an application that configured
+    OpenTelemetry itself gets the span); on ranks that do not export it is the shared no-op span.
+    ``record_exception=False`` leaves an escaping exception off the span (the status still says
+    error); neither keyword becomes an attribute."""
+    return _LiveSpanCM(name, tracer, context, attrs, record_exception=record_exception)
 
 
-def trace_fn(group: str, name: Optional[str] = None) -> Callable[[Callable], Callable]:
-    """Decorator: run the function inside ``managed_span(group, name)``; the default name is
+def trace_fn(group: str, name: Optional[str] = None, tracer=None) -> Callable[[Callable], Callable]:
+    """Decorator: run the function inside ``managed_span(group, name, tracer)``; the default name is
     ``module.qualname``. The group is checked on every call, so enabling it later takes effect."""
 
     def decorate(fn: Callable) -> Callable:
@@ -152,7 +171,7 @@ def trace_fn(group: str, name: Optional[str] = None) -> Callable[[Callable], Cal
         def wrapper(*args, **kwargs):
             if group not in _state.ENABLED_GROUPS:
                 return fn(*args, **kwargs)
-            with _LiveSpanCM(span_name, None, None, {}):
+            with _LiveSpanCM(span_name, tracer, None, {}):
                 return fn(*args, **kwargs)
 
         return wrapper

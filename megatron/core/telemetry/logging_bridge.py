@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import traceback
@@ -27,17 +28,57 @@ def _severity(levelno: int):
     return SeverityNumber.TRACE, "TRACE"
 
 
+# Records of these loggers describe telemetry itself (an export failing, a shutdown running late):
+# exporting them could feed the failure that produced them, so they only go to the console.
+_OWN_LOGGERS = ("opentelemetry", "megatron.core.telemetry")
+
+
+def _printed_elsewhere(record: logging.LogRecord) -> bool:
+    """Whether a handler other than a bridge will print ``record`` (logging's own walk up the tree)."""
+    node = logging.getLogger(record.name)
+    while node is not None:
+        for handler in node.handlers:
+            if not isinstance(handler, OtelLogHandler) and record.levelno >= handler.level:
+                return True
+        if not node.propagate:
+            return False
+        node = node.parent
+    return False
+
+
+def _export_suppressed() -> bool:
+    """Whether the current context is an SDK export (its processors set this key while exporting)."""
+    try:
+        from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY, get_value
+    except ImportError:
+        return False
+    return bool(get_value(_SUPPRESS_INSTRUMENTATION_KEY))
+
+
 class OtelLogHandler(logging.Handler):
     """``logging.Handler`` that emits each record as an OpenTelemetry log record in the current
-    context, so the exported record carries the active trace id and span id. Records from
-    ``opentelemetry.*`` loggers are skipped (an exporter error must not feed itself)."""
+    context, so the exported record carries the active trace id and span id.
+
+    Records about telemetry itself (``opentelemetry.*`` and ``megatron.core.telemetry.*`` loggers,
+    or logged while the SDK exports) are never exported, so an exporter error cannot feed itself; and
+    when no other handler prints them, they go to stderr exactly as Python prints a warning when no
+    handler is configured, so the bridge never hides an exporter's errors. In a forked child
+    (data-loader or checkpoint worker) the inherited handler exports nothing.
+    """
 
     def __init__(self, logger_provider, level: int = logging.NOTSET) -> None:
         super().__init__(level=level)
         self.logger_provider = logger_provider
+        self._pid = os.getpid()
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.name.startswith("opentelemetry"):
+        if record.name.startswith(_OWN_LOGGERS) or _export_suppressed():
+            if (not getattr(record, "_megatron_bridge_printed", False) and not _printed_elsewhere(record)
+                    and logging.lastResort is not None and record.levelno >= logging.lastResort.level):
+                record._megatron_bridge_printed = True  # once, even with bridges on several loggers
+                logging.lastResort.handle(record)
+            return
+        if os.getpid() != self._pid:
             return
         try:
             from opentelemetry._logs import LogRecord
@@ -61,29 +102,68 @@ class OtelLogHandler(logging.Handler):
             self.handleError(record)
 
 
-def setup_logging_bridge(target, level: int = logging.NOTSET,
-                         logger: Optional[logging.Logger] = None) -> Optional[OtelLogHandler]:
-    """Attach one ``OtelLogHandler`` to ``logger`` (default: the root logger) for ``target``, a
-    ``TelemetryHandle`` or an SDK ``LoggerProvider``.
+def _default_provider():
+    """The live handle's logger provider, else the global one when it is an SDK provider."""
+    from . import state as _state
 
-    Idempotent: calling it again for the same target returns the installed handler; a different
-    target replaces it. Returns ``None`` (attaching nothing) when the target has no logger provider
-    (logs off or rank not exporting).
+    handle = _state.live_handle()
+    if handle is not None and handle.logger_provider is not None:
+        return handle, handle.logger_provider
+    try:
+        from opentelemetry._logs import get_logger_provider
+    except ImportError:
+        return None, None
+    provider = get_logger_provider()
+    # The API's no-op and proxy providers cannot export; an SDK provider takes log processors.
+    if not hasattr(provider, "add_log_record_processor"):
+        return None, None
+    return provider, provider
+
+
+def setup_logging_bridge(target=None, level: Optional[int] = None,
+                         logger: Optional[logging.Logger] = None, *,
+                         logger_name: Optional[str] = None) -> Optional[OtelLogHandler]:
+    """Attach one ``OtelLogHandler`` to a logger. Call shapes:
+
+    * ``setup_logging_bridge()`` (how Megatron's start-up calls it) or
+      ``setup_logging_bridge("my.app", logging.INFO)`` (nemo-lens's ``logger_name, level``): bridge
+      the named logger (default: the root logger) to the live handle's logger provider, else to the
+      global OpenTelemetry one; ``level`` defaults to ``INFO``.
+    * ``setup_logging_bridge(handle_or_provider, level=NOTSET, logger=None)``: bridge ``logger``
+      (default: root) to a ``TelemetryHandle`` or an SDK ``LoggerProvider``.
+
+    Idempotent per logger: calling it again for the same target returns the installed handler; a
+    different target replaces it. Returns ``None`` (attaching nothing) when there is no provider to
+    export to (logs off, rank not exporting, telemetry not set up).
     """
-    provider = getattr(target, "logger_provider", target)
+    if isinstance(target, str):
+        if logger_name is not None:
+            raise TypeError("setup_logging_bridge: logger name given twice")
+        target, logger_name = None, target
+    if target is None:
+        owner, provider = _default_provider()
+        if level is None:
+            level = logging.INFO
+    else:
+        owner, provider = target, getattr(target, "logger_provider", target)
     if provider is None:
         return None
-    logger = logging.getLogger() if logger is None else logger
+    if not callable(getattr(provider, "get_logger", None)):
+        raise TypeError(f"setup_logging_bridge: {type(target).__name__} is neither a TelemetryHandle, a "
+                        "LoggerProvider nor a logger name")
+    if logger is None:
+        logger = logging.getLogger(logger_name or None)
+    level = logging.NOTSET if level is None else level
     with _LOCK:
         installed = _INSTALLED.get(logger)
         if installed is not None:
-            handler, owner = installed
-            if owner is target:
+            handler, previous = installed
+            if previous is owner:
                 return handler
             logger.removeHandler(handler)
         handler = OtelLogHandler(provider, level=level)
         logger.addHandler(handler)
-        _INSTALLED[logger] = (handler, target)
+        _INSTALLED[logger] = (handler, owner)
         return handler
 
 

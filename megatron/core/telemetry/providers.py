@@ -12,12 +12,11 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from opentelemetry.sdk._logs import LoggerProvider
-from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, LogRecordExporter, LogRecordExportResult
+from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace import sampling as otel_sampling
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID
@@ -25,11 +24,12 @@ from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID
 from .config import check_otlp_headers, otlp_protocol
 from .metric_reader import LogIntervalMetricReader, export_interval_ms
 
-__all__ = ["PrivateIdGenerator", "OpenSpanTracker", "Providers", "build_providers", "shutdown_providers",
+__all__ = ["PrivateIdGenerator", "start_span_with_ids", "OpenSpanTracker", "Providers", "build_providers", "shutdown_providers",
            "force_flush_providers", "build_resource", "compact_json_line", "rank_aware_sampler"]
 
 logger = logging.getLogger(__name__)
 TRUNCATED_ATTR = "nemo.span.truncated"
+TRUNCATED_REASON_ATTR = "nemo.span.truncated.reason"
 _ERROR_LOG_INTERVAL_S = 60.0
 
 
@@ -52,16 +52,28 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_RANDOM.reseed)
 
 
+_FORCED = threading.local()
+
+
 class PrivateIdGenerator(IdGenerator):
-    """Random 128-bit trace ids and 64-bit span ids from telemetry's own OS-seeded RNG."""
+    """Random 128-bit trace ids and 64-bit span ids from telemetry's own OS-seeded RNG, except for
+    the one span ``start_span_with_ids`` starts on this thread (the derived iteration root)."""
 
     def generate_span_id(self) -> int:
+        forced = getattr(_FORCED, "span_id", None)
+        if forced is not None:
+            _FORCED.span_id = None
+            return forced
         span_id = _RANDOM.rng.getrandbits(64)
         while span_id == INVALID_SPAN_ID:
             span_id = _RANDOM.rng.getrandbits(64)
         return span_id
 
     def generate_trace_id(self) -> int:
+        forced = getattr(_FORCED, "trace_id", None)
+        if forced is not None:
+            _FORCED.trace_id = None
+            return forced
         trace_id = _RANDOM.rng.getrandbits(128)
         while trace_id == INVALID_TRACE_ID:
             trace_id = _RANDOM.rng.getrandbits(128)
@@ -69,6 +81,21 @@ class PrivateIdGenerator(IdGenerator):
 
     def is_trace_id_random(self) -> bool:
         return True
+
+
+def start_span_with_ids(tracer, name: str, trace_id: int, span_id: int, **kwargs):
+    """Start ``name`` as a new root whose trace id and span id are the given ones (not random), on a
+    tracer of a provider built here; ``kwargs`` go to ``tracer.start_span`` (``context`` defaults
+    to an empty one, i.e. a root). Used for the per-iteration root that every pipeline stage
+    derives without communication (``distributed.iteration_span_ids``). Returns the started span."""
+    from opentelemetry.context import Context
+
+    kwargs.setdefault("context", Context())
+    _FORCED.trace_id, _FORCED.span_id = int(trace_id), int(span_id)
+    try:
+        return tracer.start_span(name, **kwargs)
+    finally:
+        _FORCED.trace_id = _FORCED.span_id = None
 
 
 # -------------------------------------------------------------------------------------- sampling
@@ -133,143 +160,24 @@ def _rate_limit_export_logs() -> None:
                 lg.addFilter(_RATE_LIMIT)
 
 
-# ----------------------------------------------------------------------------- fork-safe exporting
-class _ExporterGuard:
-    """Shared logic of the guarded exporters: export only in the creating process, never raise,
-    and ``abort()`` the wrapped exporter (close its channel, stop its retries) at most once."""
-
-    def _guard_init(self, delegate) -> None:
-        self._delegate = delegate
-        self._pid = os.getpid()
-        self._aborted = False
-        self._abort_lock = threading.Lock()
-        self._last_error = 0.0
-
-    def _in_owner(self) -> bool:
-        return os.getpid() == self._pid and not self._aborted
-
-    def _report(self, what: str) -> None:
-        now = time.monotonic()
-        if now - self._last_error >= _ERROR_LOG_INTERVAL_S:
-            self._last_error = now
-            logger.warning("telemetry %s export failed (reported at most once per minute)", what, exc_info=True)
-
-    def abort(self, timeout_millis: float = 0) -> None:
-        """Shut the wrapped exporter down now (interrupts retry back-off, closes connections)."""
-        with self._abort_lock:
-            if self._aborted or os.getpid() != self._pid:
-                return
-            self._aborted = True
-        try:
-            try:
-                self._delegate.shutdown(timeout_millis=timeout_millis)
-            except TypeError:
-                self._delegate.shutdown()
-        except Exception:
-            self._report("shutdown")
-
-
-class GuardedSpanExporter(_ExporterGuard, SpanExporter):
-    """Span exporter wrapper: drops batches in forked children and after abort; never raises."""
-
-    def __init__(self, delegate: SpanExporter) -> None:
-        self._guard_init(delegate)
-
-    def export(self, spans):
-        if not self._in_owner():
-            return SpanExportResult.SUCCESS
-        try:
-            return self._delegate.export(spans)
-        except Exception:
-            self._report("span")
-            return SpanExportResult.FAILURE
-
-    def shutdown(self) -> None:
-        self.abort()
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        if not self._in_owner():
-            return True
-        try:
-            return self._delegate.force_flush(timeout_millis)
-        except Exception:
-            return False
-
-
-class GuardedMetricExporter(_ExporterGuard, MetricExporter):
-    """Metric exporter wrapper with the delegate's temporality/aggregation preferences."""
-
-    def __init__(self, delegate: MetricExporter) -> None:
-        MetricExporter.__init__(
-            self,
-            preferred_temporality=getattr(delegate, "_preferred_temporality", None),
-            preferred_aggregation=getattr(delegate, "_preferred_aggregation", None),
-        )
-        self._guard_init(delegate)
-
-    def export(self, metrics_data, timeout_millis: float = 10_000, **kwargs):
-        if not self._in_owner():
-            return MetricExportResult.SUCCESS
-        try:
-            return self._delegate.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
-        except Exception:
-            self._report("metric")
-            return MetricExportResult.FAILURE
-
-    def force_flush(self, timeout_millis: float = 10_000) -> bool:
-        if not self._in_owner():
-            return True
-        try:
-            return self._delegate.force_flush(timeout_millis=timeout_millis)
-        except Exception:
-            return False
-
-    def shutdown(self, timeout_millis: float = 30_000, **kwargs) -> None:
-        self.abort(timeout_millis)
-
-
-class GuardedLogExporter(_ExporterGuard, LogRecordExporter):
-    """Log exporter wrapper: drops batches in forked children and after abort; never raises."""
-
-    def __init__(self, delegate: LogRecordExporter) -> None:
-        self._guard_init(delegate)
-
-    def export(self, batch):
-        if not self._in_owner():
-            return LogRecordExportResult.SUCCESS
-        try:
-            return self._delegate.export(batch)
-        except Exception:
-            self._report("log")
-            return LogRecordExportResult.FAILURE
-
-    def shutdown(self) -> None:
-        self.abort()
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        if not self._in_owner():
-            return True
-        try:
-            return self._delegate.force_flush(timeout_millis)
-        except Exception:
-            return False
-
-
+# ------------------------------------------------------------------------- open spans, fork safety
 class OpenSpanTracker(SpanProcessor):
-    """Front span processor: remembers spans that started and have not ended (so shutdown can end
-    them with ``nemo.span.truncated=true``) and forwards ended spans to ``delegate`` only in the
-    process that created it, so a forked child never re-exports its parent's spans."""
+    """Front span processor: remembers spans that started and have not ended, so that shutdown can
+    end them (innermost first, marked truncated), and forwards ended spans to ``delegate`` only in
+    the process that created it, so a forked child never re-exports its parent's spans (the SDK's
+    batch processor restarts itself in a child; this is the one guard it lacks)."""
 
     def __init__(self, delegate: SpanProcessor) -> None:
         self._delegate = delegate
         self._pid = os.getpid()
-        # Keyed by (trace_id, span_id): dict set/pop are atomic under the GIL, so no lock to
-        # inherit in a locked state across fork.
+        self._closed = False
+        # Keyed by (trace_id, span_id), in start order: dict set/pop are atomic under the GIL, so no
+        # lock to inherit in a locked state across fork.
         self._open: Dict[Tuple[int, int], object] = {}
 
     def on_start(self, span, parent_context=None) -> None:
-        if os.getpid() != self._pid:
-            return
+        if os.getpid() != self._pid or self._closed:
+            return  # after shutdown nothing would ever end it: tracking it would leak it
         ctx = span.get_span_context()
         self._open[(ctx.trace_id, ctx.span_id)] = span
         self._delegate.on_start(span, parent_context=parent_context)
@@ -278,17 +186,23 @@ class OpenSpanTracker(SpanProcessor):
         if os.getpid() != self._pid:
             return
         ctx = span.get_span_context()
-        self._open.pop((ctx.trace_id, ctx.span_id), None)
+        if self._open.pop((ctx.trace_id, ctx.span_id), None) is None and self._closed:
+            return  # started after shutdown: dropped, the exporter is gone
         self._delegate.on_end(span)
 
     def end_open_spans(self) -> int:
-        """End every span still open, marked ``nemo.span.truncated=true``; returns how many."""
+        """Stop tracking new spans and end every span still open, children before their parents
+        (reverse start order: a child starts after its parent), each marked
+        ``nemo.span.truncated=true`` plus a ``nemo.span.truncated`` event (as nemo-lens does; the
+        end time is the shutdown time, not the end of the work). Returns how many were ended."""
         if os.getpid() != self._pid:
             return 0
+        self._closed = True
         spans = list(self._open.values())
-        for span in spans:
+        for span in reversed(spans):
             try:
                 span.set_attribute(TRUNCATED_ATTR, True)
+                span.add_event(TRUNCATED_ATTR, {TRUNCATED_REASON_ATTR: "still open at telemetry shutdown"})
                 span.end()
             except Exception:
                 logger.debug("could not end open span at shutdown", exc_info=True)
@@ -364,7 +278,7 @@ class Providers:
     logger_provider: Optional[LoggerProvider] = None
     span_tracker: Optional[OpenSpanTracker] = None
     metric_reader: Optional[object] = None
-    exporters: List[_ExporterGuard] = field(default_factory=list)
+    exporters: List[object] = field(default_factory=list)
 
 
 def build_providers(
@@ -380,15 +294,17 @@ def build_providers(
 
     ``span_exporter``/``log_exporter`` replace the configured exporter; ``metric_reader`` replaces
     the ``LogIntervalMetricReader`` (a snapshot at each ``snapshot_metrics`` call, i.e. every
-    ``--log-interval``, plus one every ``OTEL_METRIC_EXPORT_INTERVAL``). Providers are not installed globally and
-    do not register their own (unbounded) ``atexit`` shutdown; ``shutdown_providers`` is bounded.
+    ``--log-interval``, plus one every ``OTEL_METRIC_EXPORT_INTERVAL``). The SDK's processors catch
+    exporter errors and restart themselves in a forked child; ``OpenSpanTracker`` keeps a child from
+    exporting its parent's spans. Providers do not register their own (unbounded) ``atexit``
+    shutdown; ``shutdown_providers`` is bounded.
     Raises ``ValueError`` for a bad ``OTEL_EXPORTER_OTLP_*PROTOCOL`` or malformed ``..._HEADERS``.
     """
     out = sys.stdout if out is None else out
     resource = build_resource(resource_attributes)
     providers = Providers()
     if config.traces_enabled:
-        exporter = GuardedSpanExporter(span_exporter or _build_exporter(config.exporter, "traces", out))
+        exporter = span_exporter or _build_exporter(config.exporter, "traces", out)
         tracker = OpenSpanTracker(BatchSpanProcessor(exporter))
         tp = TracerProvider(sampler=sampler, resource=resource, shutdown_on_exit=False,
                             id_generator=PrivateIdGenerator())
@@ -397,14 +313,14 @@ def build_providers(
         providers.exporters.append(exporter)
     if config.metrics_enabled:
         if metric_reader is None:
-            exporter = GuardedMetricExporter(_build_exporter(config.exporter, "metrics", out))
+            exporter = _build_exporter(config.exporter, "metrics", out)
             metric_reader = LogIntervalMetricReader(exporter, export_interval_ms())
             providers.exporters.append(exporter)
         providers.metric_reader = metric_reader
         providers.meter_provider = MeterProvider(resource=resource, metric_readers=[metric_reader],
                                                  shutdown_on_exit=False)
     if config.logs_enabled:
-        exporter = GuardedLogExporter(log_exporter or _build_exporter(config.exporter, "logs", out))
+        exporter = log_exporter or _build_exporter(config.exporter, "logs", out)
         lp = LoggerProvider(resource=resource, shutdown_on_exit=False)
         lp.add_log_record_processor(BatchLogRecordProcessor(exporter))
         providers.logger_provider = lp
@@ -431,6 +347,18 @@ def force_flush_providers(providers: Providers, timeout_ms: int) -> bool:
 
     threading.Thread(target=work, name="megatron-otel-flush", daemon=True).start()
     return done.wait(timeout_ms / 1000.0) and result["ok"]
+
+
+def _abort(exporter) -> None:
+    """Shut ``exporter`` down now: the OTLP exporters then leave their retry back-off and close their
+    channel, so a dead collector cannot hold the shutdown. Never raises."""
+    try:
+        try:
+            exporter.shutdown(timeout_millis=0)
+        except TypeError:
+            exporter.shutdown()
+    except Exception:
+        logger.debug("telemetry exporter abort failed", exc_info=True)
 
 
 def shutdown_providers(providers: Providers, timeout_ms: int) -> bool:
@@ -462,7 +390,7 @@ def shutdown_providers(providers: Providers, timeout_ms: int) -> bool:
     soft = max(0.0, (deadline - time.monotonic()) * 0.8)
     if not done.wait(soft):
         for exporter in providers.exporters:
-            exporter.abort()
+            _abort(exporter)
         done.wait(max(0.0, deadline - time.monotonic()))
     return done.is_set()
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 __all__ = [
     "RankStrategyFn", "register_rank_strategy", "register_export_strategy", "unregister_rank_strategy",
     "registered_rank_strategies", "get_rank_strategy", "should_export", "rank_sample_fraction",
-    "node_local_rank", "BUILTIN_RANK_STRATEGIES",
+    "node_local_rank", "BUILTIN_RANK_STRATEGIES", "lowest_exporting_rank",
 ]
 
 # fn(config, rank, world_size) -> bool
@@ -67,6 +67,7 @@ _REGISTRY: Dict[str, RankStrategyFn] = {
     "sampled": _sampled,
     "first_rank_per_node": _first_rank_per_node,
 }
+_BUILTIN_FNS: Dict[str, RankStrategyFn] = dict(_REGISTRY)
 _LOCK = threading.Lock()
 
 
@@ -79,17 +80,18 @@ def _normalise(name: str) -> str:
 def register_rank_strategy(name: str, fn: RankStrategyFn, *, allow_override: bool = False) -> None:
     """Register ``fn(config, rank, world_size) -> bool`` under ``name`` (case-insensitive).
 
-    Raises ``ValueError`` when the name is empty, names a built-in, or is already registered and
+    A built-in name (``single_rank``, ...) can be replaced too, like any registered one, but only
+    with ``allow_override=True`` (as in nemo-lens); ``unregister_rank_strategy`` then restores the
+    built-in. Raises ``ValueError`` when the name is empty or already registered and
     ``allow_override`` is false; ``TypeError`` when ``fn`` is not callable.
     """
     key = _normalise(name)
     if not callable(fn):
         raise TypeError(f"rank strategy {name!r}: fn must be callable, got {type(fn).__name__}")
     with _LOCK:
-        if key in BUILTIN_RANK_STRATEGIES:
-            raise ValueError(f"rank strategy {key!r} is built in and cannot be replaced")
         if key in _REGISTRY and not allow_override:
-            raise ValueError(f"rank strategy {key!r} is already registered; pass allow_override=True to replace it")
+            kind = "a built-in" if key in BUILTIN_RANK_STRATEGIES else "already registered"
+            raise ValueError(f"rank strategy {key!r} is {kind}; pass allow_override=True to replace it")
         _REGISTRY[key] = fn
 
 
@@ -97,12 +99,22 @@ register_export_strategy = register_rank_strategy
 
 
 def unregister_rank_strategy(name: str) -> bool:
-    """Remove a custom strategy; returns whether it existed. Raises ``ValueError`` for built-ins."""
+    """Remove a custom strategy (returns ``True``); an overridden built-in gets its original back.
+
+    Raises ``ValueError`` for a name that is not registered (as nemo-lens does) and for a built-in
+    that was not overridden (built-ins cannot be removed).
+    """
     key = _normalise(name)
     with _LOCK:
-        if key in BUILTIN_RANK_STRATEGIES:
-            raise ValueError(f"rank strategy {key!r} is built in and cannot be unregistered")
-        return _REGISTRY.pop(key, None) is not None
+        if key in _BUILTIN_FNS:
+            if _REGISTRY.get(key) is _BUILTIN_FNS[key]:
+                raise ValueError(f"rank strategy {key!r} is built in and cannot be unregistered")
+            _REGISTRY[key] = _BUILTIN_FNS[key]
+            return True
+        if key not in _REGISTRY:
+            raise ValueError(f"rank strategy {key!r} is not registered; registered: {', '.join(_REGISTRY)}")
+        del _REGISTRY[key]
+        return True
 
 
 def registered_rank_strategies() -> Tuple[str, ...]:
@@ -128,3 +140,31 @@ def should_export(config, rank: int, world_size: int, strategy=None) -> bool:
         strategy = getattr(config, "rank_strategy", "single_rank")
     fn = strategy if callable(strategy) else get_rank_strategy(strategy)
     return bool(fn(config, int(rank), int(world_size)))
+
+
+def lowest_exporting_rank(config, world_size: int, strategy=None) -> Optional[int]:
+    """The lowest rank that exports under ``strategy`` (as ``should_export``), computed by every
+    rank alike without communication, or ``None`` when no rank exports.
+
+    The built-ins are pure functions of ``(config, rank, world_size)`` except
+    ``first_rank_per_node``, which reads this process's node-local rank: under it rank 0 is taken
+    (launchers give global rank 0 node-local rank 0). A custom strategy is called for each rank in
+    turn, so it must depend on nothing else for the answer to agree across ranks.
+    """
+    if strategy is None:
+        strategy = getattr(config, "rank_strategy", "single_rank")
+    fn = strategy if callable(strategy) else get_rank_strategy(strategy)
+    if fn is _first_rank_per_node:
+        return 0
+    if fn is _single_rank:
+        target = int(getattr(config, "export_rank", -1))
+        target = world_size - 1 if target < 0 else target
+        return target if 0 <= target < world_size else None
+    keep = None
+    if (getattr(config, "sampling_strategy", "") or "").strip().lower() == "rank_aware":
+        rate = float(getattr(config, "export_sample_rate", 1.0))
+        keep = lambda rank: rank_sample_fraction(rank) < rate  # noqa: E731 (the rank_aware sampler's rule)
+    for rank in range(int(world_size)):
+        if fn(config, rank, int(world_size)) and (keep is None or keep(rank)):
+            return rank
+    return None

@@ -23,9 +23,10 @@ def detect_resource_attributes(
     """Everything detectable without the training arguments: local, SLURM, Kubernetes, and (when
     ``local_rank`` is given and ``probe_gpus``) this rank's GPU identity. Never raises for missing
     schedulers, drivers or devices: their keys are simply absent."""
+    # The identity first: its NVML session also gives the count detect_local_attributes needs.
+    identity = detect_gpu_identity(local_rank, environ) if local_rank is not None and probe_gpus else {}
     out = detect_local_attributes(environ, probe_gpus=probe_gpus)
     out.update(detect_slurm_attributes(environ))
     out.update(detect_kubernetes_attributes(environ))
-    if local_rank is not None and probe_gpus:
-        out.update(detect_gpu_identity(local_rank, environ))
+    out.update(identity)
     return out

@@ -21,13 +21,14 @@ def package_version() -> str:
 
 
 def detect_local_attributes(environ: Optional[Mapping[str, str]] = None, probe_gpus: bool = True) -> Dict[str, object]:
-    """``host.name``, ``process.pid``, ``host.gpu.count`` (NVML; 0 without a driver),
+    """``host.name``, ``process.pid``, ``host.gpu.count`` (the ``CUDA_VISIBLE_DEVICES``
+    entries, else NVML's device count; 0 without a driver),
     ``deployment.environment`` (``DEPLOYMENT_ENV`` or ``ENVIRONMENT``, when set), ``service.version``."""
     env = os.environ if environ is None else environ
     out: Dict[str, object] = {
         "host.name": socket.gethostname(),
         "process.pid": os.getpid(),
-        "host.gpu.count": gpu_count() if probe_gpus else 0,
+        "host.gpu.count": gpu_count(env) if probe_gpus else 0,
     }
     deployment = env.get("DEPLOYMENT_ENV") or env.get("ENVIRONMENT")
     if deployment:
