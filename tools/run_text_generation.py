@@ -11,7 +11,7 @@ training flags, or ``--use-checkpoint-args`` reads them from the checkpoint::
 
 The prompt is tokenized with the training tokenizer flags (no EOD is added). Generation recomputes the
 whole sequence each step (no KV cache: simple, and fast enough for the short samples this tool is for),
-stops after ``--max-new-tokens``, at the model's ``--max-position-embeddings`` / ``--seq-length`` limit,
+stops after ``--max-new-tokens``, at the model's ``--max-position-embeddings`` (else ``--seq-length``) tokens,
 or at the tokenizer's end-of-document id (unless ``--ignore-eod``). Rank 0 prints the text after a line
 ``===== generated =====`` and, with ``--output-file``, writes a JSON object
 ``{"prompt", "prompt_ids", "generated_ids", "text"}`` (``text`` is the detokenized continuation only).
@@ -105,6 +105,9 @@ def parse_generation_args(argv=None) -> argparse.Namespace:
         for name in CHECKPOINT_MODEL_ARGS:
             if hasattr(saved, name):
                 setattr(args, name, getattr(saved, name))
+    # The sequence grows one token at a time, so it cannot be split across TP ranks (SP needs s % TP == 0);
+    # without SP the model computes the same function.
+    args.sequence_parallel = False
     # Generation trains nothing: these only satisfy the training-flag validation.
     args.skip_train = True
     if args.train_iters is None and args.train_samples is None:
@@ -140,7 +143,7 @@ def generate(model, prompt_ids, max_new_tokens, max_length, eod=None, greedy=Fal
         raise ValueError("the prompt is empty after tokenization")
     if len(prompt_ids) >= max_length:
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens: no room to generate below the model's "
-                         f"{max_length}-token limit (--max-position-embeddings / --seq-length)")
+                         f"{max_length}-token limit (--max-position-embeddings, else --seq-length)")
     device = get_device()
     tokens = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     generated = []
@@ -176,9 +179,7 @@ def main(argv=None) -> None:
     prompt_ids = list(tokenizer.tokenize(args.prompt))
     generator = torch.Generator(device=get_device())
     generator.manual_seed(args.seed)
-    max_length = min(args.max_position_embeddings or args.seq_length, args.seq_length or args.max_position_embeddings)
-    if args.position_embedding_type != "learned_absolute":
-        max_length = args.seq_length
+    max_length = args.max_position_embeddings or args.seq_length
     try:
         generated = generate(model, prompt_ids, args.max_new_tokens, max_length,
                              eod=None if args.ignore_eod else getattr(tokenizer, "eod", None),
