@@ -5,6 +5,7 @@ one JSON document per docstring. Everything is written under ``--out`` (default 
 
     python examples/quickstart.py                # build everything and train ~300 iterations on 2 CPU ranks
     python examples/quickstart.py --train-iters 50 --nproc 1
+    python examples/quickstart.py --corpus-mb 0.05 --vocab-size 600 --train-iters 3 --nproc 1   # CI's smoke run
 """
 import argparse
 import ast
@@ -84,16 +85,18 @@ def main():
     run([sys.executable, "tools/preprocess_data.py", "--input", corpus, "--output-prefix", out / "stdlib",
          "--append-eod", "--workers", "2", "--log-interval", "5000", *tokenizer_flags])
 
+    # Short runs (CI's smoke run) still warm up below --train-iters and log a few iterations.
+    warmup, log_interval = min(20, args.train_iters // 10), min(25, max(1, args.train_iters // 3))
     env_threads = {"OMP_NUM_THREADS": "1"}
     os.environ.update(env_threads)
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", args.nproc,
          "pretrain_gpt.py",
          "--num-layers", 4, "--hidden-size", 128, "--num-attention-heads", 4, "--seq-length", 128,
          "--max-position-embeddings", 128, "--micro-batch-size", 4, "--global-batch-size", 16,
-         "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", 20,
+         "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", warmup,
          "--weight-decay", "0.1", "--clip-grad", "1.0", "--train-iters", args.train_iters,
          "--data-path", out / "stdlib_text_document", "--split", "98,2,0",
-         "--eval-interval", 100, "--eval-iters", 5, "--log-interval", 25, "--num-workers", 1,
+         "--eval-interval", 100, "--eval-iters", 5, "--log-interval", log_interval, "--num-workers", 1,
          "--save", out / "checkpoints", "--save-interval", 1000, "--tensorboard-dir", out / "tensorboard",
          "--distributed-backend", "gloo", *tokenizer_flags])
     print(f"done: checkpoints in {out / 'checkpoints'}, TensorBoard logs in {out / 'tensorboard'}", flush=True)
