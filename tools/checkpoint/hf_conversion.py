@@ -215,11 +215,13 @@ def megatron_flags_from_hf(config) -> list:
     elif model_type == LLAMA:
         if config.hidden_act != "silu":
             raise UnsupportedModelError(f"Llama activation {config.hidden_act!r} is not SwiGLU")
-        rope = getattr(config, "rope_parameters", None) or {}
-        rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
-        if rope_type != "default" or getattr(config, "rope_scaling", None):
+        # transformers >= 5 keeps RoPE settings in rope_parameters (rope_scaling aliases it); 4.x in
+        # rope_theta plus an optional rope_scaling.
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
             raise UnsupportedModelError(f"Llama RoPE scaling {rope_type!r} is not supported by import_hf")
-        theta = rope.get("rope_theta") if isinstance(rope, dict) and "rope_theta" in rope else config.rope_theta
+        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         flags = ["--num-layers", config.num_hidden_layers, "--hidden-size", config.hidden_size,
                  "--num-attention-heads", config.num_attention_heads, "--ffn-hidden-size", config.intermediate_size,
