@@ -229,3 +229,23 @@ def test_training_accepts_tokenizer_flags_only_with_their_type(monkeypatch, hf_d
     with pytest.raises(ValueError, match="--tiktoken-pattern applies only to --tokenizer-type TikTokenizer"):
         validate_args(parse_args(args=[*valid, "--tokenizer-type", "HuggingFaceTokenizer", "--tiktoken-pattern",
                                        "v2"]))
+
+
+@pytest.mark.timeout(600)
+def test_training_runs_on_tiktokenizer_data(shared_data, tiktoken_file, tmp_path):
+    """pretrain_gpt.py accepts --tokenizer-type TikTokenizer: data preprocessed with it trains, the EOD is </s>."""
+    from pretrain_utils import losses_from_log, run_pretrain
+
+    inner = len(json.loads(tiktoken_file.read_text()))
+    tokenizer_flags = ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", str(tiktoken_file),
+                       "--tiktoken-pattern", "v2", "--tiktoken-num-special-tokens", "100",
+                       "--vocab-size", str(inner + 100)]
+    source = _write_jsonl(tmp_path / "in.jsonl", [{"text": text} for text in shakespeare_texts(shared_data, 300)])
+    assert _run(source, tmp_path / "tik", tokenizer_flags, "--append-eod", "--workers", "1") == 0
+    assert _documents(tmp_path / "tik_text_document")[0][0][-1] == 2  # </s>
+    out = run_pretrain(1, [*tokenizer_flags, "--micro-batch-size", "4", "--train-iters", "2", "--lr-warmup-iters", "1",
+                           "--eval-iters", "0"], shared_data, str(tmp_path / "tik_text_document"), tmp_path)
+    losses = losses_from_log(out)
+    assert sorted(losses) == [1, 2] and all(float(loss) > 0 for loss in losses.values())
+    padded = -(-(inner + 100) // 128) * 128
+    assert f"padded vocab (size: {inner + 100}) with {padded - inner - 100} dummy tokens (new size: {padded})" in out
