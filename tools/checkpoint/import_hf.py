@@ -32,12 +32,12 @@ from legacy_checkpoint import write_checkpoint  # noqa: E402
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
-class ImportError_(Exception):
+class HFImportError(Exception):
     """A user-facing failure (missing file, unsupported model)."""
 
 
 def load_hf_tensors(hf_dir: str) -> Dict[str, torch.Tensor]:
-    """All tensors of ``model.safetensors`` or of the shards its index names. Raises ImportError_ if none."""
+    """All tensors of ``model.safetensors`` or of the shards its index names. Raises HFImportError if none."""
     from safetensors.torch import load_file
 
     single = os.path.join(hf_dir, "model.safetensors")
@@ -51,7 +51,7 @@ def load_hf_tensors(hf_dir: str) -> Dict[str, torch.Tensor]:
         for shard in shards:
             tensors.update(load_file(os.path.join(hf_dir, shard)))
         return tensors
-    raise ImportError_(f"--load {hf_dir}: no model.safetensors or model.safetensors.index.json")
+    raise HFImportError(f"--load {hf_dir}: no model.safetensors or model.safetensors.index.json")
 
 
 def megatron_args_for(hf_dir: str, config, tp: int, divisible_by: int, dtype: torch.dtype):
@@ -74,11 +74,11 @@ def megatron_args_for(hf_dir: str, config, tp: int, divisible_by: int, dtype: to
 
 
 def import_model(hf_dir: str, save_dir: str, tp: int, divisible_by: int) -> dict:
-    """Do the import; returns a summary. Raises ImportError_, UnsupportedModelError."""
+    """Do the import; returns a summary. Raises HFImportError, UnsupportedModelError."""
     import transformers
 
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
-        raise ImportError_(f"--load {hf_dir}: no config.json (not a Hugging Face model folder)")
+        raise HFImportError(f"--load {hf_dir}: no config.json (not a Hugging Face model folder)")
     config = transformers.AutoConfig.from_pretrained(hf_dir)
     hf = load_hf_tensors(hf_dir)
     dtype = next(iter(hf.values())).dtype
@@ -116,7 +116,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     try:
         summary = import_model(cli.load, cli.save, cli.target_tensor_parallel_size, cli.make_vocab_size_divisible_by)
-    except (ImportError_, UnsupportedModelError, ValueError, OSError) as error:
+    except (HFImportError, UnsupportedModelError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(f"imported {summary['model_type']} model into {cli.save} ({len(summary['files'])} rank file(s), padded "
