@@ -167,3 +167,15 @@ def test_unsupported_architectures_are_named():
     with pytest.raises(conversion.UnsupportedModelError, match="grouped-query"):
         conversion.architecture_of(_args(swiglu=False, position_embedding_type="learned_absolute",
                                          normalization="LayerNorm"))
+
+
+def test_tools_report_bad_folders_in_one_line(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    export_hf = _load_tool("export_hf")
+    import_hf = _load_tool("import_hf")
+    assert export_hf.main(["--load", str(tmp_path), "--save", str(tmp_path / "hf")]) == 1
+    assert import_hf.main(["--load", str(tmp_path), "--save", str(tmp_path / "ckpt")]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"error: --load {tmp_path}: no latest_checkpointed_iteration.txt (not a checkpoint folder?)",
+                   f"error: --load {tmp_path}: no config.json (not a Hugging Face model folder)"]
