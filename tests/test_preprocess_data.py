@@ -72,7 +72,11 @@ def _write_jsonl(path, records):
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_golden_gpt2(shared_data, tmp_path, gpt2_flags, workers):
+def test_golden_gpt2(shared_data, tmp_path, gpt2_flags, workers, monkeypatch):
+    """On the tiktoken path (the default when tiktoken is installed; forced here so a fallback to the
+    pure-Python BPE fails the test). tests/test_hf_tiktoken_tokenizers.py checks the two paths agree."""
+    pytest.importorskip("tiktoken")
+    monkeypatch.setenv("MEGATRON_GPT2_BPE_BACKEND", "tiktoken")
     prefix = tmp_path / "shakes"
     assert _run(shared_data / "tinyshakespeare.jsonl", prefix, gpt2_flags, "--append-eod", "--workers", str(workers)) == 0
     for ext in ("bin", "idx"):

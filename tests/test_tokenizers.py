@@ -19,7 +19,9 @@ from megatron.training.tokenizer import _vocab_size_with_padding, add_tokenizer_
 
 @pytest.fixture(scope="module")
 def gpt2(shared_data):
-    return GPT2BPETokenizer(str(shared_data / "gpt2-vocab.json"), str(shared_data / "gpt2-merges.txt"))
+    # The pure-Python reference; tests/test_hf_tiktoken_tokenizers.py checks the tiktoken path against it.
+    return GPT2BPETokenizer(str(shared_data / "gpt2-vocab.json"), str(shared_data / "gpt2-merges.txt"),
+                            backend="python")
 
 
 @pytest.fixture(scope="module")
@@ -261,8 +263,8 @@ def test_build_tokenizer_other_types(sp_model):
 
 
 def test_build_tokenizer_errors(tmp_path):
-    args = _parse(["--tokenizer-type", "HuggingFaceTokenizer"])
-    with pytest.raises(ValueError, match=r"--tokenizer-type HuggingFaceTokenizer.*GPT2BPETokenizer"):
+    args = _parse(["--tokenizer-type", "BertWordPieceCase"])
+    with pytest.raises(ValueError, match=r"--tokenizer-type BertWordPieceCase.*GPT2BPETokenizer"):
         build_tokenizer(args)
     with pytest.raises(ValueError, match="--tokenizer-type is required"):
         build_tokenizer(_parse([]))

@@ -564,6 +564,10 @@ def _validate_features(args):
     for flag, dest, default, reason in _NO_EFFECT_HERE:
         if getattr(args, dest) != default:
             raise ValueError(f"{flag} {reason}; remove it (it would otherwise be silently ignored)")
+    for flag, dest, default, tokenizer_type in _TOKENIZER_TYPE_FLAGS:
+        if getattr(args, dest) != default and args.tokenizer_type != tokenizer_type:
+            raise ValueError(f"{flag} applies only to --tokenizer-type {tokenizer_type} (got {args.tokenizer_type}); "
+                             "remove it (it would otherwise be silently ignored)")
     if args.vocab_extra_ids and args.tokenizer_type != "SentencePieceTokenizer":
         raise ValueError(f"--vocab-extra-ids only applies to --tokenizer-type SentencePieceTokenizer (got "
                          f"{args.tokenizer_type}); remove it (it would otherwise be silently ignored)")
@@ -581,8 +585,6 @@ _NOT_YET_AVAILABLE = {
 }
 
 
-_TIKTOKEN_OR_HF = "applies only to --tokenizer-type TikTokenizer or HuggingFaceTokenizer, which this version does " \
-                  "not support"
 # (flag, dest, default, why a non-default value cannot act in this version).
 _NO_EFFECT_HERE = [
     ("--head-lr-mult", "head_lr_mult", 1.0, "has no effect in GPT pretraining (Megatron-LM applies it only through "
@@ -593,12 +595,16 @@ _NO_EFFECT_HERE = [
      "needs pipeline parallelism, which is not available in this version yet"),
     ("--decoder-last-pipeline-num-layers", "decoder_last_pipeline_num_layers", None,
      "needs pipeline parallelism, which is not available in this version yet"),
-    ("--tokenizer-special-tokens", "tokenizer_special_tokens", None, _TIKTOKEN_OR_HF),
-    ("--tiktoken-pattern", "tiktoken_pattern", None, _TIKTOKEN_OR_HF),
-    ("--tiktoken-num-special-tokens", "tiktoken_num_special_tokens", 1000, _TIKTOKEN_OR_HF),
-    ("--trust-remote-code", "trust_remote_code", False, _TIKTOKEN_OR_HF),
-    ("--tokenizer-hf-no-use-fast", "tokenizer_hf_use_fast", True, _TIKTOKEN_OR_HF),
-    ("--tokenizer-hf-no-include-special-tokens", "tokenizer_hf_include_special_tokens", True, _TIKTOKEN_OR_HF),
+]
+# Tokenizer flags that act only with one --tokenizer-type: (flag, dest, default, that type).
+_TOKENIZER_TYPE_FLAGS = [
+    ("--tokenizer-special-tokens", "tokenizer_special_tokens", None, "TikTokenizer"),
+    ("--tiktoken-special-tokens", "tiktoken_special_tokens", None, "TikTokenizer"),
+    ("--tiktoken-pattern", "tiktoken_pattern", None, "TikTokenizer"),
+    ("--tiktoken-num-special-tokens", "tiktoken_num_special_tokens", 1000, "TikTokenizer"),
+    ("--trust-remote-code", "trust_remote_code", False, "HuggingFaceTokenizer"),
+    ("--tokenizer-hf-no-use-fast", "tokenizer_hf_use_fast", True, "HuggingFaceTokenizer"),
+    ("--tokenizer-hf-no-include-special-tokens", "tokenizer_hf_include_special_tokens", True, "HuggingFaceTokenizer"),
 ]
 
 

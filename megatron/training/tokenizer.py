@@ -7,9 +7,11 @@ import math
 from megatron.core.tokenizers import (
     GPT2BPETokenizer,
     GPTSentencePieceTokenizer,
+    HuggingFaceTokenizer,
     MegatronTokenizer,
     NullTokenizer,
     SentencePieceTokenizer,
+    TikTokenizer,
 )
 
 # Every type Megatron's parser accepts, so its command lines parse unchanged here.
@@ -28,7 +30,8 @@ TOKENIZER_TYPES = [
     "SFTTokenizer",
 ]
 
-SUPPORTED_TOKENIZER_TYPES = ["GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "NullTokenizer"]
+SUPPORTED_TOKENIZER_TYPES = ["GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+                             "HuggingFaceTokenizer", "TikTokenizer", "NullTokenizer"]
 
 
 def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -44,13 +47,18 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                        help="Number of additional vocabulary tokens. They are used for span masking in the T5 model.")
     group.add_argument("--tokenizer-type", type=str, default=None, choices=TOKENIZER_TYPES,
                        help=f"What type of tokenizer to use (supported here: {', '.join(SUPPORTED_TOKENIZER_TYPES)}).")
-    group.add_argument("--tokenizer-model", type=str, default=None, help="Sentencepiece tokenizer model.")
+    group.add_argument("--tokenizer-model", type=str, default=None,
+                       help="Sentencepiece tokenizer model, Hugging Face tokenizer directory or name "
+                            "(HuggingFaceTokenizer), or tiktoken vocabulary file (TikTokenizer).")
     group.add_argument("--tokenizer-special-tokens", type=str, nargs="+", default=None,
                        help="List of special tokens (HuggingFace/TikToken tokenizers).")
     group.add_argument("--tiktoken-pattern", type=str, default=None,
                        help="Which tiktoken pattern to use. Options: [v1, v2].")
     group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
                        help="Number of special tokens in tiktoken tokenizer.")
+    group.add_argument("--tiktoken-special-tokens", type=str, nargs="+", default=None,
+                       help="Deprecated alias of --tokenizer-special-tokens (TikTokenizer; must include "
+                            "<unk>, <s>, </s>).")
     group.add_argument("--null-tokenizer-eod-id", type=int, default=None,
                        help="End-of-document id of NullTokenizer (default: --vocab-size, as Megatron; the vocabulary is "
                             "--vocab-size + 1 ids).")
@@ -95,8 +103,9 @@ def build_tokenizer(args) -> MegatronTokenizer:
 
     Raises:
         ValueError: ``--tokenizer-type`` is missing or not one of the supported types, or a flag
-            the type needs (``--vocab-file``, ``--merge-file``, ``--tokenizer-model``, ``--vocab-size``)
-            is missing.
+            the type needs (``--vocab-file``, ``--merge-file``, ``--tokenizer-model``, ``--vocab-size``,
+            ``--tiktoken-pattern``) is missing, or a tokenizer cannot be loaded.
+        ImportError: transformers (HuggingFaceTokenizer) or tiktoken (TikTokenizer) is not installed.
         FileNotFoundError: a tokenizer file does not exist (message names its flag).
     """
     tokenizer_type = getattr(args, "tokenizer_type", None)
@@ -117,6 +126,27 @@ def build_tokenizer(args) -> MegatronTokenizer:
         if tokenizer_model is None:
             raise ValueError("--tokenizer-type GPTSentencePieceTokenizer needs --tokenizer-model")
         tokenizer = GPTSentencePieceTokenizer(tokenizer_model)
+    elif tokenizer_type == "HuggingFaceTokenizer":
+        if tokenizer_model is None:
+            raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a tokenizer directory "
+                             "or Hugging Face name)")
+        tokenizer = HuggingFaceTokenizer(
+            tokenizer_model, trust_remote_code=getattr(args, "trust_remote_code", False),
+            use_fast=getattr(args, "tokenizer_hf_use_fast", True),
+            include_special_tokens=getattr(args, "tokenizer_hf_include_special_tokens", True),
+        )
+    elif tokenizer_type == "TikTokenizer":
+        if tokenizer_model is None:
+            raise ValueError("--tokenizer-type TikTokenizer needs --tokenizer-model (a tiktoken vocabulary file)")
+        pattern = getattr(args, "tiktoken_pattern", None)
+        if pattern not in ("v1", "v2"):
+            raise ValueError(f"--tokenizer-type TikTokenizer needs --tiktoken-pattern v1 or v2, got {pattern}")
+        tokenizer = TikTokenizer(
+            tokenizer_model, pattern=pattern, vocab_size=getattr(args, "vocab_size", None),
+            num_special_tokens=getattr(args, "tiktoken_num_special_tokens", 1000),
+            special_tokens=getattr(args, "tokenizer_special_tokens", None)
+            or getattr(args, "tiktoken_special_tokens", None),
+        )
     elif tokenizer_type == "NullTokenizer":
         if getattr(args, "vocab_size", None) is None:
             raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
