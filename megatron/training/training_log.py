@@ -5,9 +5,11 @@ from datetime import datetime
 
 import torch
 
+from megatron.core import parallel_state
 from megatron.training import telemetry_hooks as telemetry
 from megatron.training.global_vars import get_args, get_telemetry, get_tensorboard_writer, get_timers, get_wandb_writer
-from megatron.training.utils import is_last_rank, print_rank_last
+from megatron.training.theoretical_memory_usage import report_theoretical_memory
+from megatron.training.utils import get_rank, is_last_rank, print_rank_last, report_memory
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +80,8 @@ class LogAccumulator:
 
     def __init__(self):
         self.reset()
+        # Megatron's report_memory_flag: the memory report follows the first log line of a run only.
+        self.memory_reported = False
 
     def reset(self):
         self.losses = {}
@@ -205,5 +209,19 @@ def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm
         skipped=acc.skipped, learning_rate=learning_rate,
     )
     acc.reset()
+    if not acc.memory_reported:
+        _report_memory(iteration, num_microbatches)
+        acc.memory_reported = True
     timers.log([name for name in _LOGGED_TIMERS], normalizer=max(iterations_since_last_log, 1))
     return averages
+
+
+def _report_memory(iteration, num_microbatches):
+    """After the first log line, once the optimizer state exists: the theoretical footprint (rank 0)
+    and, on CUDA, the allocator's statistics (each data-parallel rank 0), as Megatron-LM prints them."""
+    if get_rank() == 0:
+        report_theoretical_memory(get_args(), num_microbatches=num_microbatches, verbose=True)
+    measured = report_memory(f"{iteration} iterations")
+    if measured and (not parallel_state.model_parallel_is_initialized()
+                     or parallel_state.get_data_parallel_rank() == 0):
+        print(measured, flush=True)
