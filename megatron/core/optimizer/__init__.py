@@ -11,8 +11,44 @@ from .optimizer_config import OptimizerConfig
 __all__ = [
     "OptimizerConfig", "MegatronOptimizer", "FP32Optimizer", "Float16OptimizerWithFloat16Params",
     "MegatronGradScaler", "ConstantGradScaler", "DynamicGradScaler", "get_megatron_optimizer",
-    "get_grad_norm_fp32", "clip_grad_by_total_norm_fp32", "count_zeros_fp32",
+    "get_grad_norm_fp32", "clip_grad_by_total_norm_fp32", "count_zeros_fp32", "get_optimizer_state_bytes",
 ]
+
+
+def get_optimizer_state_bytes(optimizer) -> int:
+    """Bytes of optimizer state this rank holds, measured from the optimizer's own tensors.
+
+    Counts every tensor in the inner optimizer's per-param state (Adam ``exp_avg``, ``exp_avg_sq``,
+    ``step``; SGD ``momentum_buffer``) plus the fp32 main params that are separate copies of the
+    model params (:meth:`MegatronOptimizer.main_param_copies`: the fp32 copies of fp16/bf16 params,
+    or of this rank's shard with the distributed optimizer). fp32 params updated in place (or
+    views of them) are model weights, not optimizer state, and are not counted. This is the
+    quantity Megatron's theoretical memory report calls the optimizer part (12 bytes/param for
+    Adam with fp32 main params, divided by DP with the distributed optimizer).
+
+    Args:
+        optimizer: a :class:`MegatronOptimizer` (or a plain ``torch.optim.Optimizer``).
+
+    Returns:
+        int, bytes on this rank (no communication).
+    """
+    inner = getattr(optimizer, "optimizer", optimizer)
+    seen = set()
+    total = 0
+
+    def add(tensor):
+        nonlocal total
+        if isinstance(tensor, torch.Tensor) and id(tensor) not in seen:
+            seen.add(id(tensor))
+            total += tensor.numel() * tensor.element_size()
+
+    for state in inner.state.values():
+        for value in state.values():
+            add(value)
+    copies = getattr(optimizer, "main_param_copies", None)
+    for tensor in (copies() if copies is not None else []):
+        add(tensor)
+    return total
 
 
 def _get_param_groups(model_chunks: List[torch.nn.Module], no_weight_decay_cond: Optional[Callable],

@@ -152,6 +152,11 @@ class MegatronOptimizer(ABC):
         """The inner optimizer's per-param state."""
         return self.optimizer.state
 
+    def main_param_copies(self) -> List[torch.Tensor]:
+        """fp32 main params held *in addition to* the model params (none when the optimizer updates
+        the model params, or views of them, directly)."""
+        return []
+
     def _clip_count_and_step(self) -> Tuple[float, Optional[int]]:
         timer = self._start_timer("optimizer-clip-main-grad")
         grad_norm = self.clip_grad_norm(self.config.clip_grad) if self.config.clip_grad > 0.0 else 0.0
@@ -279,6 +284,10 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
         if self.grad_scaler is not None:
             # The loss is multiplied by the scale, so it lives with the model.
             self.grad_scaler.to(device)
+
+    def main_param_copies(self) -> List[torch.Tensor]:
+        """The fp32 main copies of the fp16/bf16 model params."""
+        return [p for group in self.fp32_from_float16_groups for p in group]
 
     def zero_grad(self, set_to_none: bool = True):
         """Clear grads of model params, fp32 main params and fp32 params."""
