@@ -5,11 +5,10 @@ from datetime import datetime
 
 import torch
 
-from megatron.core import parallel_state
 from megatron.training import telemetry_hooks as telemetry
 from megatron.training.global_vars import get_args, get_telemetry, get_tensorboard_writer, get_timers, get_wandb_writer
 from megatron.training.theoretical_memory_usage import report_theoretical_memory
-from megatron.training.utils import get_rank, is_last_rank, print_rank_last, report_memory
+from megatron.training.utils import is_last_rank, print_rank_last, report_memory
 
 logger = logging.getLogger(__name__)
 
@@ -217,11 +216,12 @@ def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm
 
 
 def _report_memory(iteration, num_microbatches):
-    """After the first log line, once the optimizer state exists: the theoretical footprint (rank 0)
-    and, on CUDA, the allocator's statistics (each data-parallel rank 0), as Megatron-LM prints them."""
-    if get_rank() == 0:
-        report_theoretical_memory(get_args(), num_microbatches=num_microbatches, verbose=True)
+    """After the first log line, once the optimizer state exists: the theoretical footprint and, on
+    CUDA, the allocator's statistics, as Megatron-LM prints them. Printed by the rank that prints the
+    log line (Megatron-LM uses rank 0), so that no other rank's output can land inside these lines."""
+    if not is_last_rank():
+        return
+    report_theoretical_memory(get_args(), num_microbatches=num_microbatches, verbose=True)
     measured = report_memory(f"{iteration} iterations")
-    if measured and (not parallel_state.model_parallel_is_initialized()
-                     or parallel_state.get_data_parallel_rank() == 0):
+    if measured:
         print(measured, flush=True)
