@@ -41,7 +41,6 @@ REFUSED = {
     "--decoder-last-pipeline-num-layers": ["--decoder-last-pipeline-num-layers", "1"],
     "--num-layers-per-virtual-pipeline-stage": ["--num-layers-per-virtual-pipeline-stage", "1"],
     "--num-virtual-stages-per-pipeline-rank": ["--num-virtual-stages-per-pipeline-rank", "2"],
-    "--overlap-param-gather": ["--overlap-param-gather"],
     "--use-tp-pp-dp-mapping": ["--use-tp-pp-dp-mapping"],
     "--full-validation": ["--full-validation"],
     "--log-progress": ["--log-progress"],

@@ -540,9 +540,10 @@ def _validate_features(args):
     if args.num_layers_per_virtual_pipeline_stage is not None or args.num_virtual_stages_per_pipeline_rank is not None:
         raise ValueError("--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank need "
                          "pipeline parallelism, which is not available in this version yet")
-    if args.use_distributed_optimizer:
-        raise ValueError("--use-distributed-optimizer is not available in this version yet "
-                         "(planned in a later issue)")
+    if args.overlap_param_gather and not (args.use_distributed_optimizer and args.overlap_grad_reduce):
+        raise ValueError("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce")
+    if args.use_distributed_optimizer and args.optimizer != "adam":
+        raise ValueError(f"--use-distributed-optimizer supports --optimizer adam only, got {args.optimizer}")
     if args.ckpt_format != "torch":
         raise ValueError(f"--ckpt-format {args.ckpt_format} is not available in this version yet (planned in a "
                          "later issue); only the legacy 'torch' format is supported")
@@ -586,8 +587,6 @@ _TIKTOKEN_OR_HF = "applies only to --tokenizer-type TikTokenizer or HuggingFaceT
 _NO_EFFECT_HERE = [
     ("--head-lr-mult", "head_lr_mult", 1.0, "has no effect in GPT pretraining (Megatron-LM applies it only through "
                                             "a scale_lr_cond, which pretrain_gpt does not set)"),
-    ("--overlap-param-gather", "overlap_param_gather", False,
-     "needs --use-distributed-optimizer, which is not available in this version yet"),
     ("--use-persistent-ckpt-worker", "use_persistent_ckpt_worker", False,
      "only applies to --async-save, which --ckpt-format torch does not support"),
     ("--decoder-first-pipeline-num-layers", "decoder_first_pipeline_num_layers", None,

@@ -19,6 +19,7 @@ from megatron.training.utils import print_rank_0
 CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_BASENAME = "model_optim_rng.pt"
+DISTRIBUTED_OPTIMIZER_BASENAME = "distrib_optim.pt"
 
 _CHECKPOINT_VERSION = None
 
@@ -67,6 +68,15 @@ def get_checkpoint_name(checkpoints_path, iteration, release=False, pipeline_par
     else:
         rank_dir = f"mp_rank_{tensor_rank:02d}"
     return os.path.join(checkpoints_path, _iteration_dirname(iteration, release), rank_dir, CHECKPOINT_BASENAME)
+
+
+def get_distributed_optimizer_checkpoint_name(model_checkpoint_name):
+    """``distrib_optim.pt`` in the directory of ``model_checkpoint_name`` (Megatron's legacy layout)."""
+    return os.path.join(os.path.dirname(model_checkpoint_name), DISTRIBUTED_OPTIMIZER_BASENAME)
+
+
+def _is_distributed_optimizer(optimizer):
+    return optimizer is not None and hasattr(optimizer, "get_parameter_state_dp_zero")
 
 
 def read_metadata(tracker_filename):
@@ -363,6 +373,10 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     ckpt_format = getattr(args, "ckpt_format", "torch")
     if ckpt_format != "torch":
         raise ValueError(f"--ckpt-format {ckpt_format} is not available in this version; use torch")
+    for chunk in (model if isinstance(model, (list, tuple)) else [model]):
+        sync = getattr(chunk, "sync_params_for_read", None)
+        if sync is not None:  # --overlap-param-gather leaves the updated shards ungathered until the next forward
+            sync()
     model = _unwrap(model)
     print_rank_0("saving checkpoint at iteration {:7d} to {} in {} format".format(iteration, save_dir, ckpt_format))
 
@@ -388,12 +402,18 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
         _raise_save_failure(error, iteration, final_dir)
 
     try:
+        # The distributed optimizer's shards are gathered to data-parallel rank 0 (a collective).
+        param_state = None
+        if _is_distributed_optimizer(optimizer) and not args.no_save_optim:
+            param_state = optimizer.get_parameter_state_dp_zero()
         if parallel_state.get_data_parallel_rank() == 0:
             final_name = get_checkpoint_name(save_dir, iteration)
             tmp_name = os.path.join(tmp_dir, os.path.relpath(final_name, final_dir))
             state_dict = generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state,
                                              iteration, num_floating_point_operations_so_far)
             _write_durably(state_dict, tmp_name)
+            if param_state is not None:
+                _write_durably(param_state, get_distributed_optimizer_checkpoint_name(tmp_name))
     except Exception as exc:
         error = exc
     if _any_rank(error is not None):
@@ -644,6 +664,8 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
         try:
             if optimizer is not None:
                 optimizer.load_state_dict(state_dict["optimizer"])
+                if _is_distributed_optimizer(optimizer):
+                    _load_distributed_optimizer_state(optimizer, checkpoint_name, context)
             if opt_param_scheduler is not None:
                 opt_param_scheduler.load_state_dict(state_dict["opt_param_scheduler"])
         except KeyError as exc:
@@ -669,6 +691,26 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
     return iteration, num_floating_point_operations_so_far
 
 
+def _load_distributed_optimizer_state(optimizer, checkpoint_name, context):
+    """Read ``distrib_optim.pt`` on data-parallel rank 0 and scatter it to the shards (all ranks call it)."""
+    name = get_distributed_optimizer_checkpoint_name(checkpoint_name)
+    param_state, error = None, None
+    if parallel_state.get_data_parallel_rank() == 0:
+        try:
+            if not os.path.isfile(name):
+                raise FileNotFoundError(f"distributed-optimizer state {name} ({context}) does not exist; it is "
+                                        "written by --use-distributed-optimizer runs (specify --no-load-optim to "
+                                        "start the optimizer afresh)")
+            param_state = load_state_dict_file(name, context)
+        except Exception as exc:  # every rank must learn of it, or the others wait in the scatter
+            error = exc
+    if _any_rank(error is not None):
+        if error is not None:
+            raise error
+        raise RuntimeError(f"reading the distributed-optimizer state {name} failed on data-parallel rank 0")
+    optimizer.load_parameter_state_from_dp_zero(param_state, source=name)
+
+
 def _load_model(model, state_dict, strict, checkpoint_name):
     keys = ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
     for chunk, key in zip(model, keys):
@@ -682,7 +724,7 @@ def _load_model(model, state_dict, strict, checkpoint_name):
 
 __all__ = [
     "CHECKPOINT_VERSION", "get_checkpoint_name", "get_checkpoint_tracker_filename", "read_metadata",
-    "get_rng_state", "generate_state_dict", "save_checkpoint", "load_checkpoint", "load_state_dict_file",
+    "get_rng_state", "generate_state_dict", "save_checkpoint", "get_distributed_optimizer_checkpoint_name", "load_checkpoint", "load_state_dict_file",
     "CheckpointReadError", "check_checkpoint_args", "get_checkpoint_version", "set_checkpoint_version",
 ]
 

@@ -69,6 +69,7 @@ def get_model(model_provider_func, wrap_with_ddp: bool = True):
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
         check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
         bucket_size=args.ddp_bucket_size,
@@ -482,6 +483,9 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             flops_so_far += num_floating_point_operations(args, batch_size)
 
             is_log_iteration = iteration % args.log_interval == 0 or iteration == args.start_iteration + 1
+            if args.log_params_norm and is_log_iteration and args.overlap_param_gather:
+                for chunk in model:  # the updated shards are otherwise gathered only by the next forward
+                    chunk.sync_params_for_read()
             params_norm = calc_params_l2_norm(model) if args.log_params_norm and is_log_iteration else None
             now = time.perf_counter() if is_log_iteration else last_log_time
             learning_rate = optimizer.param_groups[0]["lr"]

@@ -1,4 +1,4 @@
-"""Data-parallel wrapper: contiguous grad buffers (``param.main_grad``) and bucketed grad all-reduce."""
+"""Data-parallel wrapper: contiguous param/grad buffers (``param.main_grad``), bucketed grad reduction, param gather."""
 from contextlib import contextmanager
 from typing import Dict, List, Tuple
 
@@ -18,6 +18,12 @@ class DistributedDataParallel(torch.nn.Module):
     (param dtype, grad dtype)); a post-accumulate-grad hook adds ``param.grad`` into it and frees
     ``param.grad``. :meth:`finish_grad_sync` all-reduces each bucket over the data-parallel group
     with context parallelism (grads pre-scaled by 1/dp and summed, or averaged in the collective).
+
+    With ``use_distributed_optimizer`` the params also live in a contiguous buffer
+    (``param.data`` is a view into it), the reduction is a reduce-scatter, and the distributed
+    optimizer all-gathers the updated shards through :meth:`start_param_sync`. With
+    ``overlap_param_gather`` that gather is asynchronous: forward pre-hooks on every module that
+    owns params wait for their bucket's gather and dispatch the next one.
 
     Args:
         config: the model's ModelParallelConfig (``calculate_per_token_loss`` disables the 1/dp scale).
@@ -84,6 +90,54 @@ class DistributedDataParallel(torch.nn.Module):
             param.register_post_accumulate_grad_hook(self._make_backward_post_hook())
             for param in param_to_name
         ]
+        self._forward_pre_hook_handles = {}
+        if ddp_config.overlap_param_gather:
+            self.enable_forward_pre_hook()
+
+    def enable_forward_pre_hook(self):
+        """Wait for (and chain) the param all-gathers in forward pre-hooks (``overlap_param_gather``)."""
+        if not self.ddp_config.overlap_param_gather:
+            raise RuntimeError("forward pre-hooks gather params only with --overlap-param-gather")
+        if self._forward_pre_hook_handles:
+            return
+        for module in self.module.modules():
+            if any(p in self.param_to_bucket_group for p in module.parameters(recurse=False)):
+                self._forward_pre_hook_handles[module] = module.register_forward_pre_hook(
+                    self._make_forward_pre_hook())
+
+    def disable_forward_pre_hook(self, param_sync: bool = True):
+        """Remove the forward pre-hooks; with ``param_sync`` gather all params now (before eval or save)."""
+        for handle in self._forward_pre_hook_handles.values():
+            handle.remove()
+        self._forward_pre_hook_handles = {}
+        if param_sync:
+            self.start_param_sync(force_sync=True)
+
+    def _make_forward_pre_hook(self):
+        param_to_bucket_group = self.param_to_bucket_group
+
+        def hook(module, *unused):
+            for param in module.parameters(recurse=False):
+                group = param_to_bucket_group.get(param)
+                if group is not None:
+                    group.finish_param_sync()
+
+        return hook
+
+    def start_param_sync(self, force_sync: bool = False):
+        """All-gather the updated param shards of every bucket (distributed optimizer only).
+
+        Synchronous unless ``overlap_param_gather`` and not ``force_sync``; ``force_sync`` also
+        completes gathers already in flight, so the full params are current on return.
+        """
+        with managed_span("communication", "megatron.param_sync.start"):
+            for group in self.bucket_groups:
+                group.start_param_sync(force_sync=force_sync)
+
+    def mark_params_stale(self):
+        """Record that the optimizer updated this rank's shards: the next gather must spread them."""
+        for group in self.bucket_groups:
+            group.params_stale = True
 
     def _make_backward_post_hook(self):
         overlap = self.ddp_config.overlap_grad_reduce
@@ -149,6 +203,11 @@ class DistributedDataParallel(torch.nn.Module):
         src = dist.get_global_rank(self.data_parallel_group, 0)
         for param in self.module.parameters():
             dist.broadcast(param.data, src=src, group=self.data_parallel_group)
+
+    def sync_params_for_read(self):
+        """Complete pending param gathers so the full params can be read (checkpoint save, eval, norms)."""
+        if self.ddp_config.use_distributed_optimizer:
+            self.start_param_sync(force_sync=True)
 
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
         """The wrapped module's state dict (keys without a ``module.`` prefix)."""

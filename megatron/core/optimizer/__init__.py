@@ -5,11 +5,12 @@ import torch
 
 from .clip_grads import clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
+from .distrib_optimizer import DistributedOptimizer
 from .optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer, MegatronOptimizer
 from .optimizer_config import OptimizerConfig
 
 __all__ = [
-    "OptimizerConfig", "MegatronOptimizer", "FP32Optimizer", "Float16OptimizerWithFloat16Params",
+    "OptimizerConfig", "MegatronOptimizer", "FP32Optimizer", "Float16OptimizerWithFloat16Params", "DistributedOptimizer",
     "MegatronGradScaler", "ConstantGradScaler", "DynamicGradScaler", "get_megatron_optimizer",
     "get_grad_norm_fp32", "clip_grad_by_total_norm_fp32", "count_zeros_fp32", "get_optimizer_state_bytes",
 ]
@@ -112,14 +113,20 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
     Each group's 'lr' / 'weight_decay' is set by OptimizerParamScheduler from max_lr/min_lr,
     lr_mult and wd_mult.
 
+    With ``config.use_distributed_optimizer`` the wrapper is a :class:`DistributedOptimizer`
+    (Adam only) over the DDP chunks' buffers.
+
+    The optimizer state of every wrapper is keyed by each param's fully qualified name (prefixed
+    ``model{i}.`` when there are several chunks) in ``state_dict()``.
+
     Raises:
         ValueError: ``config.lr`` is None, the optimizer name is unknown, the distributed optimizer
-            is requested, or no trainable params exist.
+            is requested with sgd, or no trainable params exist.
     """
     if config.lr is None:
         raise ValueError("OptimizerConfig.lr is None: set --lr")
-    if config.use_distributed_optimizer:
-        raise ValueError("--use-distributed-optimizer is not available yet in this framework")
+    if config.use_distributed_optimizer and config.optimizer != "adam":
+        raise ValueError(f"--use-distributed-optimizer supports --optimizer adam only, got {config.optimizer!r}")
     min_lr = config.min_lr if config.min_lr is not None else 0.0
     if not isinstance(model_chunks, (list, tuple)):
         model_chunks = [model_chunks]
@@ -133,8 +140,9 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
         group["weight_decay"] = config.weight_decay * group["wd_mult"]
 
     if config.optimizer == "adam":
-        inner = torch.optim.AdamW(param_groups, lr=config.lr, weight_decay=config.weight_decay,
-                                  betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+        def make_inner(groups):
+            return torch.optim.AdamW(groups, lr=config.lr, weight_decay=config.weight_decay,
+                                     betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
 
         def init_state_fn(opt):
             for group in opt.param_groups:
@@ -143,15 +151,17 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
                         opt.state[p]["exp_avg"] = torch.zeros_like(p.data)
                         opt.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
     elif config.optimizer == "sgd":
-        inner = torch.optim.SGD(param_groups, lr=config.lr, weight_decay=config.weight_decay,
-                                momentum=config.sgd_momentum)
+        def make_inner(groups):
+            return torch.optim.SGD(groups, lr=config.lr, weight_decay=config.weight_decay,
+                                   momentum=config.sgd_momentum)
+
         init_state_fn = None
     else:
         raise ValueError(f"--optimizer {config.optimizer!r} is not supported; choose 'adam' or 'sgd'")
     init_state_fn = init_state_fn or (lambda opt: None)
 
+    grad_scaler: Optional[MegatronGradScaler] = None
     if config.fp16 or config.bf16:
-        grad_scaler: Optional[MegatronGradScaler] = None
         if config.loss_scale:
             grad_scaler = ConstantGradScaler(config.loss_scale)
         elif config.fp16:
@@ -159,5 +169,22 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
                 initial_scale=config.initial_loss_scale, min_scale=config.min_loss_scale, growth_factor=2.0,
                 backoff_factor=0.5, growth_interval=config.loss_scale_window, hysteresis=config.hysteresis,
             )
-        return Float16OptimizerWithFloat16Params(inner, config, grad_scaler, init_state_fn)
-    return FP32Optimizer(inner, config, init_state_fn)
+    if config.use_distributed_optimizer:
+        return DistributedOptimizer(config, model_chunks, param_groups, make_inner, grad_scaler, init_state_fn)
+    param_names = _param_names(model_chunks)
+    inner = make_inner(param_groups)
+    if config.fp16 or config.bf16:
+        return Float16OptimizerWithFloat16Params(inner, config, grad_scaler, init_state_fn, param_names=param_names)
+    return FP32Optimizer(inner, config, init_state_fn, param_names=param_names)
+
+
+def _param_names(model_chunks: List[torch.nn.Module]) -> Dict[torch.nn.Parameter, str]:
+    """Fully qualified name of every param (wrappers' ``module.`` removed; ``model{i}.`` for several chunks)."""
+    names = {}
+    for index, chunk in enumerate(model_chunks):
+        while isinstance(getattr(chunk, "module", None), torch.nn.Module):
+            chunk = chunk.module
+        prefix = f"model{index}." if len(model_chunks) > 1 else ""
+        for name, param in chunk.named_parameters():
+            names.setdefault(param, prefix + name)
+    return names

@@ -53,13 +53,75 @@ class MegatronOptimizer(ABC):
         optimizer: the inner torch optimizer (its ``param_groups`` are exposed unchanged).
         config: the optimizer options (``clip_grad``, ``log_num_zeros_in_grad``, ``timers``).
         init_state_fn: fills empty optimizer state for a param (used by checkpoint loaders).
+        param_names: fully qualified name of each param of ``optimizer``; with it the inner state dict
+            is saved keyed by name instead of position (:meth:`inner_state_dict_by_name`).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig,
-                 init_state_fn: Callable = lambda x: None):
+                 init_state_fn: Callable = lambda x: None,
+                 param_names: Optional[Dict[torch.nn.Parameter, str]] = None):
         self.optimizer = optimizer
         self.config = config
         self.init_state_fn = init_state_fn
+        self._group_param_names: Optional[List[List[str]]] = None
+        if param_names is not None:
+            groups = [[param_names.get(p) for p in group["params"]] for group in optimizer.param_groups]
+            if all(name is not None for names in groups for name in names):
+                self._group_param_names = groups
+
+    def inner_state_dict_by_name(self) -> Dict:
+        """The inner optimizer's state dict with params named, not numbered.
+
+        ``{'state': {name: {...}}, 'param_groups': [{..., 'params': [name, ...]}]}``; positional
+        (torch's layout) when the optimizer was built without names.
+        """
+        inner = self.optimizer.state_dict()
+        if self._group_param_names is None:
+            return inner
+        index_to_name = {}
+        for group, names in zip(inner["param_groups"], self._group_param_names):
+            index_to_name.update(zip(group["params"], names))
+        return {
+            "state": {index_to_name[index]: value for index, value in inner["state"].items()},
+            "param_groups": [{**group, "params": [index_to_name[i] for i in group["params"]]}
+                             for group in inner["param_groups"]],
+        }
+
+    def load_inner_state_dict(self, state_dict: Dict):
+        """Load a name-keyed (:meth:`inner_state_dict_by_name`) or positional inner state dict.
+
+        Names are matched group by group, whatever their order in the checkpoint.
+
+        Raises:
+            ValueError: the names of a group differ from this optimizer's, the group counts differ,
+                or the state is name-keyed but this optimizer has no names.
+        """
+        saved_groups = state_dict["param_groups"]
+        if not any(isinstance(p, str) for group in saved_groups for p in group["params"]):
+            self.optimizer.load_state_dict(state_dict)
+            return
+        if self._group_param_names is None:
+            raise ValueError("the optimizer state is keyed by param name but this optimizer was built without names")
+        if len(saved_groups) != len(self._group_param_names):
+            raise ValueError(f"checkpoint optimizer has {len(saved_groups)} param groups, this optimizer has "
+                             f"{len(self._group_param_names)}")
+        name_to_index, index = {}, 0
+        for names in self._group_param_names:
+            for name in names:
+                name_to_index[name] = index
+                index += 1
+        positional_groups = []
+        for group_index, (saved, names) in enumerate(zip(saved_groups, self._group_param_names)):
+            if set(saved["params"]) != set(names):
+                missing = sorted(set(names) - set(saved["params"]))[:3]
+                extra = sorted(set(saved["params"]) - set(names))[:3]
+                raise ValueError(f"optimizer param group {group_index} in the checkpoint does not hold this model's "
+                                 f"params (missing {missing}, unexpected {extra})")
+            positional_groups.append({**saved, "params": [name_to_index[name] for name in names]})
+        self.optimizer.load_state_dict({
+            "state": {name_to_index[name]: value for name, value in state_dict["state"].items()},
+            "param_groups": positional_groups,
+        })
 
     def _timer(self, name: str):
         timers = self.config.timers
@@ -177,8 +239,9 @@ class FP32Optimizer(MegatronOptimizer):
     """Plain fp32 training: the inner optimizer reads ``param.main_grad`` (no loss scale, scale 1.0)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig,
-                 init_state_fn: Callable = lambda x: None):
-        super().__init__(optimizer, config, init_state_fn)
+                 init_state_fn: Callable = lambda x: None,
+                 param_names: Optional[Dict[torch.nn.Parameter, str]] = None):
+        super().__init__(optimizer, config, init_state_fn, param_names)
         params = self.get_parameters()
         device = params[0].device if params else torch.device("cpu")
         self._scale = torch.tensor([1.0], dtype=torch.float, device=device)
@@ -216,12 +279,12 @@ class FP32Optimizer(MegatronOptimizer):
         """Nothing to do: the optimizer updates the model params directly."""
 
     def state_dict(self) -> Dict:
-        """The inner optimizer's state dict."""
-        return self.optimizer.state_dict()
+        """The inner optimizer's state dict, keyed by param name when names are known."""
+        return self.inner_state_dict_by_name()
 
     def load_state_dict(self, state_dict: Dict):
-        """Load the inner optimizer's state dict."""
-        self.optimizer.load_state_dict(state_dict)
+        """Load the inner optimizer's state dict (name-keyed or positional)."""
+        self.load_inner_state_dict(state_dict)
 
 
 class Float16OptimizerWithFloat16Params(MegatronOptimizer):
@@ -245,8 +308,9 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig,
-                 grad_scaler: Optional[MegatronGradScaler], init_state_fn: Callable = lambda x: None):
-        super().__init__(optimizer, config, init_state_fn)
+                 grad_scaler: Optional[MegatronGradScaler], init_state_fn: Callable = lambda x: None,
+                 param_names: Optional[Dict[torch.nn.Parameter, str]] = None):
+        super().__init__(optimizer, config, init_state_fn, param_names)
         if grad_scaler is None and config.fp16:
             raise ValueError("fp16 training needs a grad scaler (constant --loss-scale or dynamic)")
         self.grad_scaler = grad_scaler
@@ -374,7 +438,7 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
 
     def state_dict(self) -> Dict:
         """``{'optimizer', 'grad_scaler' (if any), 'fp32_from_fp16_params'}``."""
-        state_dict = {"optimizer": self.optimizer.state_dict()}
+        state_dict = {"optimizer": self.inner_state_dict_by_name()}
         if self.grad_scaler is not None:
             state_dict["grad_scaler"] = self.grad_scaler.state_dict()
         state_dict["fp32_from_fp16_params"] = [[p.detach() for p in group] for group in self.fp32_from_float16_groups]
@@ -387,7 +451,7 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
             KeyError: 'optimizer' or 'fp32_from_fp16_params' is missing.
             ValueError: the saved main params do not match this optimizer's groups in count or shape.
         """
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.load_inner_state_dict(state_dict["optimizer"])
         if "grad_scaler" not in state_dict:
             if self.config.fp16:
                 logger.warning("***WARNING*** found an old checkpoint, will not load grad scaler ...")
