@@ -122,9 +122,9 @@ def main():
             result = simulate_rank(args, dp - 1 if options.rank is None else options.rank)
             ratio = result["measured"] / result["formula"]
             megatron = 18 if not distributed else 6 + 12 / dp
+            measured_mb, formula_mb = (result[key] / NUM_BYTES_IN_MEGABYTE for key in ("measured", "formula"))
             print(f"{dp:5d} {str(distributed):>8} {result['params']:13d} {result['buckets']:7d} "
-                  f"{result['measured'] / NUM_BYTES_IN_MEGABYTE:12.2f} {result['formula'] / NUM_BYTES_IN_MEGABYTE:11.2f} "
-                  f"{ratio:12.6f} {megatron:23.4f}")
+                  f"{measured_mb:12.2f} {formula_mb:11.2f} {ratio:12.6f} {megatron:23.4f}")
             footprint = compute_weight_and_optimizer_memory(args)
             print(f"      Theoretical memory footprints: weight and optimizer="
                   f"{footprint.weight_and_optimizer_bytes / NUM_BYTES_IN_MEGABYTE:.2f} MB")

@@ -45,7 +45,8 @@ def preprocess_shakespeare(shared_data: Path, out_dir: Path, sentencepiece: bool
 def sentencepiece_flags(shared_data: Path) -> list:
     """Tokenizer flags of the 8k SentencePiece model: a vocabulary 6x smaller than GPT-2's, for runs
     whose output layer would be slow on CPU (fp16 matmuls have no fast CPU kernel)."""
-    return ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(shared_data / "shakespeare-sp8k.model")]
+    return ["--tokenizer-type", "SentencePieceTokenizer",
+            "--tokenizer-model", str(shared_data / "shakespeare-sp8k.model")]
 
 
 def run_pretrain(nproc, flags, shared_data, data_prefix, tmp_path, expect_failure=False, stderr_too=False) -> str:
