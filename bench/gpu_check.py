@@ -13,6 +13,9 @@ stage is reported and the next one runs; the exit status is 1 if any stage faile
 - ``mfu``: tokens/s and MFU of a 1.3B GPT (24 layers, hidden 2048, 16 heads, seq 2048, bf16) at the
   largest micro-batch that fits, from the TFLOP/s Megatron's log line prints (``--log-throughput``).
 - ``parallel``: with 2+ GPUs, TP=2 and DP=2 over NCCL log the losses of one GPU (bf16 tolerance).
+- ``dp_distopt``: with 2+ GPUs, DP=2 with ``--use-distributed-optimizer --overlap-grad-reduce
+  --overlap-param-gather`` (bf16) logs the losses of one GPU; its step time against plain DP=2 and the
+  theoretical memory report's figure.
 - ``mfu_compile``: the MFU run again with ``--compile-transformer-layers``, if the parser has it.
 
 ``--dry-run`` runs the stages on the CPU (tiny models, gloo, a few iterations; tests/gpu are collected
@@ -56,7 +59,7 @@ PARALLEL_RTOL = 2e-2
 # they are sized from estimates (no GPU run yet), with room for 2-3x the expected time per stage.
 DEFAULT_BUDGET_S = {"gpu": 450.0, "dry_run": 1500.0}
 STAGE_CAPS_S = {"env": 60, "gpu_tests": 150, "resume": 120, "telemetry": 60, "mfu": 180, "parallel": 120,
-                "mfu_compile": 180}
+                "dp_distopt": 90, "mfu_compile": 180}
 STAGES = list(STAGE_CAPS_S)
 OTEL_PROBE = ("import opentelemetry.sdk.trace, opentelemetry.sdk.metrics, "
               "opentelemetry.exporter.otlp.proto.grpc.trace_exporter")
@@ -75,6 +78,7 @@ class StageSkipped(Exception):
 # ---------------------------------------------------------------------------------------------------
 
 _ITERATION = re.compile(r"\] iteration\s+(\d+)/\s*(\d+) \|(.*)$")
+_MEMORY_REPORT = re.compile(r"Theoretical memory footprints: weight and optimizer=([0-9.]+) MB")
 _PARAMS = re.compile(r"number of parameters on \(tensor, pipeline\) model parallel rank \(\d+, \d+\): (\d+)")
 
 
@@ -184,6 +188,7 @@ class GPUCheck:
         self.stage_deadline = self.deadline
         self.reference_losses = None  # the uninterrupted run of the resume stage
         self.mfu_micro = None
+        self.parallel_runs = {}  # the parallel stage's one-GPU losses and DP=2 output, reused by dp_distopt
 
     # -- output ------------------------------------------------------------------------------------
 
@@ -519,9 +524,11 @@ class GPUCheck:
         m = small_model(self.dry_run)
         n = m["iters"]
         base = losses(self.pretrain("parallel_1gpu", 1, self._small_flags(m, n, dropout=False))[1])
+        self.parallel_runs["base"] = base
         tp2 = losses(self.pretrain("parallel_tp2", 2, self._small_flags(
             m, n, "--tensor-model-parallel-size", "2", dropout=False))[1])
-        dp2 = losses(self.pretrain("parallel_dp2", 2, self._small_flags(m, n, dropout=False))[1])
+        self.parallel_runs["dp2"] = self.pretrain("parallel_dp2", 2, self._small_flags(m, n, dropout=False))[1]
+        dp2 = losses(self.parallel_runs["dp2"])
         for name, got in (("tp2", tp2), ("dp2", dp2)):
             if sorted(got) != list(range(1, n + 1)):
                 raise StageFailed(f"{name} logged iterations {sorted(got)}, expected 1..{n}")
@@ -532,6 +539,34 @@ class GPUCheck:
         if max(tp_diff, dp_diff) > PARALLEL_RTOL:
             raise StageFailed(f"TP=2 / DP=2 losses differ from one GPU by {tp_diff:.3g} / {dp_diff:.3g} "
                               f"(bf16 tolerance {PARALLEL_RTOL})")
+
+    def stage_dp_distopt(self):
+        """The distributed optimizer with both overlaps: bf16 losses of one GPU, step time against plain DP=2."""
+        if not self.dry_run and self.gpus < 2:
+            raise StageSkipped(f"DP=2 needs 2 GPUs; this machine has {self.gpus}")
+        m = small_model(self.dry_run)
+        n = m["iters"]
+        base = self.parallel_runs.get("base") or losses(
+            self.pretrain("dp_distopt_1gpu", 1, self._small_flags(m, n, dropout=False))[1])
+        _, out = self.pretrain("dp_distopt", 2, self._small_flags(
+            m, n, "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", dropout=False))
+        got = losses(out)
+        if sorted(got) != list(range(1, n + 1)):
+            raise StageFailed(f"dp_distopt logged iterations {sorted(got)}, expected 1..{n}")
+        diff = max_relative_difference(got, base)
+        self.figure("dp_distopt_max_rel_loss_diff", float(f"{diff:.3g}"), "relative")
+        report = _MEMORY_REPORT.search(out)
+        self.figure("dp_distopt_weight_and_optimizer_mb", float(report.group(1)) if report else None, "MB")
+        step_ms = _median_step_ms(out)
+        self.figure("dp_distopt_step_time_ms", round(step_ms, 1), "ms")
+        if "dp2" in self.parallel_runs:
+            ratio = step_ms / _median_step_ms(self.parallel_runs["dp2"])
+            self.figure("dp_distopt_step_time_ratio_to_dp2", round(ratio, 3), "ratio")
+        if diff > PARALLEL_RTOL:
+            raise StageFailed(f"DP=2 distributed-optimizer losses differ from one GPU by {diff:.3g} "
+                              f"(bf16 tolerance {PARALLEL_RTOL})")
+        if report is None:
+            raise StageFailed("no 'Theoretical memory footprints' line in the output")
 
     def stage_mfu_compile(self):
         if "--compile-transformer-layers" not in self.flags:
@@ -559,6 +594,14 @@ def _kill_group(proc) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+def _median_step_ms(text: str) -> float:
+    """Median ``elapsed time per iteration (ms)`` of the log lines after the first (which compiles kernels)."""
+    times = [f["elapsed time per iteration (ms)"] for it, f in sorted(parse_iterations(text).items()) if it > 1]
+    if not times:
+        raise StageFailed("no log line after the first iteration")
+    return statistics.median(times)
 
 
 def _free_port() -> int:

@@ -14,19 +14,39 @@ LOG_LINE = re.compile(
     r"lm loss: ([0-9.]+E[+-]\d+) \| loss scale: 1\.0 \| grad norm: ([0-9.]+) \| "
     r"number of skipped iterations:\s+0 \| number of nan iterations:\s+0 \|$"
 )
+# Any log line of a run without --log-throughput/--log-num-zeros-in-grad/--log-params-norm: a mixed-precision
+# run may have a loss scale other than 1.0 and skipped iterations, and an interval whose steps were all
+# skipped prints neither a loss nor a grad norm.
+ANY_LOG_LINE = re.compile(
+    r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\] iteration\s+(?P<iteration>\d+)/\s+\d+ \| "
+    r"consumed samples:\s+\d+ \| elapsed time per iteration \(ms\): [0-9.]+ \| "
+    r"learning rate: [0-9.]+E[+-]\d+ \| global batch size:\s+\d+ \| "
+    r"(?:lm loss: (?P<loss>[0-9.]+E[+-]\d+) \| )?loss scale: (?P<loss_scale>[0-9.]+) \| "
+    r"(?:grad norm: (?P<grad_norm>[0-9.]+) \| )?number of skipped iterations:\s+(?P<skipped>\d+) \| "
+    r"number of nan iterations:\s+(?P<nan>\d+) \|$"
+)
 
 
-def preprocess_shakespeare(shared_data: Path, out_dir: Path) -> str:
-    """Tokenise ../shared/data/tinyshakespeare.jsonl with GPT-2 BPE; returns the dataset prefix."""
-    out = out_dir / "shakes"
+def preprocess_shakespeare(shared_data: Path, out_dir: Path, sentencepiece: bool = False) -> str:
+    """Tokenise ../shared/data/tinyshakespeare.jsonl with GPT-2 BPE (or, with ``sentencepiece``, the
+    8k SentencePiece model, see :func:`sentencepiece_flags`); returns the dataset prefix."""
+    out = out_dir / ("shakes_sp8k" if sentencepiece else "shakes")
     subprocess.run(
         [sys.executable, "tools/preprocess_data.py", "--input", str(shared_data / "tinyshakespeare.jsonl"),
-         "--output-prefix", str(out), "--tokenizer-type", "GPT2BPETokenizer",
-         "--vocab-file", str(shared_data / "gpt2-vocab.json"), "--merge-file", str(shared_data / "gpt2-merges.txt"),
+         "--output-prefix", str(out), *(sentencepiece_flags(shared_data) if sentencepiece else [
+             "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(shared_data / "gpt2-vocab.json"),
+             "--merge-file", str(shared_data / "gpt2-merges.txt")]),
          "--append-eod", "--workers", "1", "--log-interval", "100000"],
         cwd=REPO, check=True, capture_output=True,
     )
     return str(out) + "_text_document"
+
+
+def sentencepiece_flags(shared_data: Path) -> list:
+    """Tokenizer flags of the 8k SentencePiece model: a vocabulary 6x smaller than GPT-2's, for runs
+    whose output layer would be slow on CPU (fp16 matmuls have no fast CPU kernel)."""
+    return ["--tokenizer-type", "SentencePieceTokenizer",
+            "--tokenizer-model", str(shared_data / "shakespeare-sp8k.model")]
 
 
 def run_pretrain(nproc, flags, shared_data, data_prefix, tmp_path, expect_failure=False, stderr_too=False) -> str:
@@ -99,6 +119,23 @@ def losses_from_log(stdout: str) -> dict:
             assert match, f"log line not in Megatron's format: {line!r}"
             losses[int(match.group(1))] = match.group(5)
     return losses
+
+
+def log_records(stdout: str) -> dict:
+    """{iteration: {'loss': float or None, 'loss_scale': float, 'grad_norm': float or None, 'skipped': int,
+    'nan': int}} from every training log line (format checked with :data:`ANY_LOG_LINE`)."""
+    records = {}
+    for line in stdout.splitlines():
+        if "elapsed time per iteration" in line:
+            match = ANY_LOG_LINE.match(line)
+            assert match, f"log line not in Megatron's format: {line!r}"
+            loss, grad_norm = match.group("loss"), match.group("grad_norm")
+            records[int(match.group("iteration"))] = {
+                "loss": None if loss is None else float(loss), "loss_scale": float(match.group("loss_scale")),
+                "grad_norm": None if grad_norm is None else float(grad_norm),
+                "skipped": int(match.group("skipped")), "nan": int(match.group("nan")),
+            }
+    return records
 
 
 def tensorboard_scalars(log_dir, tag: str) -> dict:

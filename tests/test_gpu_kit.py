@@ -22,6 +22,8 @@ DRY_RUN_FIGURES = {
     "mfu": ["mfu_model_params", "mfu_micro_batch_size", "mfu_global_batch_size", "mfu_step_time_ms",
             "mfu_tokens_per_sec", "mfu_tflops_per_gpu", "mfu"],
     "parallel": ["parallel_iterations_compared", "tp2_max_rel_loss_diff", "dp2_max_rel_loss_diff"],
+    "dp_distopt": ["dp_distopt_max_rel_loss_diff", "dp_distopt_weight_and_optimizer_mb", "dp_distopt_step_time_ms",
+                   "dp_distopt_step_time_ratio_to_dp2"],
 }
 
 
@@ -49,6 +51,8 @@ def test_dry_run_passes_every_stage_and_reports_every_figure(tmp_path):
     assert figures["resume_iterations_compared"]["value"] == iterations - gpu_check.small_model(dry_run=True)["half"]
     assert figures["mfu_tokens_per_sec"]["value"] > 0 and figures["peak_bf16_tflops"]["value"] == 1.0
     assert figures["tp2_max_rel_loss_diff"]["value"] <= gpu_check.PARALLEL_RTOL
+    assert figures["dp_distopt_max_rel_loss_diff"]["value"] <= gpu_check.PARALLEL_RTOL
+    assert figures["dp_distopt_weight_and_optimizer_mb"]["value"] > 0
     assert "training ..." in (out / "gpu_check.log").read_text()  # every run's output is kept
 
 

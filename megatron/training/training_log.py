@@ -7,7 +7,8 @@ import torch
 
 from megatron.training import telemetry_hooks as telemetry
 from megatron.training.global_vars import get_args, get_telemetry, get_tensorboard_writer, get_timers, get_wandb_writer
-from megatron.training.utils import is_last_rank, print_rank_last
+from megatron.training.theoretical_memory_usage import report_theoretical_memory
+from megatron.training.utils import is_last_rank, print_rank_last, report_memory
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,8 @@ class LogAccumulator:
 
     def __init__(self):
         self.reset()
+        # Megatron's report_memory_flag: the memory report follows the first log line of a run only.
+        self.memory_reported = False
 
     def reset(self):
         self.losses = {}
@@ -205,5 +208,20 @@ def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm
         skipped=acc.skipped, learning_rate=learning_rate,
     )
     acc.reset()
+    if not acc.memory_reported:
+        _report_memory(iteration, num_microbatches)
+        acc.memory_reported = True
     timers.log([name for name in _LOGGED_TIMERS], normalizer=max(iterations_since_last_log, 1))
     return averages
+
+
+def _report_memory(iteration, num_microbatches):
+    """After the first log line, once the optimizer state exists: the theoretical footprint and, on
+    CUDA, the allocator's statistics, as Megatron-LM prints them. Printed by the rank that prints the
+    log line (Megatron-LM uses rank 0), so that no other rank's output can land inside these lines."""
+    if not is_last_rank():
+        return
+    report_theoretical_memory(get_args(), num_microbatches=num_microbatches, verbose=True)
+    measured = report_memory(f"{iteration} iterations")
+    if measured:
+        print(measured, flush=True)
