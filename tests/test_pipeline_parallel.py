@@ -1,6 +1,10 @@
 """Pipeline schedules over real gloo p2p: 1F1B (PP=2, PP=4) and interleaved (PP=2 and PP=4 with
 virtual stages) give the loss and gradients of one process; a failing stage makes every stage fail
-fast, naming the failing rank; receives are bounded by the pipeline group's timeout."""
+fast, naming the failing rank; receives are bounded by the pipeline group's timeout.
+
+One launch of 4 gloo processes runs every layout, then the timeout and failure checks (last: they
+break the process group); the tests below read its results.
+"""
 import time
 
 import pytest
@@ -126,11 +130,58 @@ def _numerics_worker(rank, world_size):
     return results
 
 
-@pytest.mark.timeout(300)
-def test_pipelined_schedules_match_one_process():
-    per_rank = run_distributed(_numerics_worker, 4, timeout=280)
+def _telemetry_worker(rank, world_size):
+    """PP=2 1F1B (pipelines [0, 2] and [1, 3]) inside an iteration's train_step span, every rank
+    exporting to memory: each p2p span's name, micro-batch id and the span above it."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from megatron.core import telemetry as tel
+
+    exporter = InMemorySpanExporter()
+    config = tel.TelemetryConfig(enabled=True, rank_strategy="all_ranks", metrics_enabled=False,
+                                 span_groups="step,microbatch,communication", run_id="pp-test")
+    handle = tel.setup_telemetry(config, rank, world_size, span_exporter=exporter)
+    try:
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        chunk = Stage(range(4 * stage, 4 * stage + 4), _config())
+        context = tel.iteration_trace_context(handle.run_id, 5)
+        tel.set_pipeline_carrier(tel.inject_context({}, context))
+        with tel.managed_span("step", "megatron.train_step", context=context):
+            get_forward_backward_func()(forward_step_func=_forward_step, data_iterator=iter(_microbatches(3)),
+                                        model=[chunk], num_microbatches=3, seq_length=SEQ, micro_batch_size=MBS)
+        handle.force_flush(3000)
+        spans = exporter.get_finished_spans()
+        by_id = {s.context.span_id: s for s in spans}
+
+        def describe(span):
+            parent = by_id.get(span.parent.span_id) if span.parent else None
+            return {"name": span.name, "trace_id": span.context.trace_id, "attrs": dict(span.attributes),
+                    "parent": (parent.name, dict(parent.attributes)) if parent else None,
+                    "links": [(l.context.trace_id, l.context.span_id) for l in span.links]}
+
+        return {"stage": stage, "expected_trace": tel.iteration_span_ids(handle.run_id, 5)[0],
+                "spans": [describe(s) for s in spans]}
+    finally:
+        handle.shutdown(timeout_ms=2000)
+
+
+def _worker(rank, world_size):
+    numerics = _numerics_worker(rank, world_size)
+    spans = _telemetry_worker(rank, world_size)
+    return numerics, _failure_worker(rank, world_size), spans
+
+
+@pytest.fixture(scope="module")
+def per_rank():
+    return run_distributed(_worker, 4, timeout=400)
+
+
+@pytest.mark.timeout(420)
+def test_pipelined_schedules_match_one_process(per_rank):
     for index, (pp, vp, m, _) in enumerate(LAYOUTS):
-        rows = [results[index] for results in per_rank]
+        rows = [numerics[index] for numerics, _, _ in per_rank]
         assert sorted(i for row in rows for i in row["layers"]) == sorted(list(range(LAYERS)) * (4 // pp)), rows
         for row in rows:
             assert row["n_losses"] == row["n_eval"] == (m if row["last"] else 0), row
@@ -146,6 +197,7 @@ FAILING_RANK, FAILING_MICROBATCH = 2, 2
 def _failure_worker(rank, world_size):
     import torch.distributed as dist
 
+    parallel_state.destroy_model_parallel()
     out = {}
     # 1. A receive from a stage that never sends ends with the pipeline group's timeout (3 s here;
     #    --distributed-timeout-minutes in training). Pipelines are [0, 2] and [1, 3].
@@ -179,12 +231,11 @@ def _failure_worker(rank, world_size):
     return out
 
 
-@pytest.mark.timeout(200)
-def test_failing_stage_fails_every_stage_naming_its_rank():
-    per_rank = run_distributed(_failure_worker, 4, timeout=180)
-    elapsed, message = per_rank[3]["timeout"]
+@pytest.mark.timeout(420)
+def test_failing_stage_fails_every_stage_naming_its_rank(per_rank):
+    elapsed, message = per_rank[3][1]["timeout"]
     assert 2.5 < elapsed < 30 and "recv_forward with rank 1" in message, (elapsed, message)
-    for rank, out in enumerate(per_rank):
+    for rank, (_, out, _) in enumerate(per_rank):
         assert out["failure"] is not None, f"rank {rank} finished although stage {FAILING_RANK} failed"
         kind, message, elapsed = out["failure"]
         assert elapsed < 60, (rank, elapsed)
@@ -193,3 +244,44 @@ def test_failing_stage_fails_every_stage_naming_its_rank():
         else:
             assert kind == "PipelinePeerError", (rank, kind, message)
             assert f"pipeline stage failed on rank {FAILING_RANK}" in message, (rank, message)
+
+
+@pytest.mark.timeout(420)
+def test_p2p_spans_sit_under_their_micro_batch(per_rank):
+    """send/recv spans in the communication group under the micro-batch span they serve, in the
+    iteration's trace, and linked warm-up receives on the later stage."""
+    for _, _, result in per_rank:
+        spans, stage = result["spans"], result["stage"]
+        assert {s["trace_id"] for s in spans} == {result["expected_trace"]}
+        p2p_spans = [s for s in spans if s["name"].startswith("megatron.p2p.")]
+        names = sorted({s["name"] for s in p2p_spans})
+        if stage == 0:
+            assert names == ["megatron.p2p.recv_backward", "megatron.p2p.send_forward"]
+        else:
+            assert names == ["megatron.p2p.recv_forward", "megatron.p2p.send_backward"]
+        for span in p2p_spans:
+            assert span["attrs"]["dl.pipeline_parallel.rank"] == stage
+            mb = span["attrs"]["megatron.microbatch_id"]
+            parent_name, parent_attrs = span["parent"]
+            if parent_name == "megatron.pp.recv_forward.linked":
+                assert span["name"] == "megatron.p2p.recv_forward" and parent_attrs["dl.microbatch_id"] == mb
+                continue
+            # the send of micro-batch k sits under k's forward / backward span; a receive under the
+            # span of the micro-batch it serves when it runs alone, else beside the send it is
+            # batched with (1F1B's steady state pairs them)
+            direction = "forward" if span["name"].endswith("forward") else "backward"
+            assert parent_name.startswith("megatron.microbatch."), span
+            if span["name"].startswith("megatron.p2p.send"):
+                assert parent_name == f"megatron.microbatch.{direction}", span
+                assert parent_attrs["megatron.microbatch_id"] == mb, span
+        sends = sorted(s["attrs"]["megatron.microbatch_id"] for s in p2p_spans if "send" in s["name"])
+        recvs = sorted(s["attrs"]["megatron.microbatch_id"] for s in p2p_spans if "recv" in s["name"])
+        assert sends == recvs == [0, 1, 2]
+        linked = [s for s in spans if s["name"] == "megatron.pp.recv_forward.linked"]
+        if stage == 0:
+            assert linked == []  # the first stage receives no activation
+        else:
+            # the warm-up receive (micro-batch 0; W = 0 on the last stage), linked to the iteration's parent
+            assert [s["attrs"]["dl.microbatch_id"] for s in linked] == [0]
+            assert linked[0]["links"] and linked[0]["links"][0][0] == result["expected_trace"]
+            assert linked[0]["parent"][0] == "megatron.microbatch.forward"

@@ -4,11 +4,13 @@ Every function here is a no-op costing one frozenset lookup when telemetry is of
 not selected, or this rank does not export.
 """
 from megatron.core.telemetry import (
+    inject_context,
     is_span_group_enabled,
     iteration_trace_context,
     managed_span,
     record_training_metrics,
     safe_set_span_attributes,
+    set_pipeline_carrier,
 )
 from megatron.training.global_vars import get_telemetry
 
@@ -24,16 +26,24 @@ def step_span(iteration: int, first: bool = False):
     """The ``megatron.train_step`` span of ``iteration`` (1-based, as in the log line).
 
     Its parent is derived from the run id, the launch uuid and the iteration, so every pipeline stage's spans of
-    this iteration share one trace with no communication (spec section 7). The first iteration of
+    this iteration share one trace with no communication (spec section 7); with the ``communication``
+    group on, that parent is also stored as the pipeline carrier, the target of the schedules'
+    ``megatron.pp.recv_forward.linked`` span links. The first iteration of
     a run is also emitted under the ``first_iteration`` group, so its compile/warm-up cost can be
     selected separately.
     """
     group = "first_iteration" if first and is_span_group_enabled("first_iteration") else "step"
-    if not is_span_group_enabled(group):
+    step_on, links_on = is_span_group_enabled(group), is_span_group_enabled("communication")
+    if not (step_on or links_on):
         return managed_span(group, "megatron.train_step")
     handle = get_telemetry()
     context = (iteration_trace_context(handle.run_id, iteration, launch_uuid=handle.launch_uuid)
                if handle is not None and handle.run_id else None)
+    if links_on:
+        # The pipeline schedule's megatron.pp.recv_forward.linked spans link to this shared parent.
+        set_pipeline_carrier(inject_context({}, context) if context is not None else None)
+    if not step_on:
+        return managed_span(group, "megatron.train_step")
     return managed_span(group, "megatron.train_step", context=context, **{"megatron.iteration": iteration})
 
 

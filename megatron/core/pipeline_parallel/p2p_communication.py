@@ -32,6 +32,9 @@ Shape = Sequence[int]
 FAILED_RANK_KEY = "megatron/pipeline_failed_rank"
 
 
+_NO_SPANS = contextlib.nullcontext()  # shared: the disabled path allocates no context manager
+
+
 class PipelinePeerError(RuntimeError):
     """A pipeline send/recv failed because a neighbouring stage failed, exited or timed out."""
 
@@ -142,7 +145,7 @@ def _communicate(*, tensor_send_next: Optional[torch.Tensor], tensor_send_prev: 
     if not ops:
         return tensor_recv_prev, tensor_recv_next
 
-    spans = contextlib.nullcontext()
+    spans = _NO_SPANS
     if is_span_group_enabled("communication"):
         from opentelemetry import context as otel_context
 

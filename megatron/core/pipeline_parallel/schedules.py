@@ -303,10 +303,16 @@ def _fail_loudly(schedule: Callable) -> Callable:
 
 
 def _linked_recv_span(microbatch_id: int):
-    # Spec section 7: warm-up receives carry a Link to the iteration's shared trace context.
+    # Spec section 7: warm-up receives carry a Link to the iteration's shared trace context. The
+    # first stage receives nothing (its first chunk reads data).
+    if parallel_state.is_pipeline_first_stage():
+        return _NO_SPAN
     return create_linked_span("megatron.pp.recv_forward.linked", **{
         "dl.pipeline_parallel.rank": parallel_state.get_pipeline_model_parallel_rank(),
         "dl.microbatch_id": microbatch_id})
+
+
+_NO_SPAN = contextlib.nullcontext()
 
 
 def _fwd_span(microbatch_id: int):
@@ -606,7 +612,7 @@ def _forward_backward_pipelining_with_interleaving(
                         tensor_shape=tensor_shape, config=config, microbatch_ids=ids)
                     output_tensor_grads[num_chunks - 1].append(output_tensor_grad)
                 else:
-                    linked = _linked_recv_span(microbatch_id(k + 1)) if recv_prev else contextlib.nullcontext()
+                    linked = _linked_recv_span(microbatch_id(k + 1)) if recv_prev and not first_stage else _NO_SPAN
                     with linked:
                         input_tensor = p2p.send_forward_recv_forward(output_tensor, recv_prev, tensor_shape, config,
                                                                      microbatch_ids=ids)
