@@ -1,5 +1,7 @@
 """Pipeline schedules in one process with a mocked p2p layer: forward/backward order per stage and
 warm-up counts against Megatron's formulas, for several (pp, micro-batches, virtual stages)."""
+import contextlib
+
 import pytest
 import torch
 
@@ -30,6 +32,7 @@ class _Record(torch.autograd.Function):
     def backward(ctx, grad):
         log, chunk, microbatch = ctx.meta
         log.append(("B", chunk, microbatch))
+        log.synced.append(not log.in_no_sync)
         return grad, None, None, None
 
 
@@ -44,6 +47,14 @@ class Chunk(torch.nn.Module):
 
     def set_input_tensor(self, tensors):
         self.input_tensor = tensors[0]
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.log.in_no_sync = True
+        try:
+            yield
+        finally:
+            self.log.in_no_sync = False
 
     def forward(self, microbatch):
         x = self.input_tensor if self.input_tensor is not None else torch.ones(SEQ, MBS, HIDDEN)
@@ -115,8 +126,16 @@ def expected_order(pp, rank, m, chunks):
     return order + [bwd(k) for k in range(total - warmup, total)]
 
 
+class Log(list):
+    """Events ("F"/"B", chunk, micro-batch); ``synced``: per backward, whether grad sync was on."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_no_sync, self.synced = False, []
+
+
 def _run(pp, rank, m, chunks, forward_only=False):
-    log = []
+    log = Log()
     model = [Chunk(c, log) for c in range(chunks)]
     iterators = [iter(range(m)) for _ in range(chunks)]
     func = get_forward_backward_func()
@@ -138,6 +157,7 @@ def test_1f1b_order_and_warmup(fake_pipeline, pp, m):
         assert get_forward_backward_func() is forward_backward_pipelining_without_interleaving
         log, reports = _run(pp, rank, m, 1)
         assert log == expected_order(pp, rank, m, 1), f"pp={pp} rank={rank} m={m}"
+        assert log.synced == [False] * (m - 1) + [True]  # grad sync only for the last backward
         warmup = megatron_warmup(pp, rank, m, 1)
         assert get_num_warmup_microbatches(m, pp, rank) == warmup
         first_backward = log.index(next(e for e in log if e[0] == "B"))
@@ -159,6 +179,9 @@ def test_interleaved_order_and_warmup(fake_pipeline, pp, m, chunks):
         assert get_forward_backward_func() is forward_backward_pipelining_with_interleaving
         log, reports = _run(pp, rank, m, chunks)
         assert log == expected_order(pp, rank, m, chunks), f"pp={pp} rank={rank} m={m} chunks={chunks}"
+        backwards = [e for e in log if e[0] == "B"]
+        last_of_chunk = {c: max(i for i, e in enumerate(backwards) if e[1] == c) for c in range(chunks)}
+        assert log.synced == [i in last_of_chunk.values() for i in range(len(backwards))]
         warmup = megatron_warmup(pp, rank, m, chunks)
         assert get_num_warmup_microbatches(m, pp, rank, chunks) == warmup
         first_backward = log.index(next(e for e in log if e[0] == "B"))
@@ -206,7 +229,7 @@ def test_exception_on_a_stage_is_reported_with_its_rank(fake_pipeline, caplog):
 
     with pytest.raises(FloatingPointError):
         forward_backward_pipelining_without_interleaving(
-            forward_step_func=failing_step, data_iterator=iter(range(3)), model=[Chunk(0, [])],
+            forward_step_func=failing_step, data_iterator=iter(range(3)), model=[Chunk(0, Log())],
             num_microbatches=3, seq_length=SEQ, micro_batch_size=MBS)
     assert "pipeline stage failed on rank 0 (pipeline stage 1): FloatingPointError: NaN in loss" in caplog.text
     # a neighbour's failure is not reported as this stage's own
@@ -217,7 +240,7 @@ def test_exception_on_a_stage_is_reported_with_its_rank(fake_pipeline, caplog):
 
     with pytest.raises(p2p.PipelinePeerError):
         forward_backward_pipelining_without_interleaving(
-            forward_step_func=peer_failure, data_iterator=iter(range(3)), model=[Chunk(0, [])],
+            forward_step_func=peer_failure, data_iterator=iter(range(3)), model=[Chunk(0, Log())],
             num_microbatches=3, seq_length=SEQ, micro_batch_size=MBS)
     assert "pipeline stage failed" not in caplog.text
 

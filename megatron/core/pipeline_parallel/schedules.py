@@ -246,18 +246,12 @@ class _GradSync:
     """Megatron's disable/enable_grad_sync: grads only accumulate while ``no_sync_func`` is entered."""
 
     def __init__(self, config, model_chunks: List[torch.nn.Module]):
+        # config.no_sync_func: one context manager factory, or one per chunk (Megatron's training sets
+        # a list with several chunks); default: each chunk's own no_sync.
         no_sync_func = config.no_sync_func
         if isinstance(no_sync_func, list):
             funcs = no_sync_func
-
-            @contextlib.contextmanager
-            def multi_no_sync():
-                with contextlib.ExitStack() as stack:
-                    for func in funcs:
-                        stack.enter_context(func())
-                    yield
-
-            no_sync_func = multi_no_sync
+            no_sync_func = lambda: _enter_all(funcs)  # noqa: E731
         if no_sync_func is None:
             funcs = [m.no_sync for m in model_chunks if hasattr(m, "no_sync")]
             no_sync_func = (lambda: _enter_all(funcs)) if funcs else contextlib.nullcontext
