@@ -549,6 +549,8 @@ def test_pipeline_splits_that_add_up_are_accepted(monkeypatch, extra, layers, wo
     (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
       "--global-batch-size", "8", "--eval-global-batch-size", "2"], "4", 2,
      r"number of microbatches \(1 = --eval-global-batch-size 2"),
+    (["--pipeline-model-parallel-size", "4", "--reset-attention-mask"], "4", 4,
+     "--reset-attention-mask needs every pipeline block to read the batch"),
     (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
       "--global-batch-size", "8", "--no-overlap-p2p-communication"], "4", 2,
      "greater than 2 with the interleaved schedule and --no-overlap-p2p-communication"),

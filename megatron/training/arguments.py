@@ -850,6 +850,12 @@ def _validate_pipeline(args):
             f"{args.account_for_embedding_in_pipeline_split}, --account-for-loss-in-pipeline-split "
             f"{args.account_for_loss_in_pipeline_split}): {error}") from None
 
+    if args.reset_attention_mask:
+        # Only the first and last blocks read batches; activations, not masks, travel between stages.
+        _require(pp <= 2 and args.virtual_pipeline_model_parallel_size is None,
+                 f"--reset-attention-mask needs every pipeline block to read the batch, but with "
+                 f"--pipeline-model-parallel-size {pp} and {args.virtual_pipeline_model_parallel_size or 1} virtual "
+                 "stage(s) per rank the middle blocks do not; use at most 2 stages without interleaving")
     if args.virtual_pipeline_model_parallel_size is not None:
         # Interleaving runs microbatches in groups of pp per virtual stage (spec section 5).
         checks = [("--global-batch-size", args.global_batch_size, args.micro_batch_size),

@@ -91,9 +91,11 @@ class TransformerBlock(MegatronModule):
         self.input_tensor = None
         num_layers = get_num_layers_to_build(config, vp_stage)
         offset = get_transformer_layer_offset(config, vp_stage)
-        self.layers = torch.nn.ModuleList(
-            [TransformerLayer(config, layer_number=offset + i + 1) for i in range(num_layers)]
-        )
+        layers = []
+        for i in range(num_layers):
+            with tensor_parallel.model_init_rng(offset + i + 1):  # same weights on any pipeline layout
+                layers.append(TransformerLayer(config, layer_number=offset + i + 1))
+        self.layers = torch.nn.ModuleList(layers)
         if config.compile_transformer_layers:
             for layer in self.layers:
                 layer.compile()
