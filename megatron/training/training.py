@@ -1,5 +1,4 @@
 """The pretraining driver: build model, optimizer and data, run the training loop, evaluate, checkpoint, exit."""
-import contextlib
 import dataclasses
 import gc
 import inspect
@@ -7,7 +6,6 @@ import math
 import signal
 import sys
 import time
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -67,15 +65,6 @@ def _build_model_chunks(model_provider_func):
         chunks.append(model_provider_func(**kwargs))
     parallel_state.set_virtual_pipeline_model_parallel_rank(0)
     return chunks
-
-
-@contextlib.contextmanager
-def _no_sync_all_chunks(chunks):
-    """Every chunk's ``no_sync`` at once (interleaving: grads of all chunks accumulate until the end)."""
-    with contextlib.ExitStack() as stack:
-        for chunk in chunks:
-            stack.enter_context(chunk.no_sync())
-        yield
 
 
 def get_model(model_provider_func, wrap_with_ddp: bool = True):
@@ -196,7 +185,8 @@ def setup_model_and_optimizer(model_provider_func):
             config.grad_scale_func = optimizer.scale_loss
         config.finalize_model_grads_func = finalize_model_grads
         if not args.overlap_grad_reduce:
-            config.no_sync_func = model[0].no_sync if len(model) == 1 else partial(_no_sync_all_chunks, model)
+            # Several chunks (interleaving): one per chunk, as Megatron-LM passes them to the schedule.
+            config.no_sync_func = model[0].no_sync if len(model) == 1 else [chunk.no_sync for chunk in model]
 
     args.iteration, args.num_floating_point_operations_so_far = 0, 0
     if args.load is not None:
