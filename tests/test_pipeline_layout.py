@@ -97,3 +97,35 @@ def test_transformer_block_builds_its_stage_with_global_layer_numbers():
     finally:
         ps.set_pipeline_model_parallel_world_size(None)
         ps.set_pipeline_model_parallel_rank(None)
+
+
+def test_every_pipeline_layout_starts_from_the_same_layer_weights():
+    """model_init_rng: layer n's weights depend on (seed, n) only, not on the stage that builds it or on
+    what was drawn before (PP=1 builds layers 1-4 in a row; PP=2 stage 1 builds 3-4 after other draws)."""
+    import torch
+
+    from megatron.core.tensor_parallel import set_model_init_seed
+
+    def weights(pp, rank):
+        ps.set_pipeline_model_parallel_world_size(pp)
+        ps.set_pipeline_model_parallel_rank(rank)
+        torch.manual_seed(1234 + 100 * rank)  # the stage's own seed (dropout) must not matter
+        config = TransformerConfig(num_layers=4, hidden_size=16, num_attention_heads=2,
+                                   pipeline_model_parallel_size=pp)
+        block = TransformerBlock(config, pre_process=rank == 0, post_process=rank == pp - 1)
+        return {layer.layer_number: {k: v.clone() for k, v in layer.state_dict().items() if torch.is_tensor(v)}
+                for layer in block.layers}
+
+    try:
+        set_model_init_seed(1234)
+        whole = weights(1, 0)
+        staged = {**weights(2, 0), **weights(2, 1)}
+        assert sorted(whole) == sorted(staged) == [1, 2, 3, 4]
+        for number, state in whole.items():
+            for name, tensor in state.items():
+                assert torch.equal(tensor, staged[number][name]), (number, name)
+        assert not torch.equal(whole[1]["mlp.linear_fc1.weight"], whole[2]["mlp.linear_fc1.weight"])
+    finally:
+        set_model_init_seed(None)
+        ps.set_pipeline_model_parallel_world_size(None)
+        ps.set_pipeline_model_parallel_rank(None)

@@ -68,7 +68,7 @@ def model_init_rng(piece: int):
     if _MODEL_INIT_SEED is None:
         yield
         return
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(_MODEL_INIT_SEED + 7919 * (piece + 1))  # manual_seed seeds CPU and every CUDA device
         yield
