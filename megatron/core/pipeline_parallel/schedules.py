@@ -296,10 +296,10 @@ def _fail_loudly(schedule: Callable) -> Callable:
     return wrapped
 
 
-def _linked_recv_span(microbatch_id: int):
-    # Spec section 7: warm-up receives carry a Link to the iteration's shared trace context. The
-    # first stage receives nothing (its first chunk reads data).
-    if parallel_state.is_pipeline_first_stage():
+def _linked_recv_span(microbatch_id: int, receives: Optional[bool] = None):
+    # Spec section 7: warm-up receives carry a Link to the iteration's shared trace context. By
+    # default only a stage after the first receives (the first stage's first chunk reads data).
+    if not (receives if receives is not None else not parallel_state.is_pipeline_first_stage()):
         return _NO_SPAN
     return create_linked_span("megatron.pp.recv_forward.linked", **{
         "dl.pipeline_parallel.rank": parallel_state.get_pipeline_model_parallel_rank(),
@@ -606,8 +606,7 @@ def _forward_backward_pipelining_with_interleaving(
                         tensor_shape=tensor_shape, config=config, microbatch_ids=ids)
                     output_tensor_grads[num_chunks - 1].append(output_tensor_grad)
                 else:
-                    linked = _linked_recv_span(microbatch_id(k + 1)) if recv_prev and not first_stage else _NO_SPAN
-                    with linked:
+                    with _linked_recv_span(microbatch_id(k + 1), receives=recv_prev):
                         input_tensor = p2p.send_forward_recv_forward(output_tensor, recv_prev, tensor_shape, config,
                                                                      microbatch_ids=ids)
                 if recv_prev:
