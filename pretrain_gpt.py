@@ -14,6 +14,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.models.gpt import GPTModel
+from megatron.core.utils import unwrap_model
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.global_vars import get_args, get_timers, get_tokenizer
 from megatron.training.training import pretrain
@@ -21,8 +22,8 @@ from megatron.training.user_errors import UserInputError, run_reporting_user_err
 from megatron.training.utils import get_batch_on_this_tp_rank, print_rank_0
 
 
-def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTModel:
-    """The GPT model for this pipeline stage, from the command-line flags."""
+def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None) -> GPTModel:
+    """The GPT model for this pipeline stage (chunk ``vp_stage`` with interleaving), from the flags."""
     args = get_args()
     print_rank_0("building GPT model ...")
     config = core_transformer_config_from_args(args)
@@ -41,16 +42,22 @@ def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTMo
         rope_scaling=args.use_rope_scaling,
         rope_scaling_factor=args.rope_scaling_factor,
         seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        vp_stage=vp_stage,
     )
 
 
-def get_batch(data_iterator):
+def get_batch(data_iterator, vp_stage=None):
     """Micro batch tensors on this rank's device: tokens, labels, loss_mask, attention_mask, position_ids.
 
     The model applies causal masking itself, so a mask is only passed when ``--reset-attention-mask``
-    makes it differ from the causal one.
+    makes it differ from the causal one. Only the first pipeline stage (its first chunk) and the last
+    (its last chunk) read data; other stages and chunks get five Nones and take their input from the
+    previous stage.
     """
     args = get_args()
+    if not (parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+            or parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)):
+        return None, None, None, None, None
     batch = get_batch_on_this_tp_rank(data_iterator, needs_attention_mask=args.reset_attention_mask)
     return batch["tokens"], batch["labels"], batch["loss_mask"], batch["attention_mask"], batch["position_ids"]
 
@@ -73,7 +80,8 @@ def forward_step(data_iterator, model):
     """One micro batch through the model: returns the per-token loss and the loss function to apply."""
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
-    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    vp_stage = getattr(unwrap_model(model), "vp_stage", None)
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
     timers("batch-generator").stop()
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
     return output_tensor, partial(loss_func, loss_mask)

@@ -13,6 +13,8 @@ stage is reported and the next one runs; the exit status is 1 if any stage faile
 - ``mfu``: tokens/s and MFU of a 1.3B GPT (24 layers, hidden 2048, 16 heads, seq 2048, bf16) at the
   largest micro-batch that fits, from the TFLOP/s Megatron's log line prints (``--log-throughput``).
 - ``parallel``: with 2+ GPUs, TP=2 and DP=2 over NCCL log the losses of one GPU (bf16 tolerance).
+- ``parallel_pp``: with 2+ GPUs, pipeline parallelism (PP=2, 1F1B, p2p over NCCL) logs the losses of
+  one GPU (bf16 tolerance).
 - ``dp_distopt``: with 2+ GPUs, DP=2 with ``--use-distributed-optimizer --overlap-grad-reduce
   --overlap-param-gather`` (bf16) logs the losses of one GPU; its step time against plain DP=2 and the
   theoretical memory report's figure.
@@ -59,7 +61,7 @@ PARALLEL_RTOL = 2e-2
 # they are sized from estimates (no GPU run yet), with room for 2-3x the expected time per stage.
 DEFAULT_BUDGET_S = {"gpu": 450.0, "dry_run": 1500.0}
 STAGE_CAPS_S = {"env": 60, "gpu_tests": 150, "resume": 120, "telemetry": 60, "mfu": 180, "parallel": 120,
-                "dp_distopt": 90, "mfu_compile": 180}
+                "parallel_pp": 90, "dp_distopt": 90, "mfu_compile": 180}
 STAGES = list(STAGE_CAPS_S)
 OTEL_PROBE = ("import opentelemetry.sdk.trace, opentelemetry.sdk.metrics, "
               "opentelemetry.exporter.otlp.proto.grpc.trace_exporter")
@@ -539,6 +541,24 @@ class GPUCheck:
         if max(tp_diff, dp_diff) > PARALLEL_RTOL:
             raise StageFailed(f"TP=2 / DP=2 losses differ from one GPU by {tp_diff:.3g} / {dp_diff:.3g} "
                               f"(bf16 tolerance {PARALLEL_RTOL})")
+
+    def stage_parallel_pp(self):
+        """PP=2 (1F1B, p2p over NCCL): bf16 losses of one GPU."""
+        if not self.dry_run and self.gpus < 2:
+            raise StageSkipped(f"PP=2 needs 2 GPUs; this machine has {self.gpus}")
+        m = small_model(self.dry_run)
+        n = m["iters"]
+        base = self.parallel_runs.get("base") or losses(
+            self.pretrain("parallel_pp_1gpu", 1, self._small_flags(m, n, dropout=False))[1])
+        pp2 = losses(self.pretrain("parallel_pp2", 2, self._small_flags(
+            m, n, "--pipeline-model-parallel-size", "2", dropout=False))[1])
+        if sorted(pp2) != list(range(1, n + 1)):
+            raise StageFailed(f"pp2 logged iterations {sorted(pp2)}, expected 1..{n}")
+        diff = max_relative_difference(pp2, base)
+        self.figure("parallel_pp_iterations_compared", n, "iterations")
+        self.figure("pp2_max_rel_loss_diff", float(f"{diff:.3g}"), "relative")
+        if diff > PARALLEL_RTOL:
+            raise StageFailed(f"PP=2 losses differ from one GPU by {diff:.3g} (bf16 tolerance {PARALLEL_RTOL})")
 
     def stage_dp_distopt(self):
         """The distributed optimizer with both overlaps: bf16 losses of one GPU, step time against plain DP=2."""

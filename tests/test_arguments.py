@@ -343,8 +343,6 @@ def _drop(argv, flag):
     (MODEL + TRAIN + ["--data-path", "p", "--mock-data"], 1, "a single data source must be given, got --data-path "
                                                              "and --mock-data"),
     (MODEL + TRAIN + ["--mock-data", "--train-data-path", "p"], 1, "a single data source"),
-    (MODEL + TRAIN + ["--pipeline-model-parallel-size", "2"], 2,
-     "pipeline parallelism is not available in this version yet"),
     (MODEL + TRAIN + ["--overlap-param-gather", "--overlap-grad-reduce"], 1,
      "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"),
     (MODEL + TRAIN + ["--use-distributed-optimizer", "--optimizer", "sgd"], 1,
@@ -477,3 +475,88 @@ def test_rampup_batch_size_errors_at_start_up(monkeypatch, extra, world_size, me
     with pytest.raises(ValueError, match="--rampup-batch-size needs sample-based training"):
         validate_args(parse_args(args=[*MODEL, *TRAIN, "--global-batch-size", "12",
                                        "--rampup-batch-size", "4", "4", "24"]))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pipeline parallelism: split of the layers, virtual stages, interleaving's microbatch constraint
+# ---------------------------------------------------------------------------------------------------
+
+def _pp(*extra, layers="4", world_size=2, monkeypatch=None):
+    argv = _drop(MODEL, "--num-layers") + TRAIN + ["--num-layers", layers, *extra]
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    return validate_args(parse_args(args=argv))
+
+
+@pytest.mark.parametrize("extra,layers,world,vp", [
+    (["--pipeline-model-parallel-size", "2"], "4", 2, None),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--global-batch-size", "4"], "4", 2, 2),
+    (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+      "--global-batch-size", "8"], "4", 2, 2),
+    (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "1"], "4", 2, None),
+    (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"], "3", 2, None),
+    (["--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "1",
+      "--decoder-last-pipeline-num-layers", "1"], "6", 4, None),
+    (["--pipeline-model-parallel-size", "2", "--account-for-embedding-in-pipeline-split",
+      "--account-for-loss-in-pipeline-split"], "4", 2, None),
+    (["--pipeline-model-parallel-size", "2", "--account-for-embedding-in-pipeline-split"], "3", 2, None),
+])
+def test_pipeline_splits_that_add_up_are_accepted(monkeypatch, extra, layers, world, vp):
+    args = _pp(*extra, layers=layers, world_size=world, monkeypatch=monkeypatch)
+    assert args.virtual_pipeline_model_parallel_size == vp
+    assert args.data_parallel_size == 1
+    config = core_transformer_config_from_args(args)
+    assert config.virtual_pipeline_model_parallel_size == vp
+    assert config.num_layers_in_first_pipeline_stage == args.decoder_first_pipeline_num_layers
+    assert config.account_for_loss_in_pipeline_split == args.account_for_loss_in_pipeline_split
+    assert config.batch_p2p_comm is (vp is None or not args.overlap_p2p_comm)
+
+
+@pytest.mark.parametrize("extra,layers,world,message", [
+    (["--pipeline-model-parallel-size", "2"], "3", 2,
+     r"--num-layers 3, --pipeline-model-parallel-size 2.*num_layers \(3\) must be divisible by "
+     r"pipeline_model_parallel_size \(2\)"),
+    (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1",
+      "--decoder-last-pipeline-num-layers", "1"], "3", 2,
+     r"--decoder-first-pipeline-num-layers 1.*= 2 must equal num_layers \(3\)"),
+    (["--pipeline-model-parallel-size", "3", "--decoder-first-pipeline-num-layers", "2"], "5", 3,
+     r"the 3 layers left for the 2 middle pipeline stage\(s\).*not divisible by 2"),
+    (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "3",
+      "--decoder-last-pipeline-num-layers", "3"], "4", 2, r"= 6 exceeds num_layers \(4\)"),
+    (["--pipeline-model-parallel-size", "2", "--account-for-embedding-in-pipeline-split"], "4", 2,
+     r"embedding \(1\) \+ loss \(0\) = 5 must be divisible by pipeline_model_parallel_size \(2\)"),
+    (["--pipeline-model-parallel-size", "2", "--account-for-loss-in-pipeline-split",
+      "--decoder-last-pipeline-num-layers", "1"], "3", 2,
+     "--account-for-loss-in-pipeline-split cannot be combined with --decoder-first-pipeline-num-layers"),
+    (["--decoder-first-pipeline-num-layers", "1"], "4", 1,
+     r"--decoder-first-pipeline-num-layers needs pipeline parallelism \(--pipeline-model-parallel-size > 1, got 1\)"),
+    (["--num-virtual-stages-per-pipeline-rank", "2"], "4", 1,
+     "--num-virtual-stages-per-pipeline-rank needs pipeline parallelism"),
+    (["--account-for-embedding-in-pipeline-split"], "4", 1,
+     "--account-for-embedding-in-pipeline-split needs pipeline parallelism"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--num-virtual-stages-per-pipeline-rank", "2"], "4", 2, "only one of --num-layers-per-virtual-pipeline-stage"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"], "4", 2,
+     r"layers per pipeline stage \(2 = --num-layers 4 / --pipeline-model-parallel-size 2\) must be divisible by "
+     r"--num-layers-per-virtual-pipeline-stage \(3\)"),
+    (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "3"], "4", 2,
+     r"pipeline stage 0 has 2 layers, which is not divisible by virtual_pipeline_model_parallel_size \(3\)"),
+    (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+      "--decoder-first-pipeline-num-layers", "1"], "3", 2,
+     r"pipeline stage 0 has 1 layers, which is not divisible by virtual_pipeline_model_parallel_size \(2\)"),
+    (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+      "--global-batch-size", "6"], "4", 2,
+     r"number of microbatches \(3 = --global-batch-size 6 / \(micro batch size 2 x data-parallel size 1\)\) "
+     r"is not divisible by --pipeline-model-parallel-size \(2\) when using the interleaved schedule"),
+    (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+      "--global-batch-size", "8", "--eval-global-batch-size", "2"], "4", 2,
+     r"number of microbatches \(1 = --eval-global-batch-size 2"),
+    (["--pipeline-model-parallel-size", "4", "--reset-attention-mask"], "4", 4,
+     "--reset-attention-mask needs every pipeline block to read the batch"),
+    (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+      "--global-batch-size", "8", "--no-overlap-p2p-communication"], "4", 2,
+     "greater than 2 with the interleaved schedule and --no-overlap-p2p-communication"),
+])
+def test_pipeline_splits_that_do_not_add_up_are_refused_with_the_numbers(monkeypatch, extra, layers, world, message):
+    with pytest.raises(ValueError, match=message):
+        _pp(*extra, layers=layers, world_size=world, monkeypatch=monkeypatch)

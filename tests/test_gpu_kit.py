@@ -22,6 +22,7 @@ DRY_RUN_FIGURES = {
     "mfu": ["mfu_model_params", "mfu_micro_batch_size", "mfu_global_batch_size", "mfu_step_time_ms",
             "mfu_tokens_per_sec", "mfu_tflops_per_gpu", "mfu"],
     "parallel": ["parallel_iterations_compared", "tp2_max_rel_loss_diff", "dp2_max_rel_loss_diff"],
+    "parallel_pp": ["parallel_pp_iterations_compared", "pp2_max_rel_loss_diff"],
     "dp_distopt": ["dp_distopt_max_rel_loss_diff", "dp_distopt_weight_and_optimizer_mb", "dp_distopt_step_time_ms",
                    "dp_distopt_step_time_ratio_to_dp2"],
 }

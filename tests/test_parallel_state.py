@@ -319,3 +319,62 @@ def test_middle_stage_is_outside_the_embedding_groups(rank):
             assert ps.get_position_embedding_group() is None
     finally:
         _teardown_fake()
+
+
+# ----------------------------------------------------------------------------------------------
+# Pipeline parallelism: Megatron's PP groups at 64 ranks, embedding-group membership at PP=3
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rank", [0, 1, 2, 17, 30, 33, 47, 48, 63])
+def test_pipeline_groups_world64_tp2_pp4_dp8_follow_megatron_layout(rank):
+    """Spec 3.1, order tp-cp-ep-dp-pp: global rank = tp_r + 2 * (dp_r + 8 * pp_r), so one pipeline is
+    {tp_r + 2 * dp_r + 16 * p : p = 0..3}; its first and last ranks hold the (tied) embedding."""
+    tp, dp, pp = 2, 8, 4
+    _build_fake(64, rank, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    try:
+        tp_r, dp_r, pp_r = rank % tp, (rank // tp) % dp, rank // (tp * dp)
+        pipeline = [tp_r + tp * dp_r + tp * dp * p for p in range(pp)]
+        assert _ranks(ps.get_pipeline_model_parallel_group()) == pipeline
+        assert ps.get_pipeline_model_parallel_world_size() == pp
+        assert ps.get_pipeline_model_parallel_rank() == pp_r
+        assert ps.get_pipeline_model_parallel_first_rank() == pipeline[0]
+        assert ps.get_pipeline_model_parallel_last_rank() == pipeline[-1]
+        assert ps.get_pipeline_model_parallel_next_rank() == pipeline[(pp_r + 1) % pp]
+        assert ps.get_pipeline_model_parallel_prev_rank() == pipeline[(pp_r - 1) % pp]
+        assert ps.is_pipeline_first_stage() is (pp_r == 0)
+        assert ps.is_pipeline_last_stage() is (pp_r == pp - 1)
+        assert _ranks(ps.get_model_parallel_group()) == sorted(
+            t + tp * dp_r + tp * dp * p for t in range(tp) for p in range(pp))
+        assert _ranks(ps.get_data_parallel_group()) == [tp_r + tp * d + tp * dp * pp_r for d in range(dp)]
+        holds_embedding = pp_r in (0, pp - 1)
+        assert ps.is_rank_in_embedding_group() is holds_embedding
+        group = ps.get_embedding_group()
+        assert (None if group is None else _ranks(group)) == ([pipeline[0], pipeline[-1]] if holds_embedding else None)
+        group = ps.get_position_embedding_group()
+        assert (None if group is None else _ranks(group)) == ([pipeline[0]] if pp_r == 0 else None)
+    finally:
+        _teardown_fake()
+
+
+def _pp3_embedding_groups(rank, world):
+    ps.initialize_model_parallel(pipeline_model_parallel_size=3)
+    out = {"in": ps.is_rank_in_embedding_group(), "in_pos": ps.is_rank_in_position_embedding_group()}
+    for key, group in (("emb", ps.get_embedding_group()), ("pos", ps.get_position_embedding_group())):
+        out[key] = None if group is None else _ranks(group)
+        if group is not None:  # a real collective: only members take part, so a wrong group would hang or mis-sum
+            value = torch.tensor([float(10 ** rank)])
+            dist.all_reduce(value, group=group)
+            out[key + "_sum"] = value.item()
+    dist.barrier()
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_pp3_every_rank_is_handed_only_embedding_groups_it_belongs_to():
+    results = run_distributed(_pp3_embedding_groups, 3, timeout=150)
+    assert [r["emb"] for r in results] == [[0, 2], None, [0, 2]]
+    assert [r["in"] for r in results] == [True, False, True]
+    assert results[0]["emb_sum"] == results[2]["emb_sum"] == 1.0 + 100.0
+    assert [r["pos"] for r in results] == [[0], None, None]
+    assert [r["in_pos"] for r in results] == [True, False, False]
+    assert results[0]["pos_sum"] == 1.0

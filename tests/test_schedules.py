@@ -175,11 +175,16 @@ def test_errors():
                                        num_microbatches=M, seq_length=1, micro_batch_size=MBS)
 
 
-def test_get_forward_backward_func_refuses_pipelining():
+def test_get_forward_backward_func_picks_the_schedule():
+    from megatron.core.pipeline_parallel.schedules import (
+        forward_backward_pipelining_with_interleaving, forward_backward_pipelining_without_interleaving)
+
     assert get_forward_backward_func() is forward_backward_no_pipelining
     parallel_state.set_pipeline_model_parallel_world_size(2)
     try:
-        with pytest.raises(RuntimeError, match="pipeline parallelism is not available yet"):
-            get_forward_backward_func()
+        assert get_forward_backward_func() is forward_backward_pipelining_without_interleaving
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(2)
+        assert get_forward_backward_func() is forward_backward_pipelining_with_interleaving
     finally:
         parallel_state.set_pipeline_model_parallel_world_size(None)
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(None)

@@ -347,6 +347,12 @@ def _add_distributed_args(parser):
                        help="Virtual stages per pipeline rank (interleaved schedule).")
     group.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm",
                        help="Do not overlap pipeline send/recv with compute.")
+    group.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                       help="Count the embedding as one layer when splitting layers over pipeline stages "
+                            "(the first stage builds one transformer layer less).")
+    group.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                       help="Count the loss as one layer when splitting layers over pipeline stages "
+                            "(the last stage builds one transformer layer less).")
     group.add_argument("--context-parallel-size", type=int, default=1, help="Context-parallel size.")
     group.add_argument("--expert-model-parallel-size", type=int, default=1, help="Expert-parallel size.")
     group.add_argument("--distributed-backend", type=str, choices=["nccl", "gloo"],
@@ -493,7 +499,7 @@ def validate_args(args, defaults={}):
     left at None, and prints the arguments on rank 0. Returns ``args``.
 
     Raises ValueError naming the offending flag(s) and values, including for features that
-    are not available in this version (pipeline and context parallelism, the distributed optimizer,
+    are not available in this version (context parallelism, the distributed optimizer,
     non-torch checkpoint formats, Transformer Engine, MoE).
     """
     # Applied first so that script defaults take part in every check below; a flag given on
@@ -512,6 +518,7 @@ def validate_args(args, defaults={}):
     _validate_precision(args)
     _validate_schedule(args)
     _validate_model(args)
+    _validate_pipeline(args)
     _validate_checkpointing(args)
     _validate_wandb(args)
     _validate_misc(args)
@@ -530,16 +537,10 @@ def validate_args(args, defaults={}):
 
 
 def _validate_features(args):
-    if args.pipeline_model_parallel_size > 1:
-        raise ValueError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: pipeline "
-                         "parallelism is not available in this version yet (planned in a later issue); use 1")
     if args.context_parallel_size > 1:
         # Accepting it would have every rank of a context-parallel group redo the same work.
         raise ValueError(f"--context-parallel-size {args.context_parallel_size}: context parallelism is not "
                          "available in this version yet; use 1")
-    if args.num_layers_per_virtual_pipeline_stage is not None or args.num_virtual_stages_per_pipeline_rank is not None:
-        raise ValueError("--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank need "
-                         "pipeline parallelism, which is not available in this version yet")
     if args.overlap_param_gather and not (args.use_distributed_optimizer and args.overlap_grad_reduce):
         raise ValueError("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce")
     if args.use_distributed_optimizer and args.optimizer != "adam":
@@ -591,10 +592,6 @@ _NO_EFFECT_HERE = [
                                             "a scale_lr_cond, which pretrain_gpt does not set)"),
     ("--use-persistent-ckpt-worker", "use_persistent_ckpt_worker", False,
      "only applies to --async-save, which --ckpt-format torch does not support"),
-    ("--decoder-first-pipeline-num-layers", "decoder_first_pipeline_num_layers", None,
-     "needs pipeline parallelism, which is not available in this version yet"),
-    ("--decoder-last-pipeline-num-layers", "decoder_last_pipeline_num_layers", None,
-     "needs pipeline parallelism, which is not available in this version yet"),
 ]
 # Tokenizer flags that act only with one --tokenizer-type: (flag, dest, default, that type).
 _TOKENIZER_TYPE_FLAGS = [
@@ -626,9 +623,6 @@ def _validate_parallel_sizes(args):
              f"--tensor-model-parallel-size ({args.tensor_model_parallel_size}) x --pipeline-model-parallel-size "
              f"({args.pipeline_model_parallel_size}) x --context-parallel-size ({args.context_parallel_size})")
     args.data_parallel_size = args.world_size // total_model_size
-    args.virtual_pipeline_model_parallel_size = None
-    # P2P overlap only exists in the interleaved schedule (Megatron turns it off without it).
-    args.overlap_p2p_comm = False
     _print_rank_0(args, f"using world size: {args.world_size}, data-parallel size: {args.data_parallel_size}, "
                         f"context-parallel size: {args.context_parallel_size}, "
                         f"tensor-model-parallel size: {args.tensor_model_parallel_size}, "
@@ -799,6 +793,88 @@ def _validate_schedule(args):
         _require(args.start_weight_decay is not None and args.end_weight_decay is not None,
                  f"--weight-decay-incr-style {args.weight_decay_incr_style} needs --start-weight-decay "
                  "and --end-weight-decay")
+
+
+def _validate_pipeline(args):
+    """Pipeline split and interleaving: sets ``virtual_pipeline_model_parallel_size``; refuses, with
+    the numbers, a layer split that does not add up and interleaving's impossible microbatch counts."""
+    from megatron.core.transformer.pipeline_layout import pipeline_layer_counts
+
+    pp = args.pipeline_model_parallel_size
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    per_vp_layers, vp_stages = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
+    for flag, value in (("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last),
+                        ("--num-layers-per-virtual-pipeline-stage", per_vp_layers),
+                        ("--num-virtual-stages-per-pipeline-rank", vp_stages)):
+        if value is not None:
+            _require(pp > 1, f"{flag} needs pipeline parallelism (--pipeline-model-parallel-size > 1, got {pp})")
+            _require(value >= (0 if flag.startswith("--decoder") else 1), f"{flag} must be positive, got {value}")
+    for flag, value in (("--account-for-embedding-in-pipeline-split", args.account_for_embedding_in_pipeline_split),
+                        ("--account-for-loss-in-pipeline-split", args.account_for_loss_in_pipeline_split)):
+        if value:
+            _require(pp > 1, f"{flag} needs pipeline parallelism (--pipeline-model-parallel-size > 1, got {pp})")
+            _require(first is None and last is None,
+                     f"{flag} cannot be combined with --decoder-first-pipeline-num-layers / "
+                     "--decoder-last-pipeline-num-layers (an uneven split already says where each layer goes)")
+
+    args.virtual_pipeline_model_parallel_size = None
+    if per_vp_layers is not None or vp_stages is not None:
+        _require(per_vp_layers is None or vp_stages is None,
+                 "only one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank "
+                 "should be set")
+        if not args.overlap_p2p_comm:
+            # Batched send/recv would pair two transfers between the same two ranks (Megatron-LM's rule).
+            _require(pp > 2, "pipeline-model-parallel size should be greater than 2 with the interleaved schedule "
+                             f"and --no-overlap-p2p-communication (got --pipeline-model-parallel-size {pp})")
+        if per_vp_layers is not None:
+            _require(first is None and last is None,
+                     "--num-layers-per-virtual-pipeline-stage is not supported with an uneven split "
+                     "(--decoder-first/last-pipeline-num-layers); use --num-virtual-stages-per-pipeline-rank")
+            stage_layers = (args.num_layers + int(args.account_for_embedding_in_pipeline_split)
+                            + int(args.account_for_loss_in_pipeline_split)) // pp
+            _require(stage_layers % per_vp_layers == 0,
+                     f"layers per pipeline stage ({stage_layers} = --num-layers {args.num_layers} / "
+                     f"--pipeline-model-parallel-size {pp}) must be divisible by "
+                     f"--num-layers-per-virtual-pipeline-stage ({per_vp_layers})")
+            vp = stage_layers // per_vp_layers
+        else:
+            vp = vp_stages
+        args.virtual_pipeline_model_parallel_size = vp if vp > 1 else None
+    if args.virtual_pipeline_model_parallel_size is None:
+        args.overlap_p2p_comm = False  # p2p overlap only exists in the interleaved schedule
+
+    try:
+        pipeline_layer_counts(args.num_layers, pp, args.virtual_pipeline_model_parallel_size, first, last,
+                              args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split)
+    except ValueError as error:
+        raise ValueError(
+            f"the layers do not split over the pipeline stages (--num-layers {args.num_layers}, "
+            f"--pipeline-model-parallel-size {pp}, virtual stages per rank "
+            f"{args.virtual_pipeline_model_parallel_size or 1}, --decoder-first-pipeline-num-layers {first}, "
+            f"--decoder-last-pipeline-num-layers {last}, --account-for-embedding-in-pipeline-split "
+            f"{args.account_for_embedding_in_pipeline_split}, --account-for-loss-in-pipeline-split "
+            f"{args.account_for_loss_in_pipeline_split}): {error}") from None
+
+    if args.reset_attention_mask:
+        # Only the first and last blocks read batches; activations, not masks, travel between stages.
+        _require(pp <= 2 and args.virtual_pipeline_model_parallel_size is None,
+                 f"--reset-attention-mask needs every pipeline block to read the batch, but with "
+                 f"--pipeline-model-parallel-size {pp} and {args.virtual_pipeline_model_parallel_size or 1} virtual "
+                 "stage(s) per rank the middle blocks do not; use at most 2 stages without interleaving")
+    if args.virtual_pipeline_model_parallel_size is not None:
+        # Interleaving runs microbatches in groups of pp per virtual stage (spec section 5).
+        checks = [("--global-batch-size", args.global_batch_size, args.micro_batch_size),
+                  ("--eval-global-batch-size", args.eval_global_batch_size, args.eval_micro_batch_size)]
+        if args.rampup_batch_size is not None:
+            start, increment, _ = args.rampup_batch_size
+            checks += [("--rampup-batch-size", size, args.micro_batch_size)
+                       for size in range(start, args.global_batch_size, increment)]
+        for flag, batch, micro in checks:
+            microbatches = batch // (micro * args.data_parallel_size)
+            _require(microbatches % pp == 0,
+                     f"number of microbatches ({microbatches} = {flag} {batch} / (micro batch size {micro} x "
+                     f"data-parallel size {args.data_parallel_size})) is not divisible by "
+                     f"--pipeline-model-parallel-size ({pp}) when using the interleaved schedule")
 
 
 def _validate_model(args):

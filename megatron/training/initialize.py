@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed, set_model_init_seed
 from megatron.training.arguments import _logging_level, parse_args, validate_args
 from megatron.training.global_vars import get_args, set_global_variables, set_telemetry
 from megatron.training.training_log import CONSOLE_PRINTED
@@ -160,14 +160,18 @@ def _set_random_seed(seed: int, data_parallel_random_init: bool = False):
     """Seed python, numpy, torch and the model-parallel RNG tracker.
 
     Each pipeline stage gets ``seed + 100 * pp_rank`` so stages do not draw identical dropout
-    masks; data-parallel ranks share the seed unless ``data_parallel_random_init``.
+    masks; data-parallel ranks share the seed unless ``data_parallel_random_init``. Weights are
+    drawn from ``seed`` without the stage offset (``set_model_init_seed``), per layer, so every
+    pipeline layout starts from the same weights.
     Raises ValueError for a non-positive seed.
     """
     if seed is None or seed <= 0:
         raise ValueError(f"--seed must be a positive integer, got {seed}")
-    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     if data_parallel_random_init:
         seed = seed + 10 * parallel_state.get_data_parallel_rank()
+    # Weights come from (seed, layer number) whatever the pipeline layout (model_init_rng).
+    set_model_init_seed(seed)
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)

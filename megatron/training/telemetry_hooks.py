@@ -4,11 +4,14 @@ Every function here is a no-op costing one frozenset lookup when telemetry is of
 not selected, or this rank does not export.
 """
 from megatron.core.telemetry import (
+    inject_context,
     is_span_group_enabled,
     iteration_step_span,
+    iteration_trace_context,
     managed_span,
     record_training_metrics,
     safe_set_span_attributes,
+    set_pipeline_carrier,
 )
 from megatron.training.global_vars import get_telemetry
 
@@ -25,14 +28,25 @@ def step_span(iteration: int, first: bool = False):
 
     Its trace derives from the run id, the launch uuid and the iteration, so every pipeline stage's
     spans of this iteration share one trace with no communication (spec section 7); its root,
-    ``megatron.iteration``, is emitted by one rank, and the step links to ``megatron.train``. The first iteration of
+    ``megatron.iteration``, is emitted by one rank, and the step links to ``megatron.train``. With the
+    ``communication`` group on, the root's context is also stored as the pipeline carrier, the target of
+    the schedules' ``megatron.pp.recv_forward.linked`` span links. The first iteration of
     a run is also emitted under the ``first_iteration`` group, so its compile/warm-up cost can be
     selected separately.
     """
     group = "first_iteration" if first and is_span_group_enabled("first_iteration") else "step"
-    if not is_span_group_enabled(group):
+    step_on, links_on = is_span_group_enabled(group), is_span_group_enabled("communication")
+    if not (step_on or links_on):
         return managed_span(group, "megatron.train_step")
-    return iteration_step_span(group, iteration, get_telemetry())
+    handle = get_telemetry()
+    if links_on:
+        # The pipeline schedule's megatron.pp.recv_forward.linked spans link to the iteration's root.
+        context = (iteration_trace_context(handle.run_id, iteration, launch_uuid=handle.launch_uuid)
+                   if handle is not None and handle.run_id else None)
+        set_pipeline_carrier(inject_context({}, context) if context is not None else None)
+    if not step_on:
+        return managed_span(group, "megatron.train_step")
+    return iteration_step_span(group, iteration, handle)
 
 
 def set_attributes(span_or_none, **attrs):

@@ -1,6 +1,7 @@
 """The pretraining driver: build model, optimizer and data, run the training loop, evaluate, checkpoint, exit."""
 import dataclasses
 import gc
+import inspect
 import math
 import signal
 import sys
@@ -42,13 +43,34 @@ _TRAIN_START_TIME = time.time()
 # Model, optimizer, scheduler
 # ---------------------------------------------------------------------------------------------------
 
+def _build_model_chunks(model_provider_func):
+    """This rank's model chunks: one per virtual pipeline stage (interleaving), else one.
+
+    Chunk v gets ``pre_process`` only on the first stage's chunk 0 and ``post_process`` only on the
+    last stage's last chunk; the provider is passed ``vp_stage=v`` when it accepts it (Megatron's
+    newer signature), and the current virtual rank is set while it runs in any case.
+    """
+    vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if parallel_state.get_pipeline_model_parallel_world_size() <= 1 or vp_size is None:
+        return [model_provider_func(pre_process=parallel_state.is_pipeline_first_stage(),
+                                    post_process=parallel_state.is_pipeline_last_stage())]
+    takes_vp_stage = "vp_stage" in inspect.signature(model_provider_func).parameters
+    chunks = []
+    for vp_stage in range(vp_size):
+        parallel_state.set_virtual_pipeline_model_parallel_rank(vp_stage)
+        kwargs = dict(pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                      post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage))
+        if takes_vp_stage:
+            kwargs["vp_stage"] = vp_stage
+        chunks.append(model_provider_func(**kwargs))
+    parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+    return chunks
+
+
 def get_model(model_provider_func, wrap_with_ddp: bool = True):
     """Build this rank's model chunk(s) (a list), move them to the device and dtype, wrap with DDP."""
     args = get_args()
-    model = model_provider_func(
-        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage()
-    )
-    model = [model]
+    model = _build_model_chunks(model_provider_func)
     for chunk in model:
         for param in chunk.parameters():
             set_defaults_if_not_set_tensor_model_parallel_attributes(param)
@@ -75,7 +97,9 @@ def get_model(model_provider_func, wrap_with_ddp: bool = True):
         bucket_size=args.ddp_bucket_size,
         average_in_collective=args.ddp_average_in_collective,
     )
-    model = [DistributedDataParallel(config, ddp_config, chunk) for chunk in model]
+    # Chunks after the first run their backward last in an iteration: no bucketing (Megatron-LM).
+    model = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=index > 0)
+             for index, chunk in enumerate(model)]
     for chunk in model:
         chunk.broadcast_params()
     return model
@@ -161,8 +185,9 @@ def setup_model_and_optimizer(model_provider_func):
             opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
             config.grad_scale_func = optimizer.scale_loss
         config.finalize_model_grads_func = finalize_model_grads
-        if not args.overlap_grad_reduce and len(model) == 1:
-            config.no_sync_func = model[0].no_sync
+        if not args.overlap_grad_reduce:
+            # Several chunks (interleaving): one per chunk, as Megatron-LM passes them to the schedule.
+            config.no_sync_func = model[0].no_sync if len(model) == 1 else [chunk.no_sync for chunk in model]
 
     args.iteration, args.num_floating_point_operations_so_far = 0, 0
     if args.load is not None:
@@ -552,6 +577,10 @@ def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fun
                         global_batch_size=args.global_batch_size):
         model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider)
         train_it, valid_it, test_it = build_train_valid_test_data_iterators(train_valid_test_dataset_provider)
+        if len(model) > 1:
+            # Interleaving: the schedule takes one iterator per chunk. Only chunk 0 of the first stage and
+            # the last chunk of the last stage read data (see pretrain_gpt.get_batch), so they can share one.
+            train_it, valid_it, test_it = ([it] * len(model) for it in (train_it, valid_it, test_it))
         iteration = args.iteration
         exited = False
         if args.do_train and not args.skip_train:

@@ -45,6 +45,35 @@ def _device_manual_seed(seed: int) -> None:
         torch.manual_seed(seed)
 
 
+# Seed of the layout-independent weight initialisation (model_init_rng); None: draw from the default generator.
+_MODEL_INIT_SEED: Optional[int] = None
+
+
+def set_model_init_seed(seed: Optional[int]) -> None:
+    """Seed from which ``model_init_rng`` derives each model piece's generator (None turns it off)."""
+    global _MODEL_INIT_SEED
+    _MODEL_INIT_SEED = seed
+
+
+@contextlib.contextmanager
+def model_init_rng(piece: int):
+    """Weights drawn inside come from generators seeded with (init seed, ``piece``), outer state untouched.
+
+    ``piece`` numbers the model's pieces in layer order (0: embeddings, n: transformer layer n,
+    num_layers + 1: output layer), so a piece gets the same weights on whichever pipeline stage
+    (or virtual stage) builds it: a PP=k run starts from exactly the weights of PP=1. (Megatron-LM
+    instead seeds each stage with ``seed + 100 * pp_rank``, so its pipeline layouts start from
+    different weights.) Without ``set_model_init_seed`` this is a no-op.
+    """
+    if _MODEL_INIT_SEED is None:
+        yield
+        return
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(_MODEL_INIT_SEED + 7919 * (piece + 1))  # manual_seed seeds CPU and every CUDA device
+        yield
+
+
 def get_data_parallel_rng_tracker_name() -> str:
     """Name of the RNG state shared by all TP ranks."""
     return _DATA_PARALLEL_RNG_TRACKER_NAME

@@ -9,6 +9,7 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import build_norm
+from megatron.core.transformer.pipeline_layout import pipeline_layer_counts, pipeline_layer_offset
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -31,32 +32,41 @@ def _sequence_parallel_rng_context(config: TransformerConfig, training: bool):
     return contextlib.nullcontext()
 
 
+def _layer_counts(config: TransformerConfig):
+    return pipeline_layer_counts(
+        config.num_layers, parallel_state.get_pipeline_model_parallel_world_size(),
+        config.virtual_pipeline_model_parallel_size, config.num_layers_in_first_pipeline_stage,
+        config.num_layers_in_last_pipeline_stage, config.account_for_embedding_in_pipeline_split,
+        config.account_for_loss_in_pipeline_split)
+
+
+def _vp_stage_or_current(config: TransformerConfig, vp_stage: Optional[int]) -> int:
+    if config.virtual_pipeline_model_parallel_size is None:
+        return 0
+    if vp_stage is None:
+        vp_stage = parallel_state.get_virtual_pipeline_model_parallel_rank() or 0
+    return vp_stage
+
+
 def get_num_layers_to_build(config: TransformerConfig, vp_stage: Optional[int] = None) -> int:
-    """Layers held by this pipeline stage (and virtual stage): num_layers / pp (/ vp)."""
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    per_stage = config.num_layers // pp
-    vp = config.virtual_pipeline_model_parallel_size
-    if vp is not None:
-        return per_stage // vp
-    return per_stage
+    """Transformer layers held by this pipeline stage (chunk ``vp_stage`` with interleaving).
+
+    Even, uneven (first/last stage counts) and account-for-embedding/loss splits as in Megatron-LM;
+    see ``pipeline_layout.pipeline_layer_counts`` (raises ValueError for a split that does not add up).
+    """
+    counts = _layer_counts(config)
+    return counts[parallel_state.get_pipeline_model_parallel_rank()][_vp_stage_or_current(config, vp_stage)]
 
 
 def get_transformer_layer_offset(config: TransformerConfig, vp_stage: Optional[int] = None) -> int:
-    """Global index of this stage's first layer (0-based).
+    """Global 0-based index of this stage's (chunk's) first layer.
 
-    Without interleaving stage r owns layers [r*L/pp, (r+1)*L/pp). With vp chunks, chunk v of
-    stage r owns a block of L/(pp*vp) layers starting at ``v*L/vp + r*L/(pp*vp)``.
+    Chunk v of stage p is model block ``v * pp + p``; its offset is the number of layers in the
+    blocks before it (16 layers, pp=4, vp=2: stage 0 holds layers 1-2 and 9-10, 1-based).
     """
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    per_stage = config.num_layers // pp
-    vp = config.virtual_pipeline_model_parallel_size
-    if vp is None:
-        return pp_rank * per_stage
-    if vp_stage is None:
-        vp_stage = parallel_state.get_virtual_pipeline_model_parallel_rank() or 0
-    per_virtual = per_stage // vp
-    return vp_stage * (config.num_layers // vp) + pp_rank * per_virtual
+    counts = _layer_counts(config)
+    return pipeline_layer_offset(counts, parallel_state.get_pipeline_model_parallel_rank(),
+                                 _vp_stage_or_current(config, vp_stage))
 
 
 class TransformerBlock(MegatronModule):
@@ -81,9 +91,11 @@ class TransformerBlock(MegatronModule):
         self.input_tensor = None
         num_layers = get_num_layers_to_build(config, vp_stage)
         offset = get_transformer_layer_offset(config, vp_stage)
-        self.layers = torch.nn.ModuleList(
-            [TransformerLayer(config, layer_number=offset + i + 1) for i in range(num_layers)]
-        )
+        layers = []
+        for i in range(num_layers):
+            with tensor_parallel.model_init_rng(offset + i + 1):  # same weights on any pipeline layout
+                layers.append(TransformerLayer(config, layer_number=offset + i + 1))
+        self.layers = torch.nn.ModuleList(layers)
         if config.compile_transformer_layers:
             for layer in self.layers:
                 layer.compile()

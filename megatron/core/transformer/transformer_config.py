@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.transformer.attention_backend import as_attn_backend
 from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.pipeline_layout import pipeline_layer_counts
 from megatron.core.transformer.utils import (
     init_method_normal,
     scaled_init_method_normal,
@@ -55,6 +56,12 @@ class TransformerConfig(ModelParallelConfig):
     normalization: str = "LayerNorm"
     qk_layernorm: bool = False
     softmax_scale: Optional[float] = None
+
+    # Pipeline split (pipeline_layout.py): uneven first/last stages, embedding/loss counted as layers
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
 
     # Initialisation
     init_method: Optional[Callable] = None
@@ -141,16 +148,10 @@ class TransformerConfig(ModelParallelConfig):
             self.attention_softmax_in_fp32 = True
 
         pp = self.pipeline_model_parallel_size
-        if self.num_layers % pp != 0:
-            raise ValueError(
-                f"num_layers ({self.num_layers}) must be divisible by pipeline_model_parallel_size ({pp})."
-            )
-        vp = self.virtual_pipeline_model_parallel_size
-        if vp is not None and (self.num_layers // pp) % vp != 0:
-            raise ValueError(
-                f"num_layers per pipeline stage ({self.num_layers // pp}) must be divisible by "
-                f"virtual_pipeline_model_parallel_size ({vp})."
-            )
+        pipeline_layer_counts(  # raises ValueError naming the numbers when the split does not add up
+            self.num_layers, pp, self.virtual_pipeline_model_parallel_size,
+            self.num_layers_in_first_pipeline_stage, self.num_layers_in_last_pipeline_stage,
+            self.account_for_embedding_in_pipeline_split, self.account_for_loss_in_pipeline_split)
 
         if self.recompute_granularity is not None:
             if self.recompute_granularity not in ("full", "selective"):

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.collective_device import get_collective_device
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.rotary_pos_embedding import RotaryEmbedding
@@ -75,8 +76,9 @@ class GPTModel(MegatronModule):
         self.model_type = None  # set by the training code (ModelType.encoder_or_decoder)
 
         if pre_process:
-            self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
-                                                    position_embedding_type=position_embedding_type)
+            with tensor_parallel.model_init_rng(0):  # pieces are seeded by position: same weights at any PP
+                self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
+                                                        position_embedding_type=position_embedding_type)
         if position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(
                 config.kv_channels, rotary_percent, rotary_interleaved=config.rotary_interleaved,
@@ -88,11 +90,12 @@ class GPTModel(MegatronModule):
         self.decoder = TransformerBlock(config, transformer_layer_spec, pre_process=pre_process,
                                         post_process=post_process, vp_stage=vp_stage)
         if post_process:
-            self.output_layer = tensor_parallel.ColumnParallelLinear(
-                config.hidden_size, vocab_size, config=config, init_method=config.init_method, bias=False,
-                skip_bias_add=False, gather_output=not parallel_output,
-                skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
-            )
+            with tensor_parallel.model_init_rng(config.num_layers + 1):
+                self.output_layer = tensor_parallel.ColumnParallelLinear(
+                    config.hidden_size, vocab_size, config=config, init_method=config.init_method, bias=False,
+                    skip_bias_add=False, gather_output=not parallel_output,
+                    skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
+                )
         if pre_process or post_process:
             self.setup_embeddings_and_output_layer()
 
@@ -131,8 +134,12 @@ class GPTModel(MegatronModule):
         if dist.is_initialized() and parallel_state.get_pipeline_model_parallel_world_size() > 1 \
                 and parallel_state.is_rank_in_embedding_group():
             weight = self.shared_embedding_or_output_weight()
+            group = parallel_state.get_embedding_group()
             with torch.no_grad():
-                dist.all_reduce(weight.data, group=parallel_state.get_embedding_group())
+                # The model may still be on the CPU here while the group is NCCL: reduce on its device.
+                summed = weight.data.to(get_collective_device(group))
+                dist.all_reduce(summed, group=group)
+                weight.data.copy_(summed)
 
     def set_input_tensor(self, input_tensor) -> None:
         """Pipeline input [s, b, h] for a non-first stage (a list of one tensor is accepted).
