@@ -34,10 +34,12 @@ def test_step_breakdown_and_straggler_metrics_reach_the_receiver(shared_data, sh
     assert len(straggler_lines) == 3 and all("MxRtt/Rnk:" in line and "MnDRtt/Rnk:" in line for line in straggler_lines)
 
     # The latest point of each (metric, dl.rank), per exporting rank; the last snapshot is iteration 8's.
-    latest = {}
+    latest, resources = {}, {}
     for request in received.metrics:
         for rm in request.resource_metrics:
-            resource_rank = {a.key: _value(a.value) for a in rm.resource.attributes}["dl.rank"]
+            resource = {a.key: _value(a.value) for a in rm.resource.attributes}
+            resource_rank = resource["dl.rank"]
+            resources[resource_rank] = resource
             for sm in rm.scope_metrics:
                 for metric in sm.metrics:
                     if not metric.HasField("gauge"):
@@ -48,6 +50,9 @@ def test_step_breakdown_and_straggler_metrics_reach_the_receiver(shared_data, sh
                         if key not in latest or point.time_unix_nano >= latest[key][0]:
                             latest[key] = (point.time_unix_nano, point.as_double)
     value = {key: v for key, (_, v) in latest.items()}
+    for rank in (0, 1):  # DP=2: where each rank sits in the layout is on its resource
+        assert (resources[rank]["dl.tensor_parallel.rank"], resources[rank]["dl.pipeline_parallel.rank"],
+                resources[rank]["dl.data_parallel.rank"]) == (0, 0, rank)
     for rank in (0, 1):
         assert value[(rank, "megatron.training.iteration", None)] == 8
         parts = {part: value[(rank, f"megatron.training.step.{part}_ms", rank)] for part in PARTS}
