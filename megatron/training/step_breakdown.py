@@ -19,7 +19,6 @@ rank, so every rank joins the collective (never gated on "this rank exports", sp
 """
 import math
 import os
-import time
 from datetime import datetime
 from typing import Dict, List, Optional
 
@@ -236,8 +235,3 @@ class StepBreakdown:
                 straggler_ratio=slowest / fastest if fastest > 0 else None,
                 straggler_slowest_rank=slow, straggler_fastest_rank=fast,
             )
-
-
-def heartbeat_now() -> float:
-    """Unix time in seconds (the heartbeat's clock)."""
-    return time.time()
