@@ -123,3 +123,63 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(prometheus_bi
         except subprocess.TimeoutExpired:
             prometheus.kill()
             prometheus.wait()
+
+
+def test_stack_configs_are_consistent(prometheus_binary):
+    """The shipped Prometheus config passes promtool; the collector's pipelines use only components it
+    defines, traces go to Jaeger/Tempo and metrics to Prometheus with resource attributes as labels."""
+    import yaml
+
+    promtool = shutil.which("promtool") or str(Path(prometheus_binary).with_name("promtool"))
+    if Path(promtool).exists():
+        check = subprocess.run([promtool, "check", "config", str(REPO / "observability" / "prometheus.yml")],
+                               capture_output=True, text=True)
+        assert check.returncode == 0, check.stdout + check.stderr
+    collector = yaml.safe_load((REPO / "observability" / "otel-collector.yaml").read_text())
+    pipelines = collector["service"]["pipelines"]
+    for pipeline in pipelines.values():
+        for kind in ("receivers", "processors", "exporters"):
+            assert set(pipeline.get(kind, [])) <= set(collector[kind]), (kind, pipeline)
+    assert pipelines["traces"]["receivers"] == ["otlp"] and pipelines["metrics"]["receivers"] == ["otlp"]
+    assert {"otlp/jaeger", "otlp/tempo"} <= set(pipelines["traces"]["exporters"])
+    assert pipelines["metrics"]["exporters"] == ["prometheus"]
+    assert collector["exporters"]["prometheus"]["resource_to_telemetry_conversion"]["enabled"] is True
+    compose = yaml.safe_load((REPO / "observability" / "compose.yaml").read_text())
+    assert {"otel-collector", "jaeger", "tempo", "prometheus", "grafana"} <= set(compose["services"])
+    _, variables = _dashboard_queries()
+    assert {"service_name", "run_id"} <= set(variables)
+
+
+def test_metrics_exporter_setting_is_checked_on_every_rank():
+    from megatron.core import telemetry as tel
+
+    with pytest.raises(ValueError, match="MEGATRON_OTEL_METRICS_EXPORTER='prom'.*prometheus"):
+        tel.TelemetryConfig.from_env(environ={"MEGATRON_OTEL_METRICS_EXPORTER": "prom"}).validate()
+    with pytest.raises(ValueError, match="MEGATRON_OTEL_PROMETHEUS_PORT"):
+        tel.TelemetryConfig.from_env(environ={"MEGATRON_OTEL_PROMETHEUS_PORT": "70000"}).validate()
+    config = tel.TelemetryConfig.from_env(environ={"NEMO_LENS_METRICS_EXPORTER": "Prometheus"})
+    assert config.validate().metrics_exporter == "prometheus"
+
+
+def test_pull_endpoint_labels_series_with_the_resource():
+    pytest.importorskip("opentelemetry.exporter.prometheus")
+    from megatron.core import telemetry as tel
+
+    port = free_port()
+    config = tel.TelemetryConfig(enabled=True, traces_enabled=False, metrics_exporter="prometheus",
+                                 prometheus_port=port, run_id="labels")
+    handle = tel.setup_telemetry(config, 0, 1, {"dl.local_rank": 0, "dl.tensor_parallel.rank": 0})
+    try:
+        tel.record_training_metrics(handle.meter, loss=2.5)
+        tel.record_training_metrics(handle.meter, step_forward_compute_ms=3.0, attributes={"dl.rank": 0})
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+    finally:
+        handle.shutdown(timeout_ms=2000)
+    loss = next(line for line in text.splitlines() if line.startswith("megatron_training_loss{"))
+    assert 'nemo_run_id="labels"' in loss and 'service_name="megatron-lm"' in loss and loss.endswith(" 2.5")
+    assert 'dl_tensor_parallel_rank="0"' in loss
+    part = next(line for line in text.splitlines() if line.startswith("megatron_training_step_forward_compute_ms"))
+    assert 'dl_rank="0"' in part
+    with pytest.raises(OSError):  # the endpoint is closed at shutdown
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
