@@ -149,6 +149,15 @@ def test_straggler_line_has_megatrons_fields():
     assert re.fullmatch(r"\[[^\]]+\]( \| M[nx]\w+/Rnk: [0-9.]+[a-zA-Z%]+/\d+)+", line)
 
 
+def test_minmax_count_lists_the_lowest_and_highest_ranks():
+    table = _table([100.0, 150.0, 120.0, 90.0], [1.0] * 4, [0, 0, 0, 1])
+    lines = step_breakdown.straggler_rank_lines(table, flops_per_rank=3e12, count=2)
+    assert lines == ["^^^^ Bottom 2 Ranks with lowest  Etpt(TF): 20.00/1, 25.00/2,",
+                     "^^^^ Top    2 Ranks with highest Etpt(TF): 30.00/0, 33.33/3,"]
+    assert step_breakdown.straggler_rank_lines(table, 3e12, count=1) == []  # --straggler-minmax-count 1: none
+    assert step_breakdown.straggler_rank_lines(table, 3e12, count=4) == []  # not below the world size
+
+
 class _Meter:
     """Records (name, value, attributes) of every gauge set."""
 
@@ -218,3 +227,14 @@ def test_one_gather_per_report_and_the_straggler_is_found():
     points = results[1][2]
     assert {a["dl.rank"] for n, _, a in points if n == "megatron.training.step.forward_compute_ms"} == {0, 1}
     assert dict((n, v) for n, v, _ in points)["megatron.training.straggler.slowest_rank"] == 1
+
+
+def test_straggler_flags_reach_the_breakdown():
+    from megatron.training.arguments import parse_args
+
+    args = parse_args(args=["--log-straggler", "--straggler-minmax-count", "3"])
+    breakdown = StepBreakdown.create(args, handle=None)  # on with --log-straggler even without telemetry
+    assert breakdown.log_straggler and breakdown.minmax_count == 3 and breakdown.meter is None
+    breakdown.close()
+    assert StepBreakdown.create(parse_args(args=[]), handle=None) is None  # neither flag nor telemetry: off
+    assert step_timing.active_recorder() is None

@@ -31,7 +31,7 @@ from megatron.core.step_timing import PARTS, StepTimeRecorder
 from megatron.core.telemetry import is_span_group_enabled, managed_span, record_training_metrics
 
 __all__ = ["StepBreakdown", "TimedDataIterator", "wrap_data_iterator", "memory_stats_gb", "straggler_line",
-           "COLUMNS"]
+           "straggler_rank_lines", "COLUMNS"]
 
 # Row layout of the gathered table.
 COLUMNS = ("exports", *PARTS, "other", "total", "allocated_gb", "reserved_gb", "peak_gb", "rss_gb",
@@ -145,6 +145,20 @@ def straggler_line(table: torch.Tensor, flops_per_rank: Optional[float], now: Op
     return f"[{now}] | " + " | ".join(fields)
 
 
+def straggler_rank_lines(table: torch.Tensor, flops_per_rank: Optional[float], count: int) -> List[str]:
+    """``--straggler-minmax-count`` N > 1 (and below the world size): Megatron's two extra lines,
+    the N lowest and N highest estimated TFLOP/s as ``value/rank``, each list in ascending order."""
+    world = table.shape[0]
+    if not flops_per_rank or count <= 1 or count >= world:
+        return []
+    compute = table[:, _COL["forward_compute"]] + table[:, _COL["backward_compute"]]
+    etpt = flops_per_rank / (compute.clamp(min=1e-6) / 1000.0) / 1e12
+    order = sorted(range(world), key=lambda r: (float(etpt[r]), r))
+    pairs = [f" {float(etpt[r]):.2f}/{r}," for r in order]
+    return [f"^^^^ Bottom {count} Ranks with lowest  Etpt(TF):" + "".join(pairs[:count]),
+            f"^^^^ Top    {count} Ranks with highest Etpt(TF):" + "".join(pairs[world - count:])]
+
+
 class StepBreakdown:
     """The step-time recorder of one training run and its per-log-interval report.
 
@@ -154,10 +168,11 @@ class StepBreakdown:
     """
 
     def __init__(self, rank: int, world_size: int, exporting_meter, log_straggler: bool,
-                 recorder: Optional[StepTimeRecorder] = None):
+                 recorder: Optional[StepTimeRecorder] = None, minmax_count: int = 1):
         self.rank, self.world_size = rank, world_size
         self.meter = exporting_meter
         self.log_straggler = log_straggler
+        self.minmax_count = minmax_count
         self.recorder = recorder or StepTimeRecorder()
         self.last_table: Optional[torch.Tensor] = None
         step_timing.install(self.recorder)
@@ -171,7 +186,7 @@ class StepBreakdown:
         meter = handle.meter if handle is not None and handle.is_exporting else None
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
-        return cls(rank, world, meter, log_straggler)
+        return cls(rank, world, meter, log_straggler, minmax_count=int(getattr(args, "straggler_minmax_count", 1) or 1))
 
     def step_begin(self) -> None:
         self.recorder.step_begin()
@@ -212,6 +227,8 @@ class StepBreakdown:
             self._record(table)
         if self.log_straggler and self.rank == 0:
             print(straggler_line(table, flops_per_rank), flush=True)
+            for line in straggler_rank_lines(table, flops_per_rank, self.minmax_count):
+                print(line, flush=True)
         return table
 
     def _record(self, table: torch.Tensor) -> None:
