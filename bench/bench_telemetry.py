@@ -8,8 +8,9 @@
 step time of ``pretrain_gpt.py`` (mock data) with telemetry off, ``default``, ``per_step`` and ``all``,
 each with the console exporter (one JSON line per span/snapshot, read and dropped by this process: a
 null sink) and with OTLP/gRPC to a local receiver in this process, as ratios to off. Configurations
-run interleaved R times; each run's step time is the mean "elapsed time per iteration" of its log
-lines after the first window (warm-up), and the median over repeats is reported.
+run interleaved R times; a run's samples are the "elapsed time per iteration" of its log windows after
+the first (warm-up). Reported per configuration: the best window (least disturbed by other load; the
+verdict uses it) and the median, each as a ratio to off.
 Targets (issue 13): ``default`` and ``per_step`` within 2 % of off, ``all`` within 10 %.
 """
 from __future__ import annotations
@@ -88,8 +89,8 @@ def _otlp_receiver():
     return port, lambda: server.stop(grace=None)
 
 
-def _training_run(env_extra, args, port) -> float:
-    """Mean ms per iteration of one pretrain_gpt.py run, over the log windows after the first."""
+def _training_run(env_extra, args, port) -> list:
+    """ms per iteration of each log window of one pretrain_gpt.py run, after the first (warm-up)."""
     import os
     import re
     import subprocess
@@ -110,7 +111,7 @@ def _training_run(env_extra, args, port) -> float:
     times = [float(m.group(2)) for m in re.finditer(
         r"iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): ([0-9.]+)", result.stdout)
         if int(m.group(1)) > args.log_interval]
-    return sum(times) / len(times)
+    return times
 
 
 def training_benchmark(args) -> None:
@@ -126,19 +127,23 @@ def training_benchmark(args) -> None:
     try:
         for repeat in range(args.repeats):
             for name, env_extra in configs.items():
-                samples[name].append(_training_run(env_extra, args, port))
-                print(f"repeat {repeat + 1}/{args.repeats} {name:<22} {samples[name][-1]:9.1f} ms/iter", flush=True)
+                windows = _training_run(env_extra, args, port)
+                samples[name].extend(windows)
+                print(f"repeat {repeat + 1}/{args.repeats} {name:<22} best window {min(windows):9.1f} ms/iter, "
+                      f"mean {sum(windows) / len(windows):9.1f}", flush=True)
     finally:
         stop()
-    off = statistics.median(samples["off"])
+    # The best window (timeit's rule) is the least disturbed by other load on the machine; the median
+    # shows how noisy the machine was. Verdicts use the best windows.
+    off_best, off_median = min(samples["off"]), statistics.median(samples["off"])
     targets = {"default": 1.02, "per_step": 1.02, "all": 1.10}
-    print(f"\n{'configuration':<22} {'ms/iter (median)':>17} {'ratio to off':>13} {'target':>8}")
+    print(f"\n{'configuration':<22} {'best ms/iter':>12} {'ratio':>7} {'median ms/iter':>15} {'ratio':>7} {'target':>8}")
     for name, values in samples.items():
-        median = statistics.median(values)
-        preset = name.split(" ")[0]
-        target = targets.get(preset)
-        verdict = "" if target is None else ("PASS" if median / off <= target else "FAIL")
-        print(f"{name:<22} {median:>17.1f} {median / off:>13.3f} {'' if target is None else f'<={target:.2f}':>8} {verdict}")
+        best, median = min(values), statistics.median(values)
+        target = targets.get(name.split(" ")[0])
+        verdict = "" if target is None else ("PASS" if best / off_best <= target else "FAIL")
+        print(f"{name:<22} {best:>12.1f} {best / off_best:>7.3f} {median:>15.1f} {median / off_median:>7.3f} "
+              f"{'' if target is None else f'<={target:.2f}':>8} {verdict}")
 
 
 def main() -> None:
