@@ -89,10 +89,13 @@ def _otlp_receiver():
     return port, lambda: server.stop(grace=None)
 
 
-def _training_run(env_extra, args, port) -> list:
-    """ms per iteration of each log window of one pretrain_gpt.py run, after the first (warm-up)."""
+def _training_run(env_extra, args, port):
+    """(ms per iteration of each log window after the first (warm-up), CPU seconds of the whole run)
+    of one pretrain_gpt.py run. CPU time (user + system of the launcher and its ranks, exporter threads
+    included) hardly depends on what else the machine runs, unlike wall time."""
     import os
     import re
+    import resource
     import subprocess
 
 
@@ -105,13 +108,16 @@ def _training_run(env_extra, args, port) -> list:
            "--log-interval", str(args.log_interval), "--lr", "1e-4", "--mock-data", "--tokenizer-type",
            "NullTokenizer", "--vocab-size", "1000", "--eval-iters", "0", "--distributed-backend", "gloo",
            "--num-workers", "0", "--seed", "1234"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if result.returncode != 0:
         raise RuntimeError(f"run failed ({env_extra}):\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
     times = [float(m.group(2)) for m in re.finditer(
         r"iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): ([0-9.]+)", result.stdout)
         if int(m.group(1)) > args.log_interval]
-    return times
+    return times, cpu
 
 
 def training_benchmark(args) -> None:
@@ -124,13 +130,15 @@ def training_benchmark(args) -> None:
                                                  "MEGATRON_OTEL_SPAN_GROUPS": preset}
     port, stop = _otlp_receiver()
     samples = {name: [] for name in configs}
+    cpu = {name: [] for name in configs}
     try:
         for repeat in range(args.repeats):
             for name, env_extra in configs.items():
-                windows = _training_run(env_extra, args, port)
+                windows, cpu_s = _training_run(env_extra, args, port)
                 samples[name].extend(windows)
+                cpu[name].append(cpu_s)
                 print(f"repeat {repeat + 1}/{args.repeats} {name:<22} best window {min(windows):9.1f} ms/iter, "
-                      f"mean {sum(windows) / len(windows):9.1f}", flush=True)
+                      f"mean {sum(windows) / len(windows):9.1f}, CPU {cpu_s:7.1f} s", flush=True)
     finally:
         stop()
     # The best window (timeit's rule) is the least disturbed by other load on the machine; the median
@@ -144,6 +152,13 @@ def training_benchmark(args) -> None:
         verdict = "" if target is None else ("PASS" if best / off_best <= target else "FAIL")
         print(f"{name:<22} {best:>12.1f} {best / off_best:>7.3f} {median:>15.1f} {median / off_median:>7.3f} "
               f"{'' if target is None else f'<={target:.2f}':>8} {verdict}")
+    # CPU cost per iteration: the extra CPU seconds of a run over off's (start-up is the same), per
+    # iteration, and as a fraction of off's best wall time per iteration.
+    off_cpu = min(cpu["off"])
+    print(f"\n{'configuration':<22} {'CPU s/run (min)':>16} {'extra CPU ms/iter':>18} {'x off step':>11}")
+    for name, values in cpu.items():
+        extra = (min(values) - off_cpu) * 1000.0 / args.iters
+        print(f"{name:<22} {min(values):>16.1f} {extra:>18.1f} {extra / off_best:>11.3f}")
 
 
 def main() -> None:
