@@ -87,6 +87,20 @@ def test_end_of_an_outer_part_closes_inner_ones_and_unknown_ends_are_ignored():
     assert report["tp_comm"] == pytest.approx(2000.0) and report["backward_compute"] == pytest.approx(0.0)
 
 
+def test_skipped_parts_stay_in_the_enclosing_part():
+    marks = FakeMarks(True)
+    rec = StepTimeRecorder(marks=marks, skip_parts=("tp_comm",))
+    rec.step_begin()
+    rec.begin("forward_compute")
+    rec.begin("tp_comm")
+    marks.now += 2
+    rec.end("tp_comm")
+    rec.end("forward_compute")
+    rec.step_end()
+    report = rec.take()
+    assert report["tp_comm"] == 0.0 and report["forward_compute"] == pytest.approx(2000.0)
+
+
 def test_section_is_a_shared_noop_without_a_recorder():
     assert step_timing.section("tp_comm") is step_timing.section("data_wait")
     assert isinstance(step_timing.section("tp_comm"), contextlib.nullcontext)

@@ -94,17 +94,23 @@ class StepTimeRecorder:
         use_cuda_events: mark with CUDA events (default: when CUDA is available and initialised).
         marks: a mark source with ``mark()``, ``elapsed(a, b)`` (seconds), ``resolve()`` and
             ``deferred`` (tests substitute their own clock).
+        skip_parts: parts not timed (their time stays in the enclosing part). Default: ``tp_comm``
+            with CUDA events, where a section per tensor-parallel collective (several per layer and
+            microbatch) would cost two event records each; none on the host clock.
 
     ``begin(part)``/``end(part)`` must nest; ``end`` of a part that is not open is ignored (a timer
     stopped twice must not break training). ``take()`` returns per-step averages in milliseconds.
     """
 
-    def __init__(self, use_cuda_events: Optional[bool] = None, marks=None):
+    def __init__(self, use_cuda_events: Optional[bool] = None, marks=None, skip_parts=None):
         if marks is None:
             if use_cuda_events is None:
                 use_cuda_events = torch.cuda.is_available() and torch.cuda.is_initialized()
             marks = _CudaEventMarks if use_cuda_events else _HostMarks
         self._marks = marks
+        if skip_parts is None:
+            skip_parts = ("tp_comm",) if marks is _CudaEventMarks else ()
+        self._skip = frozenset(skip_parts)
         self._stack: List[list] = []  # [part, start mark, children's elapsed (host) or child indices]
         self._totals: Dict[str, float] = dict.fromkeys(PARTS, 0.0)
         self._pending: List[tuple] = []  # deferred clocks: (part, start, end, parent index or -1)
@@ -114,7 +120,7 @@ class StepTimeRecorder:
 
     # -- sections -------------------------------------------------------------------------------
     def begin(self, part: str) -> None:
-        if self._step_start is None:  # outside a training step (evaluation, checkpointing): not a step part
+        if self._step_start is None or part in self._skip:  # outside a step (evaluation, checkpoint): not a part
             return
         self._stack.append([part, self._marks.mark(), 0.0, len(self._pending)])
         if self._marks.deferred:
