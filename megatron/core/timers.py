@@ -5,6 +5,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core import step_timing
 from megatron.core.collective_device import get_collective_device
 
 
@@ -87,6 +88,30 @@ class _DummyTimer:
         return 0.0
 
 
+class _PartTimer:
+    """A timer that also opens/closes its part of the step-time breakdown (whatever its log level)."""
+
+    __slots__ = ("_timer", "_part")
+
+    def __init__(self, timer, part: str):
+        self._timer, self._part = timer, part
+
+    def start(self, barrier: bool = False):
+        self._timer.start(barrier=barrier)  # a barrier wait is not the part's own time
+        recorder = step_timing.active_recorder()
+        if recorder is not None:
+            recorder.begin(self._part)
+
+    def stop(self, barrier: bool = False):
+        recorder = step_timing.active_recorder()
+        if recorder is not None:
+            recorder.end(self._part)
+        self._timer.stop(barrier=barrier)
+
+    def __getattr__(self, name):
+        return getattr(self._timer, name)
+
+
 class Timers:
     """Registry of timers. ``timers(name, log_level)`` returns the timer (a no-op one above ``log_level``).
 
@@ -105,6 +130,13 @@ class Timers:
         self._dummy = _DummyTimer()
 
     def __call__(self, name: str, log_level: Optional[int] = None):
+        timer = self._get(name, log_level)
+        part = step_timing.TIMER_PARTS.get(name)
+        if part is not None and step_timing.active_recorder() is not None:
+            return _PartTimer(timer, part)  # also charges the step-time breakdown (step_timing.py)
+        return timer
+
+    def _get(self, name: str, log_level: Optional[int]):
         if name in self._timers:
             if log_level is not None and log_level != self._levels[name]:
                 raise ValueError(f"timer {name!r} was created with log level {self._levels[name]}, not {log_level}")

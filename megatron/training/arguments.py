@@ -420,6 +420,10 @@ def _add_logging_args(parser):
     group.add_argument("--log-throughput", action="store_true", help="Log TFLOP/s per GPU.")
     group.add_argument("--log-progress", action="store_true", help="Append progress lines to <save>/progress.txt.")
     group.add_argument("--log-energy", action="store_true", help="Log GPU energy and power.")
+    group.add_argument("--log-straggler", action="store_true",
+                       help="Print the slowest/fastest rank's compute time, data wait and TFLOP/s every log interval.")
+    group.add_argument("--straggler-minmax-count", type=int, default=1,
+                       help="With --log-straggler, also list the N ranks of lowest and highest estimated TFLOP/s.")
     group.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2], help="Timer verbosity.")
     group.add_argument("--timing-log-option", type=str, default="minmax", choices=["max", "minmax", "all"],
                        help="How timers are reduced across ranks.")

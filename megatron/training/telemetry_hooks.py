@@ -3,6 +3,9 @@
 Every function here is a no-op costing one frozenset lookup when telemetry is off, the group is
 not selected, or this rank does not export.
 """
+import time
+import weakref
+
 from megatron.core.telemetry import (
     inject_context,
     is_span_group_enabled,
@@ -13,7 +16,24 @@ from megatron.core.telemetry import (
     safe_set_span_attributes,
     set_pipeline_carrier,
 )
+from megatron.core.telemetry.training_metrics import initialize_counters, observe_heartbeat
 from megatron.training.global_vars import get_telemetry
+
+# Unix time at which the last training iteration finished (the heartbeat), or None before the first.
+_LAST_STEP_TIME = None
+# Meters on which the counters' zero series and the heartbeat gauge are set up (once per meter).
+_PREPARED_METERS = weakref.WeakSet()
+
+
+def note_step_finished():
+    """Remember that an iteration just finished (the heartbeat); a float store, called every iteration."""
+    global _LAST_STEP_TIME
+    _LAST_STEP_TIME = time.time()
+
+
+def last_step_time():
+    """Unix time (s) at which the last iteration finished, or None."""
+    return _LAST_STEP_TIME
 
 
 def span(group: str, name: str, **attrs):
@@ -62,7 +82,18 @@ def _meter():
     handle = get_telemetry()
     if handle is None or not handle.is_exporting:
         return None
-    return handle.meter
+    meter = handle.meter
+    if meter is not None and meter not in _PREPARED_METERS:
+        # Every counter exists (at 0) from the first export; the heartbeat is read at each collection.
+        initialize_counters(meter)
+        observe_heartbeat(meter, last_step_time)
+        _PREPARED_METERS.add(meter)
+    return meter
+
+
+def prepare_metrics():
+    """Create the counters' zero series and the heartbeat gauge now (exporting ranks; else no-op)."""
+    _meter()
 
 
 def _export_now():
@@ -76,19 +107,28 @@ def record_step_metrics(elapsed_ms, loss, throughput_tflops, tokens_per_sec, gra
     """The ``megatron.training.*`` instruments at a log iteration (exporting ranks only), then a
     snapshot for export, so every logged value reaches the exporter whatever
     ``OTEL_METRIC_EXPORT_INTERVAL`` is. ``skipped`` is the number of skipped iterations since the last
-    log; the ``skipped_iters`` counter is recorded even at 0, so it is exported from the first log."""
+    log: it is added only when non-zero (the counter's zero series exists from the first export, see
+    ``prepare_metrics``). Progress comes from the args: ``megatron.training.iteration``,
+    ``consumed_samples`` and ``consumed_tokens`` (samples x ``--seq-length``)."""
     meter = _meter()
     if meter is None:
         return
     memory_gb = None
     import torch
 
-    if torch.cuda.is_available():
+    from megatron.training.global_vars import get_args
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         memory_gb = torch.cuda.max_memory_allocated() / 1e9
+    args = get_args()
+    samples = getattr(args, "consumed_train_samples", None)
+    seq_length = getattr(args, "seq_length", None)
     record_training_metrics(
         meter, step_duration_ms=elapsed_ms, loss=loss, throughput_tflops=throughput_tflops,
         tokens_per_sec=tokens_per_sec, grad_norm=grad_norm, skipped_iters=skipped or 0,
         learning_rate=learning_rate, memory_allocated_gb=memory_gb,
+        iteration=getattr(args, "iteration", None), consumed_samples=samples,
+        consumed_tokens=samples * seq_length if samples is not None and seq_length else None,
     )
     _export_now()
 

@@ -26,8 +26,9 @@ from megatron.core.utils import get_model_config
 from megatron.training import telemetry_hooks as telemetry
 from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron.training.datasets.data_samplers import build_pretraining_data_loader
-from megatron.training.global_vars import get_args, get_tensorboard_writer, get_timers, get_wandb_writer
+from megatron.training.global_vars import get_args, get_telemetry, get_tensorboard_writer, get_timers, get_wandb_writer
 from megatron.training.initialize import initialize_megatron
+from megatron.training.step_breakdown import StepBreakdown, wrap_data_iterator
 from megatron.training.training_log import (
     LogAccumulator,
     log_operator_message,
@@ -488,6 +489,10 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         gc.disable()
         gc.collect()
     last_log_time, last_log_iteration = time.perf_counter(), iteration
+    # Where each rank's step time goes (--log-straggler or telemetry metrics): see step_breakdown.py.
+    breakdown = StepBreakdown.create(args, get_telemetry())
+    train_data_iterator = wrap_data_iterator(train_data_iterator)
+    telemetry.prepare_metrics()
 
     print_rank_0("training ...")
     with telemetry.span("job", "megatron.train", train_iters=args.train_iters):
@@ -496,11 +501,16 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             update_num_microbatches(args.consumed_train_samples, consistency_check=True, verbose=True)
             num_microbatches = get_num_microbatches()
             args.curr_iteration = iteration
+            if breakdown is not None:
+                breakdown.step_begin()
             with telemetry.step_span(iteration + 1, first=(iteration == args.start_iteration)) as step_span:
                 loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
                     forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler
                 )
                 telemetry.set_attributes(step_span, loss=loss_dict.get("lm loss"), grad_norm=grad_norm)
+            if breakdown is not None:
+                breakdown.step_end()
+            telemetry.note_step_finished()
             iteration += 1
             args.iteration = iteration
             batch_size = args.micro_batch_size * args.data_parallel_size * num_microbatches
@@ -514,6 +524,8 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             params_norm = calc_params_l2_norm(model) if args.log_params_norm and is_log_iteration else None
             now = time.perf_counter() if is_log_iteration else last_log_time
             learning_rate = optimizer.param_groups[0]["lr"]
+            if is_log_iteration and breakdown is not None:  # collective: every rank, same iterations
+                breakdown.report(num_floating_point_operations(args, batch_size) / args.world_size)
             training_log(
                 acc, loss_dict, learning_rate, optimizer.get_loss_scale(),
                 iteration, grad_norm, params_norm, num_zeros, skipped_iter, now - last_log_time,
@@ -602,7 +614,10 @@ def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fun
 
 
 def _shutdown():
+    from megatron.core import step_timing
     from megatron.training.global_vars import destroy_global_variables
+
+    step_timing.uninstall()  # the step-breakdown recorder of train(), if any
 
     writer = get_tensorboard_writer()
     if writer is not None:

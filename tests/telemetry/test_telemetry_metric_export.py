@@ -67,6 +67,7 @@ def test_each_snapshot_is_exported_and_flush_waits_for_it(clean_telemetry):
     reader = LogIntervalMetricReader(exporter, interval_ms=3_600_000)  # no periodic export during the test
     handle = tel.setup_telemetry(tel.TelemetryConfig(enabled=True, traces_enabled=False), 0, 1,
                                  metric_reader=reader)
+    tel.training_metrics.initialize_counters(handle.meter)  # the training loop does this once (prepare_metrics)
     for loss in (3.0, 2.5, 2.0):
         tel.record_training_metrics(handle.meter, loss=loss, skipped_iters=0)
         reader.snapshot()

@@ -176,7 +176,17 @@ class DistributedDataParallel(torch.nn.Module):
                 group.start_grad_sync()
 
     def finish_grad_sync(self):
-        """Complete (or, without overlap, perform) the all-reduce of every bucket; main_grads are then reduced."""
+        """Complete (or, without overlap, perform) the all-reduce of every bucket; main_grads are then reduced.
+
+        Buckets not launched yet (no ``overlap_grad_reduce``) are launched first under
+        ``megatron.grad_sync.start``, so both spans of the spec's tree appear in every iteration.
+        """
+        unlaunched = [] if self.ddp_config.overlap_grad_reduce else [
+            group for group in self.bucket_groups if not group._sync_launched]
+        if unlaunched:
+            with managed_span("communication", "megatron.grad_sync.start"):
+                for group in unlaunched:
+                    group.start_grad_sync()
         with managed_span("communication", "megatron.grad_sync.finish"):
             for group in self.bucket_groups:
                 group.finish_grad_sync()

@@ -75,6 +75,21 @@ def build_telemetry_resource_attrs(args, local_rank: Optional[int] = None) -> Di
     return attrs
 
 
+def parallel_rank_attributes() -> Dict[str, int]:
+    """This rank's ``dl.tensor_parallel.rank``, ``dl.pipeline_parallel.rank`` and ``dl.data_parallel.rank``
+    from ``parallel_state`` (empty before ``initialize_model_parallel``), so each rank's resource says
+    where it sits in the layout (a slow rank's TP/PP/DP neighbours can then be found from its labels)."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return {}
+    return {
+        "dl.tensor_parallel.rank": int(parallel_state.get_tensor_model_parallel_rank()),
+        "dl.pipeline_parallel.rank": int(parallel_state.get_pipeline_model_parallel_rank()),
+        "dl.data_parallel.rank": int(parallel_state.get_data_parallel_rank()),
+    }
+
+
 def build_otel_worker_bootstrap(args) -> Dict[str, Any]:
     """Plain, picklable dict from which a persistent async-checkpoint worker rebuilds the same
     telemetry identity (spec appendix A.2): ``enabled``, ``service_name``, ``span_groups`` (only
@@ -156,6 +171,7 @@ def setup_telemetry_from_args(args, rank: int, world_size: int, local_rank: Opti
         return None
     if config.enabled and should_export(config, rank, world_size):
         resource_attrs = build_telemetry_resource_attrs(args, local_rank=local_rank)
+        resource_attrs.update(parallel_rank_attributes())
     try:
         handle = setup_telemetry(config, rank, world_size, resource_attrs)
     except ImportError as exc:

@@ -14,6 +14,8 @@ __all__ = ["TelemetryConfig", "parse_bool", "otlp_protocol", "otlp_headers_probl
            "EXPORTERS", "OTLP_PROTOCOLS", "OTLP_HEADER_VARIABLES"]
 
 EXPORTERS: Tuple[str, ...] = ("otlp", "console")
+# MEGATRON_OTEL_METRICS_EXPORTER: empty = the EXPORTER's; "prometheus" = a pull endpoint on each exporting rank.
+METRICS_EXPORTERS: Tuple[str, ...] = ("", "otlp", "console", "prometheus")
 OTLP_PROTOCOLS: Tuple[str, ...] = ("grpc", "http/protobuf")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -155,6 +157,9 @@ class TelemetryConfig:
     logs_enabled: bool = False
     span_groups: str = "default"
     exporter: str = "otlp"
+    metrics_exporter: str = ""
+    prometheus_host: str = "127.0.0.1"
+    prometheus_port: int = 9464
     run_id: Optional[str] = None
     user_id: str = ""
     service_name: str = "megatron-lm"
@@ -211,6 +216,9 @@ class TelemetryConfig:
             ("logs_enabled", ("LOGS_ENABLED",), parse_bool),
             ("span_groups", ("SPAN_GROUPS",), lambda v, n: v),
             ("exporter", ("EXPORTER",), lambda v, n: v.strip().lower()),
+            ("metrics_exporter", ("METRICS_EXPORTER",), lambda v, n: v.strip().lower()),
+            ("prometheus_host", ("PROMETHEUS_HOST",), lambda v, n: v.strip()),
+            ("prometheus_port", ("PROMETHEUS_PORT",), _parse_int),
             ("run_id", ("RUN_ID",), lambda v, n: v.strip()),
             ("user_id", ("USER_ID",), lambda v, n: v.strip()),
         )
@@ -288,10 +296,17 @@ class TelemetryConfig:
             raise ValueError(
                 f"{self._source('exporter')}={self.exporter!r} is not an exporter; valid choices: {', '.join(EXPORTERS)}"
             )
+        if str(self.metrics_exporter).strip().lower() not in METRICS_EXPORTERS:
+            raise ValueError(
+                f"{self._source('metrics_exporter')}={self.metrics_exporter!r} is not a metrics exporter; "
+                f"valid choices: (empty: as {self._source('exporter')}), {', '.join(METRICS_EXPORTERS[1:])}"
+            )
+        if not 0 <= int(self.prometheus_port) <= 65535:
+            raise ValueError(f"{self._source('prometheus_port')}={self.prometheus_port!r} is not a TCP port (0-65535)")
         if not isinstance(self.service_name, str) or not self.service_name.strip():
             raise ValueError(f"{self._source('service_name')}: service name must be a non-empty string")
         self.resolved_span_groups()
-        if self.enabled and str(self.exporter).strip().lower() == "otlp":
+        if self.enabled and "otlp" in (str(self.exporter).strip().lower(), str(self.metrics_exporter).strip().lower()):
             for signal in ("traces", "metrics", "logs"):
                 otlp_protocol(signal)
             check_otlp_headers()

@@ -312,8 +312,13 @@ def build_providers(
         providers.tracer_provider, providers.span_tracker = tp, tracker
         providers.exporters.append(exporter)
     if config.metrics_enabled:
+        kind = str(getattr(config, "metrics_exporter", "") or config.exporter).strip().lower()
+        if metric_reader is None and kind == "prometheus":
+            from .prometheus_reader import build_prometheus_reader
+
+            metric_reader = build_prometheus_reader(config, int(resource_attributes.get("dl.local_rank", 0) or 0))
         if metric_reader is None:
-            exporter = _build_exporter(config.exporter, "metrics", out)
+            exporter = _build_exporter(kind, "metrics", out)
             metric_reader = LogIntervalMetricReader(exporter, export_interval_ms())
             providers.exporters.append(exporter)
         providers.metric_reader = metric_reader

@@ -6,6 +6,7 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.core import step_timing
 from megatron.core.parallel_state import (
     get_tensor_model_parallel_group,
     get_tensor_model_parallel_rank,
@@ -30,7 +31,8 @@ def _reduce(input_: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     if get_tensor_model_parallel_world_size() == 1:
         return input_
     output = input_.contiguous() if inplace else input_.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(output, group=get_tensor_model_parallel_group())
+    with step_timing.section("tp_comm"):
+        dist.all_reduce(output, group=get_tensor_model_parallel_group())
     return output
 
 
@@ -87,12 +89,17 @@ class PendingCollective:
 
     def wait(self) -> None:
         """Block (CPU) or make the current CUDA stream wait until the collective has finished."""
-        self._work.wait()
+        with step_timing.section("tp_comm"):
+            self._work.wait()
         self._tensors = ()
 
 
 def _launch(collective, output: torch.Tensor, input_: torch.Tensor, async_op: bool) -> Optional[PendingCollective]:
-    work = collective(output, input_, group=get_tensor_model_parallel_group(), async_op=async_op)
+    if async_op:  # the wait, not the launch, is where the time goes (PendingCollective.wait)
+        work = collective(output, input_, group=get_tensor_model_parallel_group(), async_op=True)
+    else:
+        with step_timing.section("tp_comm"):
+            work = collective(output, input_, group=get_tensor_model_parallel_group(), async_op=False)
     return PendingCollective(work, output, input_) if async_op else None
 
 

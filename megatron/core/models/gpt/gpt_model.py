@@ -9,6 +9,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.collective_device import get_collective_device
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.telemetry import managed_span
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.transformer_block import TransformerBlock
@@ -173,7 +174,8 @@ class GPTModel(MegatronModule):
         on other stages the hidden states [s, b, h].
         """
         if decoder_input is None and self.pre_process:
-            decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
+            with managed_span("layer", "megatron.embedding"):
+                decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
 
         rotary_pos_emb = None
         if self.rotary_pos_emb is not None:
@@ -190,11 +192,13 @@ class GPTModel(MegatronModule):
 
         output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights \
             else None
-        logits, _ = self.output_layer(hidden_states, weight=output_weight,
-                                      runtime_gather_output=runtime_gather_output)
+        with managed_span("layer", "megatron.output_layer"):
+            logits, _ = self.output_layer(hidden_states, weight=output_weight,
+                                          runtime_gather_output=runtime_gather_output)
         if labels is None:
             return logits.transpose(0, 1).contiguous()
-        return self.compute_language_model_loss(labels, logits)
+        with managed_span("layer", "megatron.loss"):
+            return self.compute_language_model_loss(labels, logits)
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """labels [b, s], logits [s, b, V/tp] in the compute dtype -> per-token loss [b, s] (fp32).

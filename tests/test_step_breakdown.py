@@ -1,0 +1,254 @@
+"""Step-time breakdown: exclusive accounting of nested parts, the Timers hook, the straggler line, one gather per log."""
+import contextlib
+import re
+import time
+
+import pytest
+import torch
+
+from megatron.core import step_timing
+from megatron.core.step_timing import PARTS, StepTimeRecorder
+from megatron.core.timers import Timers
+from megatron.training import step_breakdown
+from megatron.training.step_breakdown import COLUMNS, StepBreakdown, straggler_line
+
+
+class FakeMarks:
+    """A clock the test advances by hand; ``deferred`` mimics CUDA events (resolved in take())."""
+
+    def __init__(self, deferred):
+        self.deferred = deferred
+        self.now = 0.0
+        self.resolved = 0
+
+    def mark(self):
+        return [self.now]  # a mutable box: a deferred mark's value is read only at resolve time
+
+    def elapsed(self, start, end):
+        return end[0] - start[0]
+
+    def resolve(self):
+        self.resolved += 1
+
+
+@pytest.fixture(autouse=True)
+def no_recorder():
+    yield
+    step_timing.uninstall()
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_nested_parts_are_charged_exclusively(deferred):
+    marks = FakeMarks(deferred)
+    rec = StepTimeRecorder(marks=marks)
+    rec.begin("forward_compute")  # outside a step: ignored (evaluation, checkpoint)
+    marks.now += 5
+    rec.end("forward_compute")
+    for _ in range(2):
+        rec.step_begin()
+        rec.begin("forward_compute")
+        marks.now += 1
+        rec.begin("data_wait")
+        marks.now += 2
+        rec.end("data_wait")
+        rec.begin("tp_comm")
+        marks.now += 3
+        rec.end("tp_comm")
+        marks.now += 4
+        rec.end("forward_compute")
+        rec.begin("optimizer")
+        marks.now += 5
+        rec.end("optimizer")
+        marks.now += 6  # nothing covers this: "other"
+        rec.step_end()
+    report = rec.take()
+    assert report["steps"] == 2
+    assert report["forward_compute"] == pytest.approx(5000.0)  # (1 + 4) s, per step, in ms
+    assert report["data_wait"] == pytest.approx(2000.0) and report["tp_comm"] == pytest.approx(3000.0)
+    assert report["optimizer"] == pytest.approx(5000.0)
+    assert report["total"] == pytest.approx(21000.0) and report["other"] == pytest.approx(6000.0)
+    assert sum(report[p] for p in PARTS) + report["other"] == pytest.approx(report["total"])
+    assert marks.resolved == (1 if deferred else 0)
+    again = rec.take()  # reset after take
+    assert again["steps"] == 0 and again["total"] == 0.0
+
+
+def test_end_of_an_outer_part_closes_inner_ones_and_unknown_ends_are_ignored():
+    marks = FakeMarks(False)
+    rec = StepTimeRecorder(marks=marks)
+    rec.step_begin()
+    rec.end("optimizer")  # never begun: ignored
+    rec.begin("backward_compute")
+    rec.begin("tp_comm")
+    marks.now += 2
+    rec.end("backward_compute")  # tp_comm left open: closed with it
+    rec.step_end()
+    report = rec.take()
+    assert report["tp_comm"] == pytest.approx(2000.0) and report["backward_compute"] == pytest.approx(0.0)
+
+
+def test_skipped_parts_stay_in_the_enclosing_part():
+    marks = FakeMarks(True)
+    rec = StepTimeRecorder(marks=marks, skip_parts=("tp_comm",))
+    rec.step_begin()
+    rec.begin("forward_compute")
+    rec.begin("tp_comm")
+    marks.now += 2
+    rec.end("tp_comm")
+    rec.end("forward_compute")
+    rec.step_end()
+    report = rec.take()
+    assert report["tp_comm"] == 0.0 and report["forward_compute"] == pytest.approx(2000.0)
+
+
+def test_section_is_a_shared_noop_without_a_recorder():
+    assert step_timing.section("tp_comm") is step_timing.section("data_wait")
+    assert isinstance(step_timing.section("tp_comm"), contextlib.nullcontext)
+
+
+def test_megatron_timers_charge_parts_even_below_the_timing_log_level():
+    timers = Timers(log_level=0)
+    timer = timers("forward-compute", log_level=2)  # a no-op timer at level 0 ...
+    timer.start()
+    timer.stop()
+    marks = FakeMarks(False)
+    rec = StepTimeRecorder(marks=marks)
+    step_timing.install(rec)
+    rec.step_begin()
+    timers("forward-compute", log_level=2).start()
+    marks.now += 0.25
+    timers("forward-compute", log_level=2).stop()
+    timers("all-grads-sync", log_level=1).start()
+    marks.now += 0.5
+    timers("all-grads-sync", log_level=1).stop()
+    rec.step_end()
+    report = rec.take()  # ... yet the breakdown sees it
+    assert report["forward_compute"] == pytest.approx(250.0) and report["grad_sync"] == pytest.approx(500.0)
+    assert "forward-compute" not in timers._timers  # the printed timers are unchanged
+
+
+def test_data_iterator_wrapper_charges_data_wait():
+    rec = StepTimeRecorder(use_cuda_events=False)
+    step_timing.install(rec)
+
+    def slow():
+        while True:
+            time.sleep(0.02)
+            yield 1
+
+    it = step_breakdown.wrap_data_iterator(slow())
+    assert step_breakdown.wrap_data_iterator(it) is it and step_breakdown.wrap_data_iterator(None) is None
+    rec.step_begin()
+    next(it)
+    rec.step_end()
+    assert rec.take()["data_wait"] >= 15.0
+
+
+def _table(compute_ms, data_ms, exports):
+    rows = []
+    for rank, (compute, data, flag) in enumerate(zip(compute_ms, data_ms, exports)):
+        row = dict.fromkeys(COLUMNS, float("nan"))
+        row.update({part: 0.0 for part in PARTS}, exports=float(flag), other=1.0, rss_gb=0.5 + rank)
+        row.update(forward_compute=compute / 2, backward_compute=compute / 2, data_wait=data)
+        row["total"] = compute + data + 1.0
+        rows.append([row[c] for c in COLUMNS])
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def test_straggler_line_has_megatrons_fields():
+    line = straggler_line(_table([100.0, 150.0, 120.0], [3.0, 1.0, 2.0], [0, 0, 1]), flops_per_rank=3e12,
+                          now="2026-01-02 03:04:05")
+    assert line == ("[2026-01-02 03:04:05] | MnRtt/Rnk: 100.00ms/0 | MxRtt/Rnk: 150.00ms/1 | "
+                    "MnDRtt/Rnk: 1.00ms/1 | MxDRtt/Rnk: 3.00ms/0 | MnEtpt/Rnk: 20.00TF/1 | MxEtpt/Rnk: 30.00TF/0")
+    assert re.fullmatch(r"\[[^\]]+\]( \| M[nx]\w+/Rnk: [0-9.]+[a-zA-Z%]+/\d+)+", line)
+
+
+def test_minmax_count_lists_the_lowest_and_highest_ranks():
+    table = _table([100.0, 150.0, 120.0, 90.0], [1.0] * 4, [0, 0, 0, 1])
+    lines = step_breakdown.straggler_rank_lines(table, flops_per_rank=3e12, count=2)
+    assert lines == ["^^^^ Bottom 2 Ranks with lowest  Etpt(TF): 20.00/1, 25.00/2,",
+                     "^^^^ Top    2 Ranks with highest Etpt(TF): 30.00/0, 33.33/3,"]
+    assert step_breakdown.straggler_rank_lines(table, 3e12, count=1) == []  # --straggler-minmax-count 1: none
+    assert step_breakdown.straggler_rank_lines(table, 3e12, count=4) == []  # not below the world size
+
+
+class _Meter:
+    """Records (name, value, attributes) of every gauge set."""
+
+    def __init__(self):
+        self.points = []
+
+    def create_gauge(self, name, unit="", description=""):
+        points = self.points
+
+        class Gauge:
+            def set(self, value, attributes):
+                points.append((name, value, dict(attributes)))
+
+        return Gauge()
+
+    create_counter = create_histogram = create_gauge
+
+
+def test_lowest_exporting_rank_sends_the_rows_of_silent_ranks_and_the_straggler_view():
+    table = _table([100.0, 150.0, 120.0], [3.0, 1.0, 2.0], exports=[0, 1, 1])
+    lead, other = _Meter(), _Meter()
+    StepBreakdown(1, 3, lead, False, recorder=StepTimeRecorder(use_cuda_events=False))._record(table)
+    StepBreakdown(2, 3, other, False, recorder=StepTimeRecorder(use_cuda_events=False))._record(table)
+    ranks = lambda meter: sorted({a["dl.rank"] for n, _, a in meter.points if n.endswith("forward_compute_ms")})
+    assert ranks(lead) == [0, 1] and ranks(other) == [2]  # every rank exactly once
+    straggler = {n: v for n, v, _ in lead.points if ".straggler." in n}
+    assert straggler == {"megatron.training.straggler.slowest_compute_ms": 150.0,
+                         "megatron.training.straggler.fastest_compute_ms": 100.0,
+                         "megatron.training.straggler.ratio": 1.5,
+                         "megatron.training.straggler.slowest_rank": 1,
+                         "megatron.training.straggler.fastest_rank": 0}
+    assert not [n for n, _, _ in other.points if ".straggler." in n]
+    rss = {a["dl.rank"]: v for n, v, a in lead.points if n == "megatron.training.memory.rss_gb"}
+    assert rss == {0: 0.5, 1: 1.5}
+
+
+def _gather_worker(rank, world_size):
+    calls = []
+    real = step_breakdown._all_gather_flat
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    step_breakdown._all_gather_flat = counting
+    meter = _Meter() if rank == 1 else None  # rank 1 exports (single_rank's default choice)
+    breakdown = StepBreakdown(rank, world_size, meter, log_straggler=True)
+    for _ in range(2):
+        breakdown.step_begin()
+        with step_timing.section("forward_compute"):
+            time.sleep(0.01 if rank == 0 else 0.1)  # rank 1 is the straggler (10x: robust to a loaded machine)
+        breakdown.step_end()
+    table = breakdown.report(flops_per_rank=1e9)
+    breakdown.close()
+    return len(calls), table.tolist(), meter.points if meter else None
+
+
+@pytest.mark.timeout(180)
+def test_one_gather_per_report_and_the_straggler_is_found():
+    from dist_utils import run_distributed
+
+    results = run_distributed(_gather_worker, 2, timeout=150)
+    assert [r[0] for r in results] == [1, 1]  # ONE collective per log interval on every rank
+    table = torch.tensor(results[0][1])
+    assert torch.equal(table.nan_to_num(-1.0), torch.tensor(results[1][1]).nan_to_num(-1.0))  # same on both
+    assert table[1, COLUMNS.index("forward_compute")] > 2 * table[0, COLUMNS.index("forward_compute")]
+    points = results[1][2]
+    assert {a["dl.rank"] for n, _, a in points if n == "megatron.training.step.forward_compute_ms"} == {0, 1}
+    assert dict((n, v) for n, v, _ in points)["megatron.training.straggler.slowest_rank"] == 1
+
+
+def test_straggler_flags_reach_the_breakdown():
+    from megatron.training.arguments import parse_args
+
+    args = parse_args(args=["--log-straggler", "--straggler-minmax-count", "3"])
+    breakdown = StepBreakdown.create(args, handle=None)  # on with --log-straggler even without telemetry
+    assert breakdown.log_straggler and breakdown.minmax_count == 3 and breakdown.meter is None
+    breakdown.close()
+    assert StepBreakdown.create(parse_args(args=[]), handle=None) is None  # neither flag nor telemetry: off
+    assert step_timing.active_recorder() is None
