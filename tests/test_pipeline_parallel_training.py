@@ -21,7 +21,8 @@ ITERS = 20
 SEQ, MBS, GBS, HIDDEN, HEADS, VOCAB = 16, 2, 8, 32, 4, 128
 
 # (name, world, tp, pp, vp, num_layers, tied, first-stage layers) -> compared with the world-1 run of
-# the same (num_layers, tied).
+# the same (num_layers, tied). Layouts named in DISTRIBUTED_OPTIMIZER train with the distributed optimizer
+# and both overlaps (--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather).
 LAYOUTS = [
     ("pp2-tied", 2, 1, 2, None, 4, True, None),
     ("pp2-untied", 2, 1, 2, None, 4, False, None),
@@ -31,7 +32,9 @@ LAYOUTS = [
     ("pp4-tied", 4, 1, 4, None, 4, True, None),
     ("pp2-tp2", 4, 2, 2, None, 4, True, None),
     ("pp2-dp2", 4, 1, 2, None, 4, True, None),
+    ("pp2-dp2-distopt", 4, 1, 2, None, 4, True, None),
 ]
+DISTRIBUTED_OPTIMIZER = {"pp2-dp2-distopt"}
 REFERENCES = sorted({(layers, tied) for *_, layers, tied, _ in LAYOUTS})
 
 
@@ -79,7 +82,7 @@ def _forward_step(data_iterator, model):
     return output, partial(_loss_func, loss_mask)
 
 
-def _train_layout(tp, pp, vp, num_layers, tied, first_layers):
+def _train_layout(tp, pp, vp, num_layers, tied, first_layers, distopt=False):
     """Train ITERS iterations; returns [(loss, grad norm)] per iteration on the rank that logs (last
     stage, TP and DP rank 0), else None."""
     from megatron.core import parallel_state as ps
@@ -109,11 +112,14 @@ def _train_layout(tp, pp, vp, num_layers, tied, first_layers):
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
                 share_embeddings_and_output_weights=tied, vp_stage=vp_stage if vp else None))
         ps.set_virtual_pipeline_model_parallel_rank(0)
-        model = [DistributedDataParallel(config, DistributedDataParallelConfig(), chunk, disable_bucketing=i > 0)
+        ddp_config = DistributedDataParallelConfig(
+            use_distributed_optimizer=distopt, overlap_grad_reduce=distopt, overlap_param_gather=distopt)
+        model = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
                  for i, chunk in enumerate(chunks)]
         for chunk in model:
             chunk.broadcast_params()
-        optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-3, weight_decay=0.01, clip_grad=1.0), model)
+        optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-3, weight_decay=0.01, clip_grad=1.0,
+                                                          use_distributed_optimizer=distopt), model)
         for group in optimizer.param_groups:
             group["lr"] = 1e-3
         config.finalize_model_grads_func = finalize_model_grads
@@ -174,7 +180,7 @@ def _all_layouts(rank, world_size):
         for layers, tied in REFERENCES])
     for port, world in ((ports[1], 2), (ports[2], 4)):
         results.update(_in_world(rank, world, port, [
-            (name, partial(_train_layout, tp, pp, vp, layers, tied, first))
+            (name, partial(_train_layout, tp, pp, vp, layers, tied, first, name in DISTRIBUTED_OPTIMIZER))
             for name, layout_world, tp, pp, vp, layers, tied, first in LAYOUTS if layout_world == world]))
     return results
 
