@@ -1,6 +1,6 @@
 """The older example scripts run in CI with tiny CPU settings and their own checks pass: quickstart.py (corpus ->
 SentencePiece -> .bin/.idx -> training), gpt2_shakespeare.sh (DP=2 == DP=1, exact resume) and gpt2_shakespeare_tp.sh
-(TP=2, TP=2+SP, TP=2 x DP=2 == TP=1). The GPT-3 small launch examples are run by tests/test_launch_examples.py."""
+(TP=2, TP=2+SP, TP=2 x DP=2 == TP=1) and gpt2_shakespeare_pp.sh (PP=2, PP=2 x TP=2 == PP=1). The GPT-3 small launch examples are run by tests/test_launch_examples.py."""
 import os
 import subprocess
 import sys
@@ -43,4 +43,12 @@ def test_gpt2_shakespeare_tp_tiny(tmp_path):
     out = _run(["bash", "examples/gpt2_shakespeare_tp.sh", str(tmp_path)], dict(TINY, ITERS="3"), timeout=580)
     assert "logged the TP=1 losses at every iteration" in out
     for run in ("tp1", "tp2", "tp2_sp", "tp2_dp2"):
+        assert sorted(losses_from_log((tmp_path / f"{run}.log").read_text())) == [1, 2, 3], run
+
+
+@pytest.mark.timeout(600)
+def test_gpt2_shakespeare_pp_tiny(tmp_path):
+    out = _run(["bash", "examples/gpt2_shakespeare_pp.sh", str(tmp_path)], dict(TINY, ITERS="3"), timeout=580)
+    assert "logged the PP=1 losses at every iteration" in out
+    for run in ("pp1", "pp2", "pp2_tp2"):
         assert sorted(losses_from_log((tmp_path / f"{run}.log").read_text())) == [1, 2, 3], run
