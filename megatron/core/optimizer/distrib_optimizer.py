@@ -217,25 +217,10 @@ class DistributedOptimizer(MegatronOptimizer):
             # A gather still in flight (a bucket no forward pre-hook waited for) must land before
             # this step rewrites the shards it reads.
             chunk.start_param_sync(force_sync=True)
-        timer = self._start_timer("optimizer-copy-to-main-grad")
-        self._copy_model_grads_to_main_grads()
-        if timer is not None:
-            timer.stop()
-        if self.grad_scaler is not None:
-            timer = self._start_timer("optimizer-unscale-and-check-inf")
-            found_inf = self._unscale_main_grads_and_check_for_nan()
-            if timer is not None:
-                timer.stop()
-            self.grad_scaler.update(found_inf)
-            if found_inf:
-                return False, None, None
-        grad_norm, num_zeros = self._clip_count_and_step()
-        timer = self._start_timer("optimizer-copy-main-to-model-params")
-        self._copy_main_params_to_model_params()
-        if timer is not None:
-            timer.stop()
-        self._gather_model_params()
-        return True, grad_norm, num_zeros
+        updated, grad_norm, num_zeros = self._main_param_step()
+        if updated:
+            self._gather_model_params()
+        return updated, grad_norm, num_zeros
 
     # ----------------------------------------------------------------------------------------------
     # Checkpoint: small state in model_optim_rng.pt, parameter state in distrib_optim.pt

@@ -219,6 +219,30 @@ class MegatronOptimizer(ABC):
         the model params, or views of them, directly)."""
         return []
 
+    def _main_param_step(self) -> Tuple[bool, Optional[float], Optional[int]]:
+        """The update of an optimizer that keeps fp32 main params apart from the model params (the
+        mixed-precision and the distributed optimizers): model grads -> main grads, unscale and skip on
+        overflow, clip / count / inner step, main params -> model params. Subclasses provide the three
+        copy/unscale methods. Returns ``(False, None, None)`` on overflow, else ``(True, grad_norm, num_zeros)``."""
+        timer = self._start_timer("optimizer-copy-to-main-grad")
+        self._copy_model_grads_to_main_grads()
+        if timer is not None:
+            timer.stop()
+        if self.grad_scaler is not None:
+            timer = self._start_timer("optimizer-unscale-and-check-inf")
+            found_inf = self._unscale_main_grads_and_check_for_nan()
+            if timer is not None:
+                timer.stop()
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                return False, None, None
+        grad_norm, num_zeros = self._clip_count_and_step()
+        timer = self._start_timer("optimizer-copy-main-to-model-params")
+        self._copy_main_params_to_model_params()
+        if timer is not None:
+            timer.stop()
+        return True, grad_norm, num_zeros
+
     def _clip_count_and_step(self) -> Tuple[float, Optional[int]]:
         timer = self._start_timer("optimizer-clip-main-grad")
         grad_norm = self.clip_grad_norm(self.config.clip_grad) if self.config.clip_grad > 0.0 else 0.0
@@ -414,27 +438,7 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
             ``(False, None, None)`` when the grads overflowed (step skipped, scaler backed off), else
             ``(True, grad_norm, num_zeros or None)``.
         """
-        timer = self._start_timer("optimizer-copy-to-main-grad")
-        self._copy_model_grads_to_main_grads()
-        if timer is not None:
-            timer.stop()
-
-        if self.grad_scaler is not None:
-            timer = self._start_timer("optimizer-unscale-and-check-inf")
-            found_inf = self._unscale_main_grads_and_check_for_nan()
-            if timer is not None:
-                timer.stop()
-            self.grad_scaler.update(found_inf)
-            if found_inf:
-                return False, None, None
-
-        grad_norm, num_zeros = self._clip_count_and_step()
-
-        timer = self._start_timer("optimizer-copy-main-to-model-params")
-        self._copy_main_params_to_model_params()
-        if timer is not None:
-            timer.stop()
-        return True, grad_norm, num_zeros
+        return self._main_param_step()
 
     def state_dict(self) -> Dict:
         """``{'optimizer', 'grad_scaler' (if any), 'fp32_from_fp16_params'}``."""
