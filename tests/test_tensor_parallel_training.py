@@ -58,7 +58,9 @@ def _assert_same_numbers(run, reference, what):
     for metric in ("loss", "grad_norm"):
         for it, expected in reference[metric].items():
             assert run[metric][it] == pytest.approx(expected, rel=1e-5), f"{what}: {metric} at iteration {it}"
-    assert reference["loss"][ITERS] < reference["loss"][1] - 0.2  # it learns, so the comparison means something
+    # It learns, so the comparison means something. The margin is a fraction of a nat: the Llama-style
+    # model (per-layer initial weights from (seed, layer number)) falls by about 0.19 in 20 iterations.
+    assert reference["loss"][ITERS] < reference["loss"][1] - 0.1
 
 
 def _replicated_params(model):
