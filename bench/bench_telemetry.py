@@ -8,9 +8,14 @@
 step time of ``pretrain_gpt.py`` (mock data) with telemetry off, ``default``, ``per_step`` and ``all``,
 each with the console exporter (one JSON line per span/snapshot, read and dropped by this process: a
 null sink) and with OTLP/gRPC to a local receiver in this process, as ratios to off. Configurations
-run interleaved R times; a run's samples are the "elapsed time per iteration" of its log windows after
-the first (warm-up). Reported per configuration: the best window (least disturbed by other load; the
-verdict uses it) and the median, each as a ratio to off.
+run interleaved R times. Two measures per run, both after the first log window (warm-up):
+
+* CPU time per iteration (the verdict): each rank's process CPU time (training thread plus the
+  exporter threads) between consecutive ``train_step`` calls, read by a probe that wraps ``train_step``
+  in the rank's process. On a machine shared with other jobs it moves far less than wall time;
+  per configuration the median over runs of each run's mean is reported.
+* wall time: the "elapsed time per iteration" of the log windows (best window and median).
+
 Targets (issue 13): ``default`` and ``per_step`` within 2 % of off, ``all`` within 10 %.
 """
 from __future__ import annotations
@@ -89,34 +94,68 @@ def _otlp_receiver():
     return port, lambda: server.stop(grace=None)
 
 
+PROBE_PREFIX = "BENCH_CPU_MS_PER_ITER"
+
+
+def _probe_main(argv) -> None:
+    """Run ``pretrain_gpt.py argv`` in this process (a torchrun rank) with ``train_step`` wrapped to
+    note the process CPU time at each call; at exit print the CPU ms of each iteration after
+    ``BENCH_WARMUP_ITERS`` as one ``BENCH_CPU_MS_PER_ITER <json>`` line."""
+    import atexit
+    import json
+    import os
+    import runpy
+    import time
+
+    import megatron.training.training as training
+
+    marks = []
+    inner = training.train_step
+
+    def timed_train_step(*args, **kwargs):
+        marks.append(time.process_time())
+        return inner(*args, **kwargs)
+
+    def report():
+        marks.append(time.process_time())  # the end of the last iteration (plus teardown up to here)
+        warm = int(os.environ.get("BENCH_WARMUP_ITERS", "0"))
+        per_iter = [(b - a) * 1000.0 for a, b in zip(marks[warm:], marks[warm + 1:-1])]
+        print(f"{PROBE_PREFIX} {json.dumps(per_iter)}", flush=True)
+
+    training.train_step = timed_train_step
+    atexit.register(report)
+    sys.argv = [str(REPO / "pretrain_gpt.py"), *argv]
+    runpy.run_path(str(REPO / "pretrain_gpt.py"), run_name="__main__")
+
+
 def _training_run(env_extra, args, port):
-    """(ms per iteration of each log window after the first (warm-up), CPU seconds of the whole run)
-    of one pretrain_gpt.py run. CPU time (user + system of the launcher and its ranks, exporter threads
-    included) hardly depends on what else the machine runs, unlike wall time."""
+    """(wall ms per iteration of each log window after the first, CPU ms of each iteration after the
+    first log window on every rank) of one pretrain_gpt.py run under the CPU probe."""
+    import json
     import os
     import re
-    import resource
     import subprocess
 
-
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MEGATRON_OTEL_", "NEMO_LENS_", "OTEL_"))}
-    env.update(OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(REPO), **env_extra)
+    env.update(OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(REPO), BENCH_WARMUP_ITERS=str(args.log_interval),
+               **env_extra)
     if env_extra.get("MEGATRON_OTEL_EXPORTER") == "otlp":
         env.update(OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}", OTEL_EXPORTER_OTLP_PROTOCOL="grpc")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
-           "pretrain_gpt.py", *args.model.split(), "--train-iters", str(args.iters),
+           str(Path(__file__).resolve()), "--probe", *args.model.split(), "--train-iters", str(args.iters),
            "--log-interval", str(args.log_interval), "--lr", "1e-4", "--mock-data", "--tokenizer-type",
            "NullTokenizer", "--vocab-size", "1000", "--eval-iters", "0", "--distributed-backend", "gloo",
            "--num-workers", "0", "--seed", "1234"]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if result.returncode != 0:
         raise RuntimeError(f"run failed ({env_extra}):\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
     times = [float(m.group(2)) for m in re.finditer(
         r"iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): ([0-9.]+)", result.stdout)
         if int(m.group(1)) > args.log_interval]
+    cpu = [v for line in result.stdout.splitlines() if line.startswith(PROBE_PREFIX)
+           for v in json.loads(line[len(PROBE_PREFIX):])]
+    if not cpu:
+        raise RuntimeError(f"no {PROBE_PREFIX} line in the output of {cmd}")
     return times, cpu
 
 
@@ -129,45 +168,47 @@ def training_benchmark(args) -> None:
             configs[f"{preset} ({exporter})"] = {"MEGATRON_OTEL_ENABLED": "1", "MEGATRON_OTEL_EXPORTER": exporter,
                                                  "MEGATRON_OTEL_SPAN_GROUPS": preset}
     port, stop = _otlp_receiver()
-    samples = {name: [] for name in configs}
-    cpu = {name: [] for name in configs}
+    walls = {name: [] for name in configs}
+    cpu_means = {name: [] for name in configs}
     try:
         for repeat in range(args.repeats):
             for name, env_extra in configs.items():
-                windows, cpu_s = _training_run(env_extra, args, port)
-                samples[name].extend(windows)
-                cpu[name].append(cpu_s)
-                print(f"repeat {repeat + 1}/{args.repeats} {name:<22} best window {min(windows):9.1f} ms/iter, "
-                      f"mean {sum(windows) / len(windows):9.1f}, CPU {cpu_s:7.1f} s", flush=True)
+                windows, cpu = _training_run(env_extra, args, port)
+                walls[name].extend(windows)
+                cpu_means[name].append(statistics.fmean(cpu))
+                print(f"repeat {repeat + 1}/{args.repeats} {name:<20} CPU {statistics.fmean(cpu):8.2f} ms/iter "
+                      f"(median {statistics.median(cpu):8.2f}), wall best window {min(windows):8.1f} ms/iter",
+                      flush=True)
     finally:
         stop()
-    # The best window (timeit's rule) is the least disturbed by other load on the machine; the median
-    # shows how noisy the machine was. Verdicts use the best windows.
-    off_best, off_median = min(samples["off"]), statistics.median(samples["off"])
     targets = {"default": 1.02, "per_step": 1.02, "all": 1.10}
-    print(f"\n{'configuration':<22} {'best ms/iter':>12} {'ratio':>7} {'median ms/iter':>15} {'ratio':>7} {'target':>8}")
-    for name, values in samples.items():
-        best, median = min(values), statistics.median(values)
+    off_cpu = statistics.median(cpu_means["off"])
+    off_best, off_median = min(walls["off"]), statistics.median(walls["off"])
+    print(f"\n{'configuration':<20} {'CPU ms/iter':>11} {'ratio':>6} {'spread':>13} {'target':>7} {'':4}  "
+          f"{'wall best':>9} {'ratio':>6} {'wall median':>11} {'ratio':>6}")
+    for name in configs:
+        cpu = statistics.median(cpu_means[name])
         target = targets.get(name.split(" ")[0])
-        verdict = "" if target is None else ("PASS" if best / off_best <= target else "FAIL")
-        print(f"{name:<22} {best:>12.1f} {best / off_best:>7.3f} {median:>15.1f} {median / off_median:>7.3f} "
-              f"{'' if target is None else f'<={target:.2f}':>8} {verdict}")
-    # CPU cost per iteration: the extra CPU seconds of a run over off's (start-up is the same), per
-    # iteration, and as a fraction of off's best wall time per iteration.
-    off_cpu = min(cpu["off"])
-    print(f"\n{'configuration':<22} {'CPU s/run (min)':>16} {'extra CPU ms/iter':>18} {'x off step':>11}")
-    for name, values in cpu.items():
-        extra = (min(values) - off_cpu) * 1000.0 / args.iters
-        print(f"{name:<22} {min(values):>16.1f} {extra:>18.1f} {extra / off_best:>11.3f}")
+        verdict = "" if target is None else ("PASS" if cpu / off_cpu <= target else "FAIL")
+        spread = f"{min(cpu_means[name]) / off_cpu:.3f}-{max(cpu_means[name]) / off_cpu:.3f}"
+        best, median = min(walls[name]), statistics.median(walls[name])
+        print(f"{name:<20} {cpu:>11.2f} {cpu / off_cpu:>6.3f} {spread:>13} "
+              f"{'' if target is None else f'<={target:.2f}':>7} {verdict:4}  "
+              f"{best:>9.1f} {best / off_best:>6.3f} {median:>11.1f} {median / off_median:>6.3f}")
+    print("(ratio: median over runs of each run's mean CPU ms/iter, to off's; spread: each run's mean to off's "
+          "median; verdict on the CPU ratio)")
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--probe":
+        _probe_main(sys.argv[2:])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=200_000, help="calls per timing repeat (disabled paths)")
     parser.add_argument("--enabled-calls", type=int, default=5_000, help="calls per repeat (enabled path)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--training", action="store_true", help="step time of pretrain_gpt.py per telemetry setting")
-    parser.add_argument("--iters", type=int, default=40, help="--training: iterations per run")
+    parser.add_argument("--iters", type=int, default=60, help="--training: iterations per run")
     parser.add_argument("--log-interval", type=int, default=10, help="--training: log interval")
     parser.add_argument("--nproc", type=int, default=1, help="--training: ranks (gloo on CPU)")
     parser.add_argument("--threads", type=int, default=1, help="--training: OMP_NUM_THREADS per rank")

@@ -85,6 +85,89 @@ def test_application_provider_gets_helper_spans():
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == ["app.managed", "app.span_cm", "app.trace_fn"]
 
 
+def _metric_values(reader):
+    """{metric name: value (sum/gauge) or count (histogram)} of one collection of ``reader``."""
+    values = {}
+    data = reader.get_metrics_data()
+    for rm in (data.resource_metrics if data else []):
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                point = metric.data.data_points[0]
+                values[metric.name] = getattr(point, "value", None) if hasattr(point, "value") else point.count
+    return values
+
+
+def test_user_meters_and_loggers_reach_the_exporters_across_setups():
+    from opentelemetry import _logs, metrics
+    from opentelemetry.metrics import Observation
+    from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter
+
+    meter = metrics.get_meter("user.lib")  # taken at import time, before setup_telemetry
+    requests = meter.create_counter("user.requests")
+    meter.create_observable_gauge("user.temperature", callbacks=[lambda options: [Observation(42.0)]])
+    user_logger = _logs.get_logger("user.lib")
+    cfg = tel.TelemetryConfig(enabled=True, logs_enabled=True, span_groups="all")
+    logs = InMemoryLogRecordExporter()
+    handle, _, reader = setup_in_memory(cfg, log_exporter=logs)
+    requests.add(3)
+    metrics.get_meter("third.party").create_histogram("user.latency").record(1.5)
+    user_logger.emit(_logs.LogRecord(body="from user code"))
+    values = _metric_values(reader)
+    assert values["user.requests"] == 3 and values["user.latency"] == 1 and values["user.temperature"] == 42.0
+    assert "from user code" in _bodies(handle, logs)
+    handle.shutdown(timeout_ms=2000)
+    requests.add(100)  # no live provider: dropped, no error
+    user_logger.emit(_logs.LogRecord(body="after shutdown"))
+    logs2 = InMemoryLogRecordExporter()
+    again, _, reader2 = setup_in_memory(cfg, log_exporter=logs2)
+    requests.add(5)  # the same instrument object reaches the new exporters
+    user_logger.emit(_logs.LogRecord(body="second setup"))
+    values = _metric_values(reader2)
+    assert values["user.requests"] == 5 and values["user.temperature"] == 42.0
+    assert _bodies(again, logs2) == ["second setup"]
+
+
+APP_PROVIDERS_SCRIPT = textwrap.dedent(r'''
+    import json
+    from opentelemetry import _logs, metrics
+    from opentelemetry.sdk._logs import LoggerProvider
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter
+
+    app_reader = InMemoryMetricReader()
+    app_meters, app_loggers = MeterProvider(metric_readers=[app_reader]), LoggerProvider()
+    metrics.set_meter_provider(app_meters)  # the application configured OpenTelemetry itself
+    _logs.set_logger_provider(app_loggers)
+
+    from megatron.core import telemetry as tel
+
+    ours = InMemoryMetricReader()
+    handle = tel.setup_telemetry(tel.TelemetryConfig(enabled=True, logs_enabled=True), 0, 1,
+                                 span_exporter=InMemorySpanExporter(), metric_reader=ours,
+                                 log_exporter=InMemoryLogRecordExporter())
+    assert metrics.get_meter_provider() is app_meters and _logs.get_logger_provider() is app_loggers
+    metrics.get_meter("app").create_counter("app.count").add(2)
+    tel.record_training_metrics(handle.meter, loss=1.5)
+
+    def names(reader):
+        data = reader.get_metrics_data()
+        return sorted(m.name for rm in (data.resource_metrics if data else []) for sm in rm.scope_metrics
+                      for m in sm.metrics)
+
+    print(json.dumps([names(app_reader), [n for n in names(ours) if not n.startswith("megatron.")]]))
+    handle.shutdown(timeout_ms=2000)
+''')
+
+
+def test_application_meter_and_logger_providers_are_kept():
+    proc = subprocess.run([sys.executable, "-c", APP_PROVIDERS_SCRIPT], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [["app.count"], []]
+
+
 # ----------------------------------------------------------------------------- reference shapes
 def test_trace_fn_accepts_tracer_in_helpers_and_fallbacks():
     tracer, exporter = _other_tracer()

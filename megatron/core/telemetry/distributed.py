@@ -7,7 +7,7 @@ import os
 from typing import Dict, Mapping, Optional, Tuple
 
 from . import state as _state
-from .global_tracer import default_tracer
+from .global_providers import default_tracer
 from .helpers import _LiveSpanCM, _NULL_SPAN_CM, sanitize_attributes
 from .propagation import extract_context, has_remote_span, inject_context
 

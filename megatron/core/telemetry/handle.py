@@ -116,10 +116,10 @@ class TelemetryHandle:
         _state.deactivate(self)
         if self._providers is None or os.getpid() != self._pid:
             return
-        if self._providers.tracer_provider is not None:
-            from .global_tracer import uninstall_tracer_provider
+        from .global_providers import uninstall_providers
 
-            uninstall_tracer_provider(self._providers.tracer_provider)
+        uninstall_providers(self._providers.tracer_provider, self._providers.meter_provider,
+                            self._providers.logger_provider)
         from .providers import shutdown_providers
 
         try:
@@ -219,13 +219,14 @@ def setup_telemetry(
             config, attrs, span_exporter=span_exporter, metric_reader=metric_reader,
             log_exporter=log_exporter, sampler=build_sampler(config, rank, world_size), out=out,
         )
+        from .global_providers import install_providers
+
+        # Spans, metrics and logs of trace.get_tracer / metrics.get_meter / _logs.get_logger in user code
+        # and libraries reach our exporters too (a signal whose global provider the application set
+        # itself keeps it).
+        install_providers(providers.tracer_provider, providers.meter_provider, providers.logger_provider)
         tracer = NOOP_TRACER
         if providers.tracer_provider is not None:
-            from .global_tracer import install_tracer_provider
-
-            # Spans from trace.get_tracer(...) in user code and libraries reach our exporters too
-            # (unless the application installed a provider of its own first: then it keeps it).
-            install_tracer_provider(providers.tracer_provider)
             tracer = providers.tracer_provider.get_tracer(TRACER_NAME, package_version())
         meter = (providers.meter_provider.get_meter(TRACER_NAME, package_version())
                  if providers.meter_provider is not None else NOOP_METER)

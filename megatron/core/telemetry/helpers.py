@@ -7,7 +7,7 @@ import re
 from typing import Any, Callable, Dict, FrozenSet, Iterable, Mapping, Optional
 
 from . import state as _state
-from .global_tracer import default_tracer
+from .global_providers import default_tracer
 
 __all__ = ["managed_span", "span_cm", "trace_fn", "safe_set_span_attributes", "sanitize_attributes",
            "is_span_group_enabled", "REDACTED", "DEFAULT_REDACT_KEYS"]

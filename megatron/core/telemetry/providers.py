@@ -34,29 +34,17 @@ _ERROR_LOG_INTERVAL_S = 60.0
 
 
 # ----------------------------------------------------------------------------------------------- ids
-class _PrivateRandom:
-    """An RNG owned by telemetry: training's ``random.seed()`` cannot reach it (it would make every
-    data-parallel rank emit the same ids) and a forked child reseeds it (else parent and child
-    would continue the same sequence)."""
-
-    def __init__(self) -> None:
-        self.rng = random.Random(os.urandom(32))
-
-    def reseed(self) -> None:
-        """Replace the generator with a fresh OS-seeded one (run in a forked child)."""
-        self.rng = random.Random(os.urandom(32))
-
-
-_RANDOM = _PrivateRandom()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_RANDOM.reseed)
+# Trace and span ids come from the OS: training's random.seed() cannot reach this generator (it would
+# make every data-parallel rank emit the same ids), and a forked child shares no generator state with
+# its parent, so no reseeding at fork is needed.
+_RANDOM = random.SystemRandom()
 
 
 _FORCED = threading.local()
 
 
 class PrivateIdGenerator(IdGenerator):
-    """Random 128-bit trace ids and 64-bit span ids from telemetry's own OS-seeded RNG, except for
+    """Random 128-bit trace ids and 64-bit span ids from the OS's generator, except for
     the one span ``start_span_with_ids`` starts on this thread (the derived iteration root)."""
 
     def generate_span_id(self) -> int:
@@ -64,9 +52,9 @@ class PrivateIdGenerator(IdGenerator):
         if forced is not None:
             _FORCED.span_id = None
             return forced
-        span_id = _RANDOM.rng.getrandbits(64)
+        span_id = _RANDOM.getrandbits(64)
         while span_id == INVALID_SPAN_ID:
-            span_id = _RANDOM.rng.getrandbits(64)
+            span_id = _RANDOM.getrandbits(64)
         return span_id
 
     def generate_trace_id(self) -> int:
@@ -74,9 +62,9 @@ class PrivateIdGenerator(IdGenerator):
         if forced is not None:
             _FORCED.trace_id = None
             return forced
-        trace_id = _RANDOM.rng.getrandbits(128)
+        trace_id = _RANDOM.getrandbits(128)
         while trace_id == INVALID_TRACE_ID:
-            trace_id = _RANDOM.rng.getrandbits(128)
+            trace_id = _RANDOM.getrandbits(128)
         return trace_id
 
     def is_trace_id_random(self) -> bool:
@@ -194,9 +182,8 @@ class OpenSpanTracker(SpanProcessor):
         """Stop tracking new spans and end every span still open, children before their parents
         (reverse start order: a child starts after its parent), each marked
         ``nemo.span.truncated=true`` plus a ``nemo.span.truncated`` event (as nemo-lens does; the
-        end time is the shutdown time, not the end of the work). Returns how many were ended."""
-        if os.getpid() != self._pid:
-            return 0
+        end time is the shutdown time, not the end of the work). Returns how many were ended.
+        Called by the owning process only (``TelemetryHandle.shutdown`` does nothing else in a child)."""
         self._closed = True
         spans = list(self._open.values())
         for span in reversed(spans):
@@ -209,12 +196,9 @@ class OpenSpanTracker(SpanProcessor):
         return len(spans)
 
     def shutdown(self) -> None:
-        if os.getpid() == self._pid:
-            self._delegate.shutdown()
+        self._delegate.shutdown()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        if os.getpid() != self._pid:
-            return True
         return self._delegate.force_flush(timeout_millis)
 
 
