@@ -6,6 +6,7 @@ not selected, or this rank does not export.
 import time
 import weakref
 
+from megatron.core import parallel_state
 from megatron.core.telemetry import (
     inject_context,
     is_span_group_enabled,
@@ -55,7 +56,9 @@ def step_span(iteration: int, first: bool = False):
     selected separately.
     """
     group = "first_iteration" if first and is_span_group_enabled("first_iteration") else "step"
-    step_on, links_on = is_span_group_enabled(group), is_span_group_enabled("communication")
+    # The carrier only serves the pipeline schedules' linked receive spans: none without pipelining.
+    step_on = is_span_group_enabled(group)
+    links_on = is_span_group_enabled("communication") and parallel_state.get_pipeline_model_parallel_world_size() > 1
     if not (step_on or links_on):
         return managed_span(group, "megatron.train_step")
     handle = get_telemetry()

@@ -98,13 +98,23 @@ def _metric_values(reader):
 
 
 def test_user_meters_and_loggers_reach_the_exporters_across_setups():
-    from opentelemetry import _logs, metrics
+    from opentelemetry import metrics
     from opentelemetry.metrics import Observation
-    from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter
 
     meter = metrics.get_meter("user.lib")  # taken at import time, before setup_telemetry
     requests = meter.create_counter("user.requests")
     meter.create_observable_gauge("user.temperature", callbacks=[lambda options: [Observation(42.0)]])
+    try:
+        _user_meters_and_loggers(requests)
+    finally:  # an observable instrument lives as long as the (process-wide) global provider: not past this test
+        provider = metrics.get_meter_provider()
+        getattr(provider, "_observables", []).clear()
+
+
+def _user_meters_and_loggers(requests):
+    from opentelemetry import _logs, metrics
+    from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter
+
     user_logger = _logs.get_logger("user.lib")
     cfg = tel.TelemetryConfig(enabled=True, logs_enabled=True, span_groups="all")
     logs = InMemoryLogRecordExporter()

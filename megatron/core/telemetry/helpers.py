@@ -22,6 +22,7 @@ _SPLIT = re.compile(r"[^a-z0-9]+")
 _SCALARS = (bool, int, float, str)
 
 
+@functools.lru_cache(maxsize=4096)  # attribute keys are few and repeat on every span
 def _is_secret_key(key: str) -> bool:
     parts = [p for p in _SPLIT.split(key.lower()) if p]
     for i, part in enumerate(parts):
