@@ -15,6 +15,11 @@ run interleaved R times. Two measures per run, both after the first log window (
   in the rank's process. On a machine shared with other jobs it moves far less than wall time;
   per configuration the median over runs of each run's mean is reported.
 * wall time: the "elapsed time per iteration" of the log windows (best window and median).
+* direct accounting: telemetry's own CPU per iteration = spans per iteration (counted in the console
+  runs) x CPU per span (start, end, OTLP protobuf encoding) + CPU per log interval's metrics (record,
+  snapshot, encoding) / ``--log-interval``, the two unit costs measured in this process in short
+  blocks; as a ratio to off's CPU per iteration. It does not see indirect effects (caches, GC), but a
+  loaded machine disturbs it far less than whole runs.
 
 Targets (issue 13): ``default`` and ``per_step`` within 2 % of off, ``all`` within 10 %.
 """
