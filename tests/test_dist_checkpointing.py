@@ -24,6 +24,10 @@ LAYOUTS = {
     "tp2": ["--tensor-model-parallel-size", "2"],
     "pp2": ["--pipeline-model-parallel-size", "2"],
     "dp2-distopt": ["--use-distributed-optimizer"],
+    # interleaved: 4 layers, chunk v of stage p holds layer 2v + p (local index 0 in every chunk)
+    "pp2-vp2-4layers": ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                        "--num-layers-per-virtual-pipeline-stage", "1"],
+    "tp2-4layers": ["--num-layers", "4", "--tensor-model-parallel-size", "2"],
 }
 
 
@@ -64,7 +68,7 @@ def reference_runs(shared_data, shakespeare_prefix, tmp_path_factory):
 
 
 @pytest.mark.parametrize("source,target", [("tp2", "pp2"), ("tp2", "dp2-distopt"), ("pp2", "tp2"),
-                                           ("dp2-distopt", "tp2")])
+                                           ("dp2-distopt", "tp2"), ("pp2-vp2-4layers", "tp2-4layers")])
 def test_resume_at_another_layout_continues_with_the_same_losses(source, target, reference_runs, shared_data,
                                                                  shakespeare_prefix, tmp_path):
     reference = reference_runs(source)

@@ -171,7 +171,7 @@ def test_pretrain_dp2_distributed_optimizer_matches_dp1_and_resumes_exactly(shar
     assert reference["loss"][ITERS] < reference["loss"][1] - 0.2
 
     ckpt = tmp_path / "ckpt"
-    first = _train(2, DISTOPT + ["--save", str(ckpt), "--save-interval", "10", "--exit-interval", "10"],
+    first = _train(2, DISTOPT + ["--ckpt-format", "torch", "--save", str(ckpt), "--save-interval", "10", "--exit-interval", "10"],
                    shared_data, shakespeare_prefix, tmp_path / "first")
     assert sorted(first["loss"]) == list(range(1, 11))
     rank_dir = ckpt / "iter_0000010" / "mp_rank_00"
@@ -186,7 +186,7 @@ def test_pretrain_dp2_distributed_optimizer_matches_dp1_and_resumes_exactly(shar
     assert "state" not in model_state["optimizer"]["optimizer"]
     assert model_state["optimizer"]["optimizer"]["param_groups"][0]["step"] == 10
 
-    resumed = _train(2, DISTOPT + ["--load", str(ckpt)], shared_data, shakespeare_prefix, tmp_path / "resumed")
+    resumed = _train(2, DISTOPT + ["--ckpt-format", "torch", "--load", str(ckpt)], shared_data, shakespeare_prefix, tmp_path / "resumed")
     assert sorted(resumed["loss"]) == list(range(11, ITERS + 1))
     for metric in ("loss", "grad_norm"):
         assert resumed[metric] == {it: full[metric][it] for it in range(11, ITERS + 1)}, metric

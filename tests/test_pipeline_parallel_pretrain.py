@@ -51,7 +51,7 @@ def test_pp2_checkpoint_per_stage_resumes_exactly(pp2_vp2_run, shared_data, shak
     """Stop at 10 with a checkpoint (mp_rank_00_000, mp_rank_00_001, chunks model0/model1), resume to 20:
     the numbers of the uninterrupted run."""
     ckpt = tmp_path / "ckpt"
-    first = _train(2, PP2_VP2 + ["--save", str(ckpt), "--save-interval", "10", "--exit-interval", "10"],
+    first = _train(2, PP2_VP2 + ["--ckpt-format", "torch", "--save", str(ckpt), "--save-interval", "10", "--exit-interval", "10"],
                    shared_data, shakespeare_prefix, tmp_path / "first")
     assert sorted(first["loss"]) == list(range(1, 11))
     stages = sorted(p.name for p in (ckpt / "iter_0000010").iterdir())
@@ -64,7 +64,7 @@ def test_pp2_checkpoint_per_stage_resumes_exactly(pp2_vp2_run, shared_data, shak
         assert any("output_layer.weight" in name for name in names) is not has_embedding  # tied: a copy
         # legacy format: local layer indices per chunk (one layer per chunk here)
         assert {name.split(".")[2] for name in names if name.startswith("decoder.layers.")} == {"0"}
-    resumed = _train(2, PP2_VP2 + ["--load", str(ckpt)], shared_data, shakespeare_prefix, tmp_path / "resumed")
+    resumed = _train(2, PP2_VP2 + ["--ckpt-format", "torch", "--load", str(ckpt)], shared_data, shakespeare_prefix, tmp_path / "resumed")
     full = pp2_vp2_run
     assert sorted(resumed["loss"]) == list(range(11, 21))
     for metric in ("loss", "grad_norm"):

@@ -101,11 +101,11 @@ def test_tp2_sp_checkpoint_resumes_exactly(shared_data, shakespeare_prefix, tmp_
              "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
     full = _train(2, flags, shared_data, shakespeare_prefix, tmp_path / "full")
     ckpt = tmp_path / "ckpt"
-    first = _train(2, flags + ["--save", str(ckpt), "--save-interval", "10", "--exit-interval", "10"],
+    first = _train(2, flags + ["--ckpt-format", "torch", "--save", str(ckpt), "--save-interval", "10", "--exit-interval", "10"],
                    shared_data, shakespeare_prefix, tmp_path / "first")
     assert sorted(first["loss"]) == list(range(1, 11))
     assert sorted(p.name for p in (ckpt / "iter_0000010").iterdir()) == ["mp_rank_00", "mp_rank_01"]
-    resumed = _train(2, flags + ["--load", str(ckpt)], shared_data, shakespeare_prefix, tmp_path / "resumed")
+    resumed = _train(2, flags + ["--ckpt-format", "torch", "--load", str(ckpt)], shared_data, shakespeare_prefix, tmp_path / "resumed")
     assert sorted(resumed["loss"]) == list(range(11, 21))
     for metric in ("loss", "grad_norm"):
         assert resumed[metric] == {it: full[metric][it] for it in range(11, 21)}, metric

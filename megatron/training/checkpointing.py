@@ -1,4 +1,5 @@
-"""Save and load Megatron-LM legacy ('torch' format) checkpoints atomically, one file per (tp, pp) rank."""
+"""Save and load checkpoints atomically: ``torch_dist`` (sharded, reshardable; megatron.core.dist_checkpointing)
+and Megatron-LM's legacy ``torch`` format (one file per (tp, pp) rank)."""
 import argparse
 import enum
 import os
@@ -770,7 +771,10 @@ def check_checkpoint_args(checkpoint_args, vocab_padding=True):
 def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", strict=True, train_state=None):
     """Load the checkpoint named by ``args.<load_arg>`` into model, optimizer and scheduler; all ranks call it.
 
-    Picks the iteration from ``--ckpt-step`` or the tracker. Without a tracker: prints a warning
+    Picks the iteration directory from ``--ckpt-step`` or the tracker (:func:`_checkpoint_dir_to_load`,
+    shared by both formats) and its format (``--ckpt-format``; either one with
+    ``--auto-detect-ckpt-format``): ``torch_dist`` reshards to this run's TP/PP/DP layout, ``torch``
+    loads this rank's legacy file (same layout only). Without a tracker: prints a warning
     and returns ``(0, 0)`` (FileNotFoundError with ``--exit-on-missing-checkpoint``).
     ``--finetune``: weights only, iteration 0, counters not restored. ``--no-load-optim`` /
     ``--no-load-rng`` skip those parts. Otherwise restores the training counters (iteration,
@@ -788,7 +792,8 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
         train_state: the :class:`TrainingState` to restore the counters into (None: see above).
     Returns ``(iteration, num_floating_point_operations_so_far)``.
     Raises FileNotFoundError (directory or rank file missing, naming the expected file),
-    ValueError (bad tracker, tp/pp or model-shape mismatch), pickle.UnpicklingError (non
+    ValueError (bad tracker, tp/pp or model-shape mismatch, a checkpoint of the other format without
+    --auto-detect-ckpt-format; CheckpointMismatchError for torch_dist tensors missing or of another shape), pickle.UnpicklingError (non
     weights-only content), CheckpointReadError (a RuntimeError naming the file, the iteration and
     the load directory: empty, truncated, corrupt or not a checkpoint), RuntimeError (model
     mismatch, missing optimizer/RNG state without --no-load-optim / --no-load-rng).

@@ -1,4 +1,4 @@
-"""Export a legacy checkpoint (any TP, any PP) of pretrain_gpt.py to a Hugging Face `transformers` folder.
+"""Export a checkpoint of pretrain_gpt.py (torch or torch_dist format, any TP, any PP) to a Hugging Face `transformers` folder.
 
 Writes ``config.json`` (GPT2Config or LlamaConfig), ``model.safetensors`` and the tokenizer files
 into ``--save``. GPT-2 architecture: learned positions, LayerNorm, GeLU (tied or untied);
