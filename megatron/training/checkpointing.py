@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.collective_device import get_collective_device
+from megatron.training import checkpoint_integrity
 from megatron.training.global_vars import get_args
 from megatron.training.training_state import TrainingState
 from megatron.training.utils import print_rank_0
@@ -74,6 +75,16 @@ def get_checkpoint_name(checkpoints_path, iteration, release=False, pipeline_par
 def get_distributed_optimizer_checkpoint_name(model_checkpoint_name):
     """``distrib_optim.pt`` in the directory of ``model_checkpoint_name`` (Megatron's legacy layout)."""
     return os.path.join(os.path.dirname(model_checkpoint_name), DISTRIBUTED_OPTIMIZER_BASENAME)
+
+
+def non_persistent_checkpoint_dir(args, save_dir=None):
+    """Where --non-persistent-save-interval checkpoints go: ``--non-persistent-global-ckpt-dir``, else
+    ``<save_dir or --save>/non_persistent`` (Megatron-LM's layout); None when neither is set."""
+    explicit = getattr(args, "non_persistent_global_ckpt_dir", None)
+    if explicit:
+        return explicit
+    base = save_dir if save_dir is not None else args.save
+    return None if base is None else os.path.join(base, checkpoint_integrity.NON_PERSISTENT_SUBDIR)
 
 
 def _is_distributed_optimizer(optimizer):
@@ -286,17 +297,8 @@ def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, 
 # ---------------------------------------------------------------------------------------------------
 
 def _fsync_dir(path):
-    # A rename is only durable once the directory holding the entry is flushed.
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    # A rename or a new entry is only durable once the directory holding it is flushed.
+    checkpoint_integrity.fsync_dir(path)
 
 
 def _write_durably(state_dict, path):
@@ -308,55 +310,12 @@ def _write_durably(state_dict, path):
     _fsync_dir(os.path.dirname(path))
 
 
-def _replace_dir(src, dst):
-    """Move directory ``src`` to ``dst``; an existing ``dst`` is moved aside first, then removed."""
-    parent, name = os.path.split(dst)
-    old = None
-    if os.path.exists(dst):
-        # rename() cannot replace a non-empty directory, so the old one steps aside first.
-        old = os.path.join(parent, f".{name}.old-{os.getpid()}")
-        os.rename(dst, old)
-    os.rename(src, dst)
-    _fsync_dir(parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _write_tracker(save_dir, text):
-    tracker = get_checkpoint_tracker_filename(save_dir)
-    tmp = os.path.join(save_dir, f".{TRACKER_FILENAME}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, tracker)
-    _fsync_dir(save_dir)
-
-
-def _remove_stale_temporaries(save_dir, dirname):
-    # Leftovers of a save of the same iteration that died before its rename.
-    prefixes = (f".{dirname}.tmp-", f".{dirname}.old-")
-    for entry in os.listdir(save_dir):
-        if entry.startswith(prefixes):
-            shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
-
-
-def _remove_unretained(save_dir, iteration, retain_interval):
-    """--save-retain-interval: drop earlier iter_* directories whose iteration is not a multiple."""
-    for entry in os.listdir(save_dir):
-        if not (entry.startswith("iter_") and entry[5:].isdigit()):
-            continue
-        old_iteration = int(entry[5:])
-        if old_iteration < iteration and old_iteration % retain_interval != 0:
-            shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
-
-
 # ---------------------------------------------------------------------------------------------------
 # Save
 # ---------------------------------------------------------------------------------------------------
 
 def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
-                    checkpointing_context=None, train_state=None):
+                    checkpointing_context=None, non_persistent_ckpt=False, train_state=None):
     """Write a legacy 'torch' format checkpoint of ``iteration`` under ``--save``; all ranks call it.
 
     Layout (spec §8.8): ``<save>/iter_{iteration:07d}/mp_rank_XX[_YYY]/model_optim_rng.pt``, one
@@ -365,9 +324,12 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     beside it as ``distrib_optim.pt`` (Megatron's legacy layout, see DistributedOptimizer.
     get_parameter_state_dp_zero); ``model_optim_rng.pt`` then holds only its param groups and scaler.
     Atomic: files go to a hidden ``.iter_{iteration:07d}.tmp-<pid>`` directory in the same parent, are
-    fsynced, and after every rank has finished rank 0 renames it to ``iter_{iteration:07d}`` (an existing
-    one is replaced) and only then atomically replaces the tracker. A failure on any rank leaves
-    the previous checkpoint and tracker untouched and raises on every rank.
+    fsynced, and after every rank has finished, checkpoint_integrity.publish_iteration writes the
+    ``integrity_manifest.json`` (size and CRC-32 per file), moves the directory to ``iter_{iteration:07d}``
+    (an existing one is swapped atomically) and only then atomically replaces the tracker. A failure on
+    any rank leaves the previous checkpoint and tracker untouched and raises on every rank.
+    ``non_persistent_ckpt`` (``--non-persistent-save-interval``): the same under
+    ``--non-persistent-global-ckpt-dir`` (default ``<save>/non_persistent``), keeping only the newest.
 
     Args:
         iteration: training iteration (int) the state belongs to.
@@ -376,6 +338,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
         opt_param_scheduler: object with ``state_dict()`` or None.
         num_floating_point_operations_so_far: FLOPs done so far (int), stored for throughput logs.
         checkpointing_context: accepted for Megatron's signature; unused by the torch format.
+        non_persistent_ckpt: write a non-persistent checkpoint (see above).
         train_state: the training loop's :class:`TrainingState` (its sample counters are saved); None
             (Megatron's signature) takes them from ``args``.
     Raises ValueError without ``--save`` or with a non-torch ``--ckpt-format``; RuntimeError
@@ -385,6 +348,8 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     save_dir = args.save
     if save_dir is None:
         raise ValueError("save_checkpoint needs --save")
+    if non_persistent_ckpt:
+        save_dir = non_persistent_checkpoint_dir(args, save_dir)
     ckpt_format = getattr(args, "ckpt_format", "torch")
     if ckpt_format != "torch":
         raise ValueError(f"--ckpt-format {ckpt_format} is not available in this version; use torch")
@@ -408,8 +373,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     error = None
     if rank == 0:
         try:
-            os.makedirs(save_dir, exist_ok=True)
-            _remove_stale_temporaries(save_dir, dirname)
+            checkpoint_integrity.prepare_save_dir(save_dir)  # also repairs what a crashed save left
             os.makedirs(tmp_dir)
         except Exception as exc:  # reported to every rank below instead of leaving them in a barrier
             error = exc
@@ -429,6 +393,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
             _write_durably(state_dict, tmp_name)
             if param_state is not None:
                 _write_durably(param_state, get_distributed_optimizer_checkpoint_name(tmp_name))
+        checkpoint_integrity.test_hook("in_write", iteration)
     except Exception as exc:
         error = exc
     if _any_rank(error is not None):
@@ -436,18 +401,15 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
             shutil.rmtree(tmp_dir, ignore_errors=True)
         _raise_save_failure(error, iteration, final_dir)
 
-    if rank == 0:
-        try:
-            _replace_dir(tmp_dir, final_dir)
-            # The tracker moves last, so it never names an incomplete directory.
-            _write_tracker(save_dir, str(iteration))
-            retain = getattr(args, "save_retain_interval", None)
-            if retain:
-                _remove_unretained(save_dir, iteration, retain)
-        except Exception as exc:
-            error = exc
-    if _any_rank(error is not None):
-        _raise_save_failure(error, iteration, final_dir)
+    try:
+        # Manifest, then the directory, and the tracker last: it never names an incomplete directory.
+        checkpoint_integrity.publish_iteration(
+            save_dir, tmp_dir, iteration, keep_only_newest=non_persistent_ckpt,
+            retain_interval=None if non_persistent_ckpt else getattr(args, "save_retain_interval", None))
+    except Exception as exc:  # raised on every rank
+        if rank == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        _raise_save_failure(exc, iteration, final_dir)
     print_rank_0("  successfully saved checkpoint from iteration {:7d} to {} {}".format(
         iteration, save_dir, _rank_summary()))
 
@@ -546,21 +508,30 @@ def _layout_hint(iteration_dir):
     return ", ".join(found) if found else "no mp_rank_* directories"
 
 
-def _checkpoint_path_to_load(args, load_dir):
-    """(checkpoint file, iteration, release), or None when there is nothing to load."""
+def _checkpoint_path_to_load(args, load_dir, load_arg="load"):
+    """(checkpoint file, iteration, release), or None when there is nothing to load.
+
+    The iteration is ``--ckpt-step`` (refused when damaged) or the newest complete one at or below the
+    tracker's, or the newest non-persistent one when newer (checkpoint_integrity.choose_checkpoint:
+    files checked against the manifest; CRC-32s unless --no-verify-checkpoint).
+    """
     tracker = get_checkpoint_tracker_filename(load_dir)
-    if args.ckpt_step is not None:
-        iteration, release, source = args.ckpt_step, False, f"--ckpt-step {args.ckpt_step}"
-    elif not os.path.isfile(tracker):
+    non_persistent_dir = None
+    if load_arg == "load" and getattr(args, "non_persistent_ckpt_type", None) == "global":
+        non_persistent_dir = non_persistent_checkpoint_dir(args, load_dir)
+    chosen = checkpoint_integrity.choose_checkpoint(
+        load_dir, ckpt_step=args.ckpt_step, verify=not getattr(args, "no_verify_checkpoint", False),
+        non_persistent_dir=non_persistent_dir, flag=f"--{load_arg.replace('_', '-')}", warn=print_rank_0)
+    if chosen is None:
         if args.exit_on_missing_checkpoint:
             raise FileNotFoundError(f"--exit-on-missing-checkpoint: no checkpoint tracker {tracker} "
                                     f"in --load directory {load_dir}")
         print_rank_0(f"WARNING: could not find the metadata file {tracker}")
         print_rank_0("    will not load any checkpoints and will start from random")
         return None
-    else:
-        iteration, release = read_metadata(tracker)
-        source = f"tracker {tracker}"
+    load_dir, iteration, release = chosen
+    source = (f"--ckpt-step {args.ckpt_step}" if args.ckpt_step is not None
+              else f"tracker {get_checkpoint_tracker_filename(load_dir)}")
 
     name = get_checkpoint_name(load_dir, iteration, release)
     iteration_dir = os.path.dirname(os.path.dirname(name))
@@ -638,7 +609,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
     model = _unwrap(model)
 
     restored = TrainingState()
-    found = _checkpoint_path_to_load(args, load_dir)
+    found = _checkpoint_path_to_load(args, load_dir, load_arg)
     if found is None:
         _deliver_training_state(restored, train_state, args)
         return 0, 0

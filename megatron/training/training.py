@@ -24,7 +24,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
 from megatron.core.utils import get_model_config
 from megatron.training import telemetry_hooks as telemetry
-from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron.training.checkpointing import load_checkpoint, non_persistent_checkpoint_dir, save_checkpoint
 from megatron.training.datasets.data_samplers import build_pretraining_data_loader
 from megatron.training.global_vars import get_args, get_telemetry, get_tensorboard_writer, get_timers, get_wandb_writer
 from megatron.training.initialize import initialize_megatron
@@ -437,15 +437,17 @@ def _any_rank(flag: bool) -> bool:
     return bool(value.item())
 
 
-def _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state=None):
+def _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state=None, non_persistent=False):
     timers = get_timers()
     with telemetry.span("checkpoint", "megatron.save_checkpoint", iteration=iteration):
         timers("save-checkpoint", log_level=0).start(barrier=True)
-        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state=train_state)
+        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops_so_far,
+                        non_persistent_ckpt=non_persistent, train_state=train_state)
         timers("save-checkpoint").stop(barrier=True)
         timers.log(["save-checkpoint"])
-    log_operator_message(f"successfully saved checkpoint from iteration {iteration:7d} to {get_args().save}",
-                         printed_on_this_rank=get_rank() == 0)
+    where = non_persistent_checkpoint_dir(get_args()) if non_persistent else get_args().save
+    log_operator_message(f"successfully saved {'non-persistent ' if non_persistent else ''}checkpoint from "
+                         f"iteration {iteration:7d} to {where}", printed_on_this_rank=get_rank() == 0)
 
 
 def _exit_message(message):
@@ -468,6 +470,9 @@ def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration,
         return True
     if args.save and args.save_interval and iteration % args.save_interval == 0:
         _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state)
+        saved = True
+    elif args.save and args.non_persistent_save_interval and iteration % args.non_persistent_save_interval == 0:
+        _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state, non_persistent=True)
         saved = True
     if args.exit_duration_in_mins:
         elapsed_minutes = (time.time() - _TRAIN_START_TIME) / 60.0
