@@ -1,6 +1,7 @@
 """Save and load Megatron-LM legacy ('torch' format) checkpoints atomically, one file per (tp, pp) rank."""
 import argparse
 import enum
+import io
 import os
 import pickle
 import random
@@ -291,12 +292,46 @@ def _fsync_dir(path):
     checkpoint_integrity.fsync_dir(path)
 
 
+class _ErrorRecordingWriter(io.RawIOBase):
+    """A file for torch.save that remembers the OSError of a failed write: torch.save reports it only as
+    "unexpected pos" (a full disk would otherwise read as an internal error)."""
+
+    def __init__(self, f):
+        super().__init__()
+        self.f, self.error = f, None
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        try:
+            return self.f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+
 def _write_durably(state_dict, path):
+    """torch.save ``state_dict`` to ``path`` and fsync it; an OSError (e.g. ENOSPC) is raised as such, naming
+    ``path``."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "wb") as f:
-        torch.save(state_dict, f)
+    f = open(path, "wb")
+    writer = _ErrorRecordingWriter(f)
+    try:
+        torch.save(state_dict, writer)
         f.flush()
         os.fsync(f.fileno())
+        f.close()
+    except Exception as exc:
+        try:
+            f.close()
+        except OSError:
+            pass
+        cause = exc if isinstance(exc, OSError) else writer.error
+        if cause is None:
+            raise
+        raise OSError(cause.errno, f"{cause.strerror or cause}: writing checkpoint file {path} failed",
+                      path) from exc
     _fsync_dir(os.path.dirname(path))
 
 
@@ -403,6 +438,10 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
 
 
 def _raise_save_failure(error, iteration, final_dir):
+    if isinstance(error, OSError) and error.errno is not None:
+        raise OSError(error.errno, f"{error.strerror or error}: saving checkpoint at iteration {iteration} to "
+                      f"{final_dir} failed; the previous checkpoint and tracker were left unchanged",
+                      error.filename) from error
     if error is not None:
         raise error
     raise RuntimeError(f"saving checkpoint at iteration {iteration} to {final_dir} failed on another rank; "
