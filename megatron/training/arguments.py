@@ -508,8 +508,7 @@ def validate_args(args, defaults={}):
     """Check flag combinations and fill derived values in place (Megatron-LM's validate_args).
 
     Derives ``data_parallel_size``, ``global_batch_size``, ``ffn_hidden_size``, ``kv_channels``,
-    ``params_dtype``, ``eval_*_batch_size``, ``exit_signal`` (a signal.Signals), the run
-    counters (``consumed_*_samples``, ``iteration``, ...), applies ``defaults`` to flags
+    ``params_dtype``, ``eval_*_batch_size``, ``exit_signal`` (a signal.Signals), applies ``defaults`` to flags
     left at None, and prints the arguments on rank 0. Returns ``args``.
 
     Raises ValueError naming the offending flag(s) and values, including for features that
@@ -537,12 +536,8 @@ def validate_args(args, defaults={}):
     _validate_wandb(args)
     _validate_misc(args)
 
-    # Run counters: the training loop and checkpoint loading advance/restore them.
-    args.consumed_train_samples = 0
-    args.skipped_train_samples = 0
-    args.consumed_valid_samples = 0
-    args.iteration = 0
-    args.num_floating_point_operations_so_far = 0
+    # The run counters (iteration, consumed samples, FLOPs) are not args: the training loop owns them
+    # in a TrainingState (megatron/training/training_state.py) that checkpoints save and restore.
     # Sequence length is constant in GPT pretraining, so pipeline p2p shapes are static.
     args.variable_seq_lengths = False
 

@@ -16,6 +16,7 @@ from megatron.core import parallel_state
 from megatron.core.collective_device import get_collective_device
 from megatron.training import checkpoint_integrity
 from megatron.training.global_vars import get_args
+from megatron.training.training_state import TrainingState
 from megatron.training.utils import print_rank_0
 
 CHECKPOINT_VERSION = 3.0
@@ -258,12 +259,21 @@ def _sanitized_args(args):
 
 
 def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, iteration,
-                        num_floating_point_operations_so_far):
+                        num_floating_point_operations_so_far, train_state=None):
     """The dict written per (tp, pp) rank: args, checkpoint_version, iteration, model (``model0..``
     for several chunks), optimizer (unless --no-save-optim), opt_param_scheduler, rng_state
-    (unless ``rng_state`` is None), num_floating_point_operations_so_far."""
+    (unless ``rng_state`` is None), num_floating_point_operations_so_far.
+
+    The sample counters of ``train_state`` are stored as attributes of the saved args, where
+    Megatron-LM's legacy checkpoints keep them (``consumed_train_samples`` ...); without a state the
+    ones found on ``args`` are used.
+    """
+    saved_args = _sanitized_args(args)
+    state = TrainingState.from_args(args) if train_state is None else train_state
+    for name in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
+        setattr(saved_args, name, getattr(state, name))
     state_dict = {
-        "args": _sanitized_args(args),
+        "args": saved_args,
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": iteration,
     }
@@ -340,7 +350,7 @@ def _write_durably(state_dict, path):
 # ---------------------------------------------------------------------------------------------------
 
 def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
-                    checkpointing_context=None, non_persistent_ckpt=False):
+                    checkpointing_context=None, train_state=None, non_persistent_ckpt=False):
     """Write a legacy 'torch' format checkpoint of ``iteration`` under ``--save``; all ranks call it.
 
     Layout (spec §8.8): ``<save>/iter_{iteration:07d}/mp_rank_XX[_YYY]/model_optim_rng.pt``, one
@@ -363,6 +373,8 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
         opt_param_scheduler: object with ``state_dict()`` or None.
         num_floating_point_operations_so_far: FLOPs done so far (int), stored for throughput logs.
         checkpointing_context: accepted for Megatron's signature; unused by the torch format.
+        train_state: the training loop's :class:`TrainingState` (its sample counters are saved); None
+            (Megatron's signature) takes them from ``args``.
         non_persistent_ckpt: write a non-persistent checkpoint (see above).
     Raises ValueError without ``--save`` or with a non-torch ``--ckpt-format``; RuntimeError
     (or the original error on the failing rank) when writing fails.
@@ -412,7 +424,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
             final_name = get_checkpoint_name(save_dir, iteration)
             tmp_name = os.path.join(tmp_dir, os.path.relpath(final_name, final_dir))
             state_dict = generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state,
-                                             iteration, num_floating_point_operations_so_far)
+                                             iteration, num_floating_point_operations_so_far, train_state)
             _write_durably(state_dict, tmp_name)
             if param_state is not None:
                 _write_durably(param_state, get_distributed_optimizer_checkpoint_name(tmp_name))
@@ -603,16 +615,17 @@ def check_checkpoint_args(checkpoint_args):
                              f"({current}) (--{name.replace('_', '-')})")
 
 
-def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
+def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", strict=True, train_state=None):
     """Load the checkpoint named by ``args.<load_arg>`` into model, optimizer and scheduler; all ranks call it.
 
     Picks the iteration from ``--ckpt-step`` or the tracker. Without a tracker: prints a warning
     and returns ``(0, 0)`` (FileNotFoundError with ``--exit-on-missing-checkpoint``).
     ``--finetune``: weights only, iteration 0, counters not restored. ``--no-load-optim`` /
-    ``--no-load-rng`` skip those parts. Otherwise restores the iteration,
-    ``args.consumed_train_samples``, ``args.skipped_train_samples``, ``args.consumed_valid_samples``,
-    ``args.num_floating_point_operations_so_far``, optimizer + scheduler state and every RNG
-    (python, numpy, torch CPU, CUDA when available, the TP tracker).
+    ``--no-load-rng`` skip those parts. Otherwise restores the training counters (iteration,
+    consumed/skipped train samples, consumed valid samples, FLOPs so far) into ``train_state``,
+    optimizer + scheduler state and every RNG (python, numpy, torch CPU, CUDA when available, the
+    TP tracker). Without a ``train_state`` (Megatron's signature) the counters other than the
+    iteration are set on ``args`` as Megatron-LM does.
 
     Args:
         model: list of model chunks (wrapped or not).
@@ -620,6 +633,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
         opt_param_scheduler: object with ``load_state_dict`` or None.
         load_arg: name of the args attribute holding the directory.
         strict: passed to ``Module.load_state_dict``.
+        train_state: the :class:`TrainingState` to restore the counters into (None: see above).
     Returns ``(iteration, num_floating_point_operations_so_far)``.
     Raises FileNotFoundError (directory or rank file missing, naming the expected file),
     ValueError (bad tracker, tp/pp or model-shape mismatch), pickle.UnpicklingError (non
@@ -633,8 +647,10 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
         raise ValueError(f"load_checkpoint needs --{load_arg.replace('_', '-')}")
     model = _unwrap(model)
 
+    restored = TrainingState()
     found = _checkpoint_path_to_load(args, load_dir, load_arg)
     if found is None:
+        _deliver_training_state(restored, train_state, args)
         return 0, 0
     checkpoint_name, iteration, release = found
     flag = f"--{load_arg.replace('_', '-')} {load_dir}"
@@ -663,13 +679,14 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
     else:
         if checkpoint_args is not None:
             check_checkpoint_args(checkpoint_args)
-            args.consumed_train_samples = getattr(checkpoint_args, "consumed_train_samples", 0)
-            args.skipped_train_samples = getattr(checkpoint_args, "skipped_train_samples", 0)
-            args.consumed_valid_samples = getattr(checkpoint_args, "consumed_valid_samples", 0)
+            restored.consumed_train_samples = getattr(checkpoint_args, "consumed_train_samples", 0)
+            restored.skipped_train_samples = getattr(checkpoint_args, "skipped_train_samples", 0)
+            restored.consumed_valid_samples = getattr(checkpoint_args, "consumed_valid_samples", 0)
         else:
             print_rank_0("could not find arguments in the checkpoint ...")
         num_floating_point_operations_so_far = state_dict.get("num_floating_point_operations_so_far", 0)
-    args.num_floating_point_operations_so_far = num_floating_point_operations_so_far
+    restored.iteration = iteration
+    restored.num_floating_point_operations_so_far = num_floating_point_operations_so_far
 
     _load_model(model, state_dict, strict, checkpoint_name)
 
@@ -700,8 +717,17 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
                                "specify --no-load-rng or --finetune to skip it") from None
 
     _barrier()
+    _deliver_training_state(restored, train_state, args)
     print_rank_0(f"  successfully loaded checkpoint from {load_dir} {_rank_summary()} at iteration {iteration}")
     return iteration, num_floating_point_operations_so_far
+
+
+def _deliver_training_state(restored, train_state, args):
+    """Copy the loaded counters into the caller's ``train_state``, or onto ``args`` without one."""
+    if train_state is not None:
+        train_state.load_state_dict(restored.state_dict())
+    else:  # Megatron's signature: its callers read the sample counters from args
+        restored.copy_to_args(args)
 
 
 def _load_distributed_optimizer_state(optimizer, checkpoint_name, context):
