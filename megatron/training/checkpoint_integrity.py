@@ -23,7 +23,8 @@ Test-only hooks (environment variables read at each save; never set them in prod
 
 ``MEGATRON_TEST_SLEEP_IN_SAVE=SECONDS``
     after this rank wrote its files into the temporary directory and before it reports success, create
-    the file named by ``MEGATRON_TEST_HOOK_MARKER`` (if set) and sleep (a test kills the job meanwhile).
+    the file named by ``MEGATRON_TEST_HOOK_MARKER`` (if set) and sleep (a test kills the job meanwhile),
+    at most SECONDS, less once the file named by ``MEGATRON_TEST_HOOK_RELEASE`` (if set) exists.
 ``MEGATRON_TEST_ENOSPC_IN_SAVE=1``
     at the same point, raise ``OSError(ENOSPC)`` as a full disk would.
 ``MEGATRON_TEST_CRASH_AT=POINT``
@@ -624,7 +625,10 @@ def test_hook(point, iteration=None):
         raise OSError(errno.ENOSPC, "No space left on device (injected by MEGATRON_TEST_ENOSPC_IN_SAVE)")
     if sleep:
         _touch(marker, point)
-        time.sleep(float(sleep))
+        release = env.get("MEGATRON_TEST_HOOK_RELEASE")
+        deadline = time.monotonic() + float(sleep)
+        while time.monotonic() < deadline and not (release and os.path.exists(release)):
+            time.sleep(0.05)
 
 
 def _touch(marker, point):

@@ -1,6 +1,7 @@
 """Save and load Megatron-LM legacy ('torch' format) checkpoints atomically, one file per (tp, pp) rank."""
 import argparse
 import enum
+import io
 import os
 import pickle
 import random
@@ -301,12 +302,46 @@ def _fsync_dir(path):
     checkpoint_integrity.fsync_dir(path)
 
 
+class _ErrorRecordingWriter(io.RawIOBase):
+    """A file for torch.save that remembers the OSError of a failed write: torch.save reports it only as
+    "unexpected pos" (a full disk would otherwise read as an internal error)."""
+
+    def __init__(self, f):
+        super().__init__()
+        self.f, self.error = f, None
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        try:
+            return self.f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+
 def _write_durably(state_dict, path):
+    """torch.save ``state_dict`` to ``path`` and fsync it; an OSError (e.g. ENOSPC) is raised as such, naming
+    ``path``."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "wb") as f:
-        torch.save(state_dict, f)
+    f = open(path, "wb")
+    writer = _ErrorRecordingWriter(f)
+    try:
+        torch.save(state_dict, writer)
         f.flush()
         os.fsync(f.fileno())
+        f.close()
+    except Exception as exc:
+        try:
+            f.close()
+        except OSError:
+            pass
+        cause = exc if isinstance(exc, OSError) else writer.error
+        if cause is None:
+            raise
+        raise OSError(cause.errno, f"{cause.strerror or cause}: writing checkpoint file {path} failed",
+                      path) from exc
     _fsync_dir(os.path.dirname(path))
 
 
@@ -315,7 +350,7 @@ def _write_durably(state_dict, path):
 # ---------------------------------------------------------------------------------------------------
 
 def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
-                    checkpointing_context=None, non_persistent_ckpt=False, train_state=None):
+                    checkpointing_context=None, train_state=None, non_persistent_ckpt=False):
     """Write a legacy 'torch' format checkpoint of ``iteration`` under ``--save``; all ranks call it.
 
     Layout (spec §8.8): ``<save>/iter_{iteration:07d}/mp_rank_XX[_YYY]/model_optim_rng.pt``, one
@@ -338,9 +373,9 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
         opt_param_scheduler: object with ``state_dict()`` or None.
         num_floating_point_operations_so_far: FLOPs done so far (int), stored for throughput logs.
         checkpointing_context: accepted for Megatron's signature; unused by the torch format.
-        non_persistent_ckpt: write a non-persistent checkpoint (see above).
         train_state: the training loop's :class:`TrainingState` (its sample counters are saved); None
             (Megatron's signature) takes them from ``args``.
+        non_persistent_ckpt: write a non-persistent checkpoint (see above).
     Raises ValueError without ``--save`` or with a non-torch ``--ckpt-format``; RuntimeError
     (or the original error on the failing rank) when writing fails.
     """
@@ -415,6 +450,10 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
 
 
 def _raise_save_failure(error, iteration, final_dir):
+    if isinstance(error, OSError) and error.errno is not None:
+        raise OSError(error.errno, f"{error.strerror or error}: saving checkpoint at iteration {iteration} to "
+                      f"{final_dir} failed; the previous checkpoint and tracker were left unchanged",
+                      error.filename) from error
     if error is not None:
         raise error
     raise RuntimeError(f"saving checkpoint at iteration {iteration} to {final_dir} failed on another rank; "

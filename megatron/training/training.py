@@ -441,8 +441,8 @@ def _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_
     timers = get_timers()
     with telemetry.span("checkpoint", "megatron.save_checkpoint", iteration=iteration):
         timers("save-checkpoint", log_level=0).start(barrier=True)
-        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops_so_far,
-                        non_persistent_ckpt=non_persistent, train_state=train_state)
+        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state=train_state,
+                        non_persistent_ckpt=non_persistent)
         timers("save-checkpoint").stop(barrier=True)
         timers.log(["save-checkpoint"])
     where = non_persistent_checkpoint_dir(get_args()) if non_persistent else get_args().save
