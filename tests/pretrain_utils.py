@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -55,42 +56,43 @@ def run_pretrain(nproc, flags, shared_data, data_prefix, tmp_path, expect_failur
     """Train a 2-layer, hidden-32 GPT on ``nproc`` gloo ranks; later ``flags`` override the defaults.
 
     Returns stdout (stdout + stderr when ``expect_failure`` or ``stderr_too``). Fails the test if the
-    exit status is not what was expected. The ranks are forked from the preloaded fork server with
-    torchrun's environment, and, as under torchrun, the first to fail gets the others stopped; their
-    outputs are joined in rank order. PRETRAIN_TESTS_TORCHRUN=1 runs real torchrun instead.
+    exit status is not what was expected. The ranks are started by :func:`run_ranks`.
     """
-    argv = _pretrain_argv(flags, shared_data, data_prefix, tmp_path)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = run_ranks(nproc, _pretrain_argv(flags, shared_data, data_prefix, tmp_path), timeout=300)
+    if expect_failure:
+        assert result.returncode != 0, result.stdout[-3000:]
+        return result.stdout + result.stderr
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout + result.stderr if stderr_too else result.stdout
+
+
+def run_ranks(nproc, argv, env=None, timeout=300) -> subprocess.CompletedProcess:
+    """``python argv...`` on ``nproc`` gloo ranks with torchrun's environment, in the repository, with
+    OMP_NUM_THREADS=1 over ``env`` (default: this process's); stdout and stderr captured.
+
+    The ranks are forked from the preloaded fork server (dist_utils.fork_ranks) and, as under torchrun,
+    the first to fail gets the others stopped and the launch fails (status 1); the ranks' outputs are
+    joined in rank order. PRETRAIN_TESTS_TORCHRUN=1 runs ``torchrun --standalone`` instead. Raises
+    ``subprocess.TimeoutExpired`` after ``timeout`` seconds.
+    """
+    argv = [str(a) for a in argv]
+    env = dict(os.environ if env is None else env, OMP_NUM_THREADS="1")
     if use_torchrun():
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *argv]
-        result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-        returncode, stdout, stderr = result.returncode, result.stdout, result.stderr
-    else:
-        returncode, stdout, stderr = _fork_pretrain(nproc, argv, env, tmp_path)
-    if expect_failure:
-        assert returncode != 0, stdout[-3000:]
-        return stdout + stderr
-    assert returncode == 0, stdout[-3000:] + stderr[-3000:]
-    return stdout + stderr if stderr_too else stdout
-
-
-def _fork_pretrain(nproc, argv, env, tmp_path, timeout=300):
-    """``argv`` on ``nproc`` ranks forked from the fork server, torchrun-like: (status, stdout, stderr),
-    status 1 when any rank failed, the ranks' outputs joined in rank order."""
-    logs = tmp_path / f"ranks_{uuid.uuid4().hex[:8]}"
-    logs.mkdir(parents=True)
-    out = [logs / f"rank{r}.out" for r in range(nproc)]
-    err = [logs / f"rank{r}.err" for r in range(nproc)]
-    port = free_port()
-    run_id = str(uuid.uuid4())  # torchrun --standalone: a random rendezvous id
-    envs = [rank_env(env, r, nproc, port, GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_RANK=str(r),
-                     ROLE_WORLD_SIZE=str(nproc), ROLE_NAME="default", TORCHELASTIC_RESTART_COUNT="0",
-                     TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID=run_id) for r in range(nproc)]
-    statuses = fork_ranks(nproc, argv, envs, REPO, out, err, timeout)
-    stdout = "".join(p.read_text(errors="replace") for p in out)
-    stderr = "".join(p.read_text(errors="replace") for p in err)
-    failed = [f"rank {r} exited with status {s}" for r, s in enumerate(statuses) if s != 0]
-    return (1 if failed else 0), stdout, stderr + "".join(f"{line}\n" for line in failed)
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    with tempfile.TemporaryDirectory(prefix="ranks_") as logs:
+        out = [Path(logs) / f"rank{r}.out" for r in range(nproc)]
+        err = [Path(logs) / f"rank{r}.err" for r in range(nproc)]
+        port = free_port()
+        run_id = str(uuid.uuid4())  # torchrun --standalone: a random rendezvous id
+        envs = [rank_env(env, r, nproc, port, GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_RANK=str(r),
+                         ROLE_WORLD_SIZE=str(nproc), ROLE_NAME="default", TORCHELASTIC_RESTART_COUNT="0",
+                         TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID=run_id) for r in range(nproc)]
+        statuses = fork_ranks(nproc, argv, envs, REPO, out, err, timeout)
+        stdout = "".join(p.read_text(errors="replace") for p in out)
+        stderr = "".join(p.read_text(errors="replace") for p in err)
+    failed = [f"rank {r} exited with status {s}\n" for r, s in enumerate(statuses) if s != 0]
+    return subprocess.CompletedProcess(argv, 1 if failed else 0, stdout, stderr + "".join(failed))
 
 
 def run_ranks_without_launcher(nproc, flags, shared_data, data_prefix, tmp_path, timeout=300) -> list:
