@@ -168,3 +168,24 @@ def test_failed_write_leaves_no_partial_output(original, tmp_path, monkeypatch):
         convert.main(["--load-dir", str(checkpoint), "--save-dir", str(save), "--target-tensor-parallel-size", "1",
                       "--target-pipeline-parallel-size", "2"])
     assert len(calls) == 2 and os.listdir(save) == []
+
+
+@pytest.mark.timeout(120)
+def test_export_hf_reads_any_layout_through_the_converter(original, tmp_path):
+    """export_hf.py reads checkpoints with convert.py's reader: the interleaved PP=2 x VP=2 copy of the
+    TP=2 checkpoint exports to the same Hugging Face tensors."""
+    pytest.importorskip("transformers")
+    safetensors = pytest.importorskip("safetensors.torch")
+    export_hf = _load_tool("export_hf")
+    checkpoint, _ = original
+    interleaved = tmp_path / "vp"
+    assert convert.main(["--load-dir", str(checkpoint), "--save-dir", str(interleaved), "--target-tensor-parallel-size",
+                         "1", "--target-pipeline-parallel-size", "2",
+                         "--target-num-virtual-stages-per-pipeline-rank", "2"]) == 0
+    exported = {}
+    for name, folder in (("tp2", checkpoint), ("vp", interleaved)):
+        assert export_hf.main(["--load", str(folder), "--save", str(tmp_path / f"hf_{name}"), "--vocab-size",
+                               "50257", "--no-tokenizer"]) == 0
+        exported[name] = safetensors.load_file(str(tmp_path / f"hf_{name}" / "model.safetensors"))
+    _assert_same(exported["tp2"], exported["vp"], "hf")
+    assert exported["vp"]["transformer.wte.weight"].shape == (50257, 32)
