@@ -189,8 +189,8 @@ def test_failed_write_leaves_no_partial_output(original, tmp_path, monkeypatch):
 
 @pytest.mark.timeout(120)
 def test_export_hf_reads_any_layout_through_the_converter(original, tmp_path):
-    """export_hf.py reads checkpoints with convert.py's reader: the interleaved PP=2 x VP=2 copy of the
-    TP=2 checkpoint exports to the same Hugging Face tensors."""
+    """export_hf.py reads checkpoints with convert.py's reader: the interleaved PP=2 x VP=2 copy and the
+    torch_dist copy of the TP=2 checkpoint export to the same Hugging Face tensors."""
     pytest.importorskip("transformers")
     safetensors = pytest.importorskip("safetensors.torch")
     export_hf = _load_tool("export_hf")
@@ -199,10 +199,39 @@ def test_export_hf_reads_any_layout_through_the_converter(original, tmp_path):
     assert convert.main(["--load-dir", str(checkpoint), "--save-dir", str(interleaved), "--target-tensor-parallel-size",
                          "1", "--target-pipeline-parallel-size", "2",
                          "--target-num-virtual-stages-per-pipeline-rank", "2"]) == 0
+    folders = [("tp2", checkpoint), ("vp", interleaved)]
+    if importlib.util.find_spec("megatron.core.dist_checkpointing") is not None:
+        assert convert.main(["--load-dir", str(checkpoint), "--save-dir", str(tmp_path / "dist"),
+                             "--target-ckpt-format", "torch_dist"]) == 0
+        folders.append(("dist", tmp_path / "dist"))
     exported = {}
-    for name, folder in (("tp2", checkpoint), ("vp", interleaved)):
+    for name, folder in folders:
         assert export_hf.main(["--load", str(folder), "--save", str(tmp_path / f"hf_{name}"), "--vocab-size",
                                "50257", "--no-tokenizer"]) == 0
         exported[name] = safetensors.load_file(str(tmp_path / f"hf_{name}" / "model.safetensors"))
-    _assert_same(exported["tp2"], exported["vp"], "hf")
+    for name in exported:
+        _assert_same(exported["tp2"], exported[name], f"hf from {name}")
     assert exported["vp"]["transformer.wte.weight"].shape == (50257, 32)
+
+
+@pytest.mark.timeout(120)
+def test_legacy_to_torch_dist_and_back_is_bit_exact(original, tmp_path):
+    """torch (TP=2) -> torch_dist -> torch (TP=2): model, Adam moments and step, param groups, scheduler and
+    counters come back bit for bit; the torch_dist copy holds global tensors under layout-free keys."""
+    pytest.importorskip("megatron.core.dist_checkpointing.serialization")
+    checkpoint, _ = original
+    dist_dir, back = tmp_path / "dist", tmp_path / "back"
+    assert convert.main(["--load-dir", str(checkpoint), "--ckpt-step", "2", "--save-dir", str(dist_dir),
+                         "--target-ckpt-format", "torch_dist"]) == 0
+    assert convert.detect_format(str(dist_dir)) == "torch_dist"
+    full = convert.read_checkpoint(str(dist_dir))
+    assert full.model["decoder.layers.3.mlp.linear_fc1.weight"].shape == (128, 32)
+    assert full.optimizer.param_state["decoder.layers.3.mlp.linear_fc1.weight"]["exp_avg"].shape == (128, 32)
+    assert convert.main(["--load-dir", str(dist_dir), "--save-dir", str(back)]) == 0
+    result = _rank_dicts(back)
+    assert sorted(result) == ["mp_rank_00", "mp_rank_01"]
+    for name in result:
+        source = convert.load_state_dict_file(str(checkpoint / "iter_0000002" / name / "model_optim_rng.pt"))
+        for key in ("model", "optimizer", "opt_param_scheduler", "iteration", "num_floating_point_operations_so_far"):
+            _assert_same(source[key], result[name][key], f"{name}/{key}")
+        assert vars(result[name]["args"])["consumed_train_samples"] == 16
