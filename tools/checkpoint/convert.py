@@ -60,7 +60,7 @@ from legacy_checkpoint import (  # noqa: E402
     split_tp,
 )
 from megatron.core.transformer.pipeline_layout import pipeline_layer_counts, pipeline_layer_offset  # noqa: E402
-from megatron.training import checkpointing  # noqa: E402
+from megatron.training import checkpoint_integrity, checkpointing  # noqa: E402
 from megatron.training.checkpointing import (  # noqa: E402
     CHECKPOINT_BASENAME,
     CHECKPOINT_VERSION,
@@ -707,19 +707,19 @@ def write_legacy(full: FullCheckpoint, save_dir: str, target: TargetLayout, keep
     """Write ``full`` at ``target`` in the legacy layout under ``save_dir``, atomically; returns the
     iteration folder. An existing folder of the same iteration is replaced; the tracker moves last."""
     rank_dicts = build_rank_state_dicts(full, target, keep_rng)
-    dirname = "release" if full.release else f"iter_{full.iteration:07d}"
-    os.makedirs(save_dir, exist_ok=True)
+    dirname = checkpoint_integrity.iteration_dirname(full.iteration, full.release)
+    checkpoint_integrity.prepare_save_dir(save_dir)
     tmp_dir = os.path.join(save_dir, f".{dirname}.tmp-{os.getpid()}")
     final_dir = os.path.join(save_dir, dirname)
     try:
         for (t, p), state_dict in rank_dicts.items():
             rank_dir = f"mp_rank_{t:02d}" if target.pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
             checkpointing._write_durably(state_dict, os.path.join(tmp_dir, rank_dir, CHECKPOINT_BASENAME))
-        checkpointing._replace_dir(tmp_dir, final_dir)
+        # The same publish as training's save: manifest, fsync, directory swap, tracker last.
+        checkpoint_integrity.publish_iteration(save_dir, tmp_dir, full.iteration, release=full.release)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
-    checkpointing._write_tracker(save_dir, "release" if full.release else str(full.iteration))
     return final_dir
 
 
