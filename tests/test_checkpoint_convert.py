@@ -235,3 +235,20 @@ def test_legacy_to_torch_dist_and_back_is_bit_exact(original, tmp_path):
         for key in ("model", "optimizer", "opt_param_scheduler", "iteration", "num_floating_point_operations_so_far"):
             _assert_same(source[key], result[name][key], f"{name}/{key}")
         assert vars(result[name]["args"])["consumed_train_samples"] == 16
+
+
+def test_damaged_source_file_is_refused_by_name(original, tmp_path, capsys):
+    """A byte flipped in a rank file fails the integrity manifest check, naming the file."""
+    import shutil
+
+    checkpoint, _ = original
+    copy = tmp_path / "copy"
+    shutil.copytree(checkpoint, copy)
+    damaged = copy / "iter_0000004" / "mp_rank_01" / "model_optim_rng.pt"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    damaged.write_bytes(bytes(data))
+    assert convert.main(["--load-dir", str(copy), "--save-dir", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert f"--load-dir {copy}" in err and f"{damaged} is corrupt" in err, err
+    assert not (tmp_path / "out").exists()

@@ -28,8 +28,10 @@ x TP) the embedding and output rows are cut, or extended by repeating the last r
 their Adam moments are zero-filled); the padded rows take part in the softmax, so the loss then
 moves slightly. The true vocabulary size comes from ``--true-vocab-size`` or the checkpoint's tokenizer.
 
-The output is written atomically: every file goes to a hidden temporary folder inside ``--save-dir``,
-which is renamed to ``iter_XXXXXXX`` (or ``release``) once complete; the tracker file is replaced last.
+The source's files are checked against its integrity manifest first (``--no-verify-checkpoint`` skips
+it). The output is published as training publishes a save: every file goes to a hidden temporary folder
+inside ``--save-dir``, gets an integrity manifest and is fsynced, the folder becomes ``iter_XXXXXXX``
+(or ``release``), and the tracker file is replaced last.
 
 Usage::
 
@@ -321,11 +323,21 @@ def _merge_optimizer_block(state: OptimizerState, per_rank, offset: int, model_c
                 [{local: rank[1][local]} for rank in per_rank], swiglu)[local]
 
 
-def read_checkpoint(load_dir: str, iteration: Optional[int] = None, with_optimizer: bool = True) -> FullCheckpoint:
-    """Read a checkpoint of either format (detected) as one FullCheckpoint (see :func:`read_legacy`)."""
+def read_checkpoint(load_dir: str, iteration: Optional[int] = None, with_optimizer: bool = True,
+                    verify: bool = True) -> FullCheckpoint:
+    """Read a checkpoint of either format (detected) as one FullCheckpoint (see :func:`read_legacy`).
+
+    With ``verify`` the files are first checked against the checkpoint's integrity manifest (size and
+    CRC-32; checkpoints written without one are read as they are): ConvertError names a damaged file.
+    """
     if not os.path.isdir(load_dir):
         raise ConvertError(f"--load-dir {load_dir}: no such directory")
     ckpt_format = detect_format(load_dir, iteration)
+    if verify:
+        problems, _ = checkpoint_integrity.verify_directory(find_iteration_dir(load_dir, iteration))
+        if problems:
+            raise ConvertError(f"--load-dir {load_dir}: the checkpoint does not match its "
+                               f"{checkpoint_integrity.MANIFEST_FILENAME}: {'; '.join(problems[:5])}")
     if ckpt_format == "torch":
         return read_legacy(load_dir, iteration, with_optimizer)
     return _read_torch_dist(load_dir, iteration, with_optimizer)
@@ -738,7 +750,8 @@ def convert(cli: argparse.Namespace) -> dict:
     if os.path.abspath(cli.load_dir) == os.path.abspath(cli.save_dir):
         raise ConvertError(f"--save-dir {cli.save_dir} is the --load-dir: write the converted checkpoint elsewhere")
     source_format = detect_format(cli.load_dir, cli.ckpt_step) if os.path.isdir(cli.load_dir) else None
-    full = read_checkpoint(cli.load_dir, cli.ckpt_step, with_optimizer=not cli.no_save_optim)
+    full = read_checkpoint(cli.load_dir, cli.ckpt_step, with_optimizer=not cli.no_save_optim,
+                           verify=not cli.no_verify_checkpoint)
     if cli.no_save_optim:
         full.scheduler = None
     target = plan_target(full, cli.target_tensor_parallel_size, cli.target_pipeline_parallel_size,
@@ -821,8 +834,8 @@ def write_torch_dist(full: FullCheckpoint, save_dir: str, target: "TargetLayout"
                     items.append(sharded(f"{_OPTIMIZER_PREFIX}{name}.{state_key}", value))
         for name, value in (full.optimizer.main_params or {}).items():
             items.append(sharded(f"{_OPTIMIZER_PREFIX}{name}.{_MAIN_PARAM}", value))
-    dirname = "release" if full.release else f"iter_{full.iteration:07d}"
-    os.makedirs(save_dir, exist_ok=True)
+    dirname = checkpoint_integrity.iteration_dirname(full.iteration, full.release)
+    checkpoint_integrity.prepare_save_dir(save_dir)
     tmp_dir = os.path.join(save_dir, f".{dirname}.tmp-{os.getpid()}")
     final_dir = os.path.join(save_dir, dirname)
     try:
@@ -831,11 +844,11 @@ def write_torch_dist(full: FullCheckpoint, save_dir: str, target: "TargetLayout"
             warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
             serialization.save(items, tmp_dir)
         checkpointing._write_durably(_torch_dist_common(full, target), os.path.join(tmp_dir, COMMON_BASENAME))
-        checkpointing._replace_dir(tmp_dir, final_dir)
+        # The same publish as training's save: manifest, fsync, directory swap, tracker last.
+        checkpoint_integrity.publish_iteration(save_dir, tmp_dir, full.iteration, release=full.release)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
-    checkpointing._write_tracker(save_dir, "release" if full.release else str(full.iteration))
     return final_dir
 
 
@@ -863,6 +876,8 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--true-vocab-size", type=int, default=None,
                         help="unpadded vocabulary size, needed when TP changes the padding and the checkpoint's "
                              "tokenizer files cannot be found (default: from the tokenizer)")
+    parser.add_argument("--no-verify-checkpoint", action="store_true",
+                        help="do not check the source's files against its integrity manifest (CRC-32)")
     parser.add_argument("--no-save-optim", action="store_true",
                         help="do not convert the optimizer state and scheduler (load the result with --no-load-optim)")
     return parser.parse_args(argv)
