@@ -73,7 +73,7 @@ EXPECTED_DEFAULTS = {
     "decoupled_lr": None, "override_opt_param_scheduler": False, "use_checkpoint_opt_param_scheduler": False,
     # checkpointing
     "save": None, "save_interval": None, "no_save_optim": None, "no_save_rng": None, "load": None,
-    "no_load_optim": None, "no_load_rng": None, "finetune": False, "ckpt_format": "torch", "ckpt_step": None,
+    "no_load_optim": None, "no_load_rng": None, "finetune": False, "ckpt_format": "torch_dist", "ckpt_step": None,
     "async_save": None, "pretrained_checkpoint": None, "save_retain_interval": None,
     "non_persistent_save_interval": None, "exit_on_missing_checkpoint": False,
     # mixed precision (spec §6.3)

@@ -151,6 +151,9 @@ class AsyncTorchDistWriter:
                 start = time.perf_counter()
                 serialization.save(staged, self._dir, process_group=self._group)
                 self.writing_seconds = time.perf_counter() - start
+                from megatron.training import checkpoint_integrity
+
+                checkpoint_integrity.test_hook("in_write", self._attributes["megatron.iteration"])
         except BaseException as exc:  # reported to every rank by finalize_async_save
             self._error = exc
         finally:

@@ -2,6 +2,7 @@
 and Megatron-LM's legacy ``torch`` format (one file per (tp, pp) rank)."""
 import argparse
 import enum
+import io
 import os
 import pickle
 import random
@@ -14,6 +15,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.collective_device import get_collective_device
+from megatron.training import checkpoint_integrity
 from megatron.training.global_vars import get_args
 from megatron.training.training_state import TrainingState
 from megatron.training.utils import print_rank_0
@@ -75,6 +77,16 @@ def get_checkpoint_name(checkpoints_path, iteration, release=False, pipeline_par
 def get_distributed_optimizer_checkpoint_name(model_checkpoint_name):
     """``distrib_optim.pt`` in the directory of ``model_checkpoint_name`` (Megatron's legacy layout)."""
     return os.path.join(os.path.dirname(model_checkpoint_name), DISTRIBUTED_OPTIMIZER_BASENAME)
+
+
+def non_persistent_checkpoint_dir(args, save_dir=None):
+    """Where --non-persistent-save-interval checkpoints go: ``--non-persistent-global-ckpt-dir``, else
+    ``<save_dir or --save>/non_persistent`` (Megatron-LM's layout); None when neither is set."""
+    explicit = getattr(args, "non_persistent_global_ckpt_dir", None)
+    if explicit:
+        return explicit
+    base = save_dir if save_dir is not None else args.save
+    return None if base is None else os.path.join(base, checkpoint_integrity.NON_PERSISTENT_SUBDIR)
 
 
 def _is_distributed_optimizer(optimizer):
@@ -287,69 +299,51 @@ def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, 
 # ---------------------------------------------------------------------------------------------------
 
 def _fsync_dir(path):
-    # A rename is only durable once the directory holding the entry is flushed.
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    # A rename or a new entry is only durable once the directory holding it is flushed.
+    checkpoint_integrity.fsync_dir(path)
+
+
+class _ErrorRecordingWriter(io.RawIOBase):
+    """A file for torch.save that remembers the OSError of a failed write: torch.save reports it only as
+    "unexpected pos" (a full disk would otherwise read as an internal error)."""
+
+    def __init__(self, f):
+        super().__init__()
+        self.f, self.error = f, None
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        try:
+            return self.f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
 
 
 def _write_durably(state_dict, path):
+    """torch.save ``state_dict`` to ``path`` and fsync it; an OSError (e.g. ENOSPC) is raised as such, naming
+    ``path``."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "wb") as f:
-        torch.save(state_dict, f)
+    f = open(path, "wb")
+    writer = _ErrorRecordingWriter(f)
+    try:
+        torch.save(state_dict, writer)
         f.flush()
         os.fsync(f.fileno())
+        f.close()
+    except Exception as exc:
+        try:
+            f.close()
+        except OSError:
+            pass
+        cause = exc if isinstance(exc, OSError) else writer.error
+        if cause is None:
+            raise
+        raise OSError(cause.errno, f"{cause.strerror or cause}: writing checkpoint file {path} failed",
+                      path) from exc
     _fsync_dir(os.path.dirname(path))
-
-
-def _replace_dir(src, dst):
-    """Move directory ``src`` to ``dst``; an existing ``dst`` is moved aside first, then removed."""
-    parent, name = os.path.split(dst)
-    old = None
-    if os.path.exists(dst):
-        # rename() cannot replace a non-empty directory, so the old one steps aside first.
-        old = os.path.join(parent, f".{name}.old-{os.getpid()}")
-        os.rename(dst, old)
-    os.rename(src, dst)
-    _fsync_dir(parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _write_tracker(save_dir, text):
-    tracker = get_checkpoint_tracker_filename(save_dir)
-    tmp = os.path.join(save_dir, f".{TRACKER_FILENAME}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, tracker)
-    _fsync_dir(save_dir)
-
-
-def _remove_stale_temporaries(save_dir, dirname):
-    # Leftovers of a save of the same iteration that died before its rename.
-    prefixes = (f".{dirname}.tmp-", f".{dirname}.old-")
-    for entry in os.listdir(save_dir):
-        if entry.startswith(prefixes):
-            shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
-
-
-def _remove_unretained(save_dir, iteration, retain_interval):
-    """--save-retain-interval: drop earlier iter_* directories whose iteration is not a multiple."""
-    for entry in os.listdir(save_dir):
-        if not (entry.startswith("iter_") and entry[5:].isdigit()):
-            continue
-        old_iteration = int(entry[5:])
-        if old_iteration < iteration and old_iteration % retain_interval != 0:
-            shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -397,8 +391,7 @@ def _prepare_save_directory(save_dir, dirname, iteration):
     error = None
     if _world_rank() == 0:
         try:
-            os.makedirs(save_dir, exist_ok=True)
-            _remove_stale_temporaries(save_dir, dirname)
+            checkpoint_integrity.prepare_save_dir(save_dir)  # also repairs what a crashed save left
             os.makedirs(tmp_dir)
         except Exception as exc:  # reported to every rank below instead of leaving them in a barrier
             error = exc
@@ -407,38 +400,37 @@ def _prepare_save_directory(save_dir, dirname, iteration):
     return tmp_dir, final_dir
 
 
-def _publish_checkpoint(save_dir, iteration, tmp_dir, final_dir, write_error=None):
+def _publish_checkpoint(save_dir, iteration, tmp_dir, final_dir, write_error=None, non_persistent=False):
     """The last step of every save, in both formats, synchronous or asynchronous; all ranks call it.
 
-    Every rank reports whether its writes (``write_error``) succeeded; only when all did, rank 0
-    renames ``tmp_dir`` to ``final_dir`` (an existing one is replaced) and only then atomically
-    replaces the tracker, so it never names an incomplete directory; then --save-retain-interval
-    prunes older iterations. On any failure the temporary directory is removed, the previous
-    checkpoint and tracker stay as they were, and every rank raises.
+    Every rank reports whether its writes (``write_error``) succeeded; only when all did,
+    checkpoint_integrity.publish_iteration writes the ``integrity_manifest.json`` (size and CRC-32
+    per file), moves ``tmp_dir`` to ``final_dir`` (an existing one is swapped atomically) and only then
+    atomically replaces the tracker, so it never names an incomplete directory; then
+    --save-retain-interval prunes older iterations (``non_persistent``: only the newest is kept). On
+    any failure the temporary directory is removed, the previous checkpoint and tracker stay as they
+    were, and every rank raises.
     """
     rank = _world_rank()
     if _any_rank(write_error is not None):
         if rank == 0:
             shutil.rmtree(tmp_dir, ignore_errors=True)
         _raise_save_failure(write_error, iteration, final_dir)
-    error = None
-    if rank == 0:
-        try:
-            _replace_dir(tmp_dir, final_dir)
-            _write_tracker(save_dir, str(iteration))
-            retain = getattr(get_args(), "save_retain_interval", None)
-            if retain:
-                _remove_unretained(save_dir, iteration, retain)
-        except Exception as exc:
-            error = exc
-    if _any_rank(error is not None):
-        _raise_save_failure(error, iteration, final_dir)
+    try:
+        # Manifest, then the directory, and the tracker last: it never names an incomplete directory.
+        checkpoint_integrity.publish_iteration(
+            save_dir, tmp_dir, iteration, keep_only_newest=non_persistent,
+            retain_interval=None if non_persistent else getattr(get_args(), "save_retain_interval", None))
+    except Exception as exc:  # raised on every rank
+        if rank == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        _raise_save_failure(exc, iteration, final_dir)
     print_rank_0("  successfully saved checkpoint from iteration {:7d} to {} {}".format(
         iteration, save_dir, _rank_summary()))
 
 
 def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
-                    checkpointing_context=None, train_state=None):
+                    checkpointing_context=None, train_state=None, non_persistent_ckpt=False):
     """Write a checkpoint of ``iteration`` under ``--save`` in the ``--ckpt-format``; all ranks call it.
 
     ``torch`` (Megatron's legacy layout, spec §8.8): ``<save>/iter_{iteration:07d}/mp_rank_XX[_YYY]/
@@ -457,9 +449,11 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     written in the background and published by :func:`finalize_async_save`.
 
     Atomic in both formats: files go to a hidden ``.iter_{iteration:07d}.tmp-<pid>`` directory in the
-    same parent, are fsynced, and :func:`_publish_checkpoint` renames it and then replaces the tracker
-    once every rank has finished. A failure on any rank leaves the previous checkpoint and tracker
-    untouched and raises on every rank.
+    same parent, are fsynced, and :func:`_publish_checkpoint` writes the integrity manifest, renames it
+    and then replaces the tracker once every rank has finished. A failure on any rank leaves the
+    previous checkpoint and tracker untouched and raises on every rank. ``non_persistent_ckpt``
+    (``--non-persistent-save-interval``): the same under ``--non-persistent-global-ckpt-dir`` (default
+    ``<save>/non_persistent``), keeping only the newest.
 
     Args:
         iteration: training iteration (int) the state belongs to.
@@ -470,6 +464,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
         checkpointing_context: accepted for Megatron's signature; unused.
         train_state: the training loop's :class:`TrainingState` (its counters are saved); None
             (Megatron's signature) takes them from ``args``.
+        non_persistent_ckpt: write a non-persistent checkpoint (see above).
     Raises ValueError without ``--save`` or with an unavailable ``--ckpt-format``; RuntimeError
     (or the original error on the failing rank) when writing fails.
     """
@@ -477,6 +472,8 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     save_dir = args.save
     if save_dir is None:
         raise ValueError("save_checkpoint needs --save")
+    if non_persistent_ckpt:
+        save_dir = non_persistent_checkpoint_dir(args, save_dir)
     ckpt_format = _ckpt_format(args)
     # The previous asynchronous save is published before this one starts.
     finalize_async_save(blocking=True)
@@ -506,14 +503,15 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
                 args, tmp_dir, model, optimizer, _torch_dist_common_state(args, optimizer, opt_param_scheduler, state),
                 rng_state, asynchronous=bool(getattr(args, "async_save", False)))
             if writer is not None:  # --async-save: published later by finalize_async_save
-                _PENDING.append((writer, save_dir, iteration, tmp_dir, final_dir))
+                _PENDING.append((writer, save_dir, iteration, tmp_dir, final_dir, non_persistent_ckpt))
                 return
+        checkpoint_integrity.test_hook("in_write", iteration)
     except Exception as exc:
         error = exc
-    _publish_checkpoint(save_dir, iteration, tmp_dir, final_dir, error)
+    _publish_checkpoint(save_dir, iteration, tmp_dir, final_dir, error, non_persistent_ckpt)
 
 
-# Asynchronous saves started but not yet published: (writer, save_dir, iteration, tmp_dir, final_dir).
+# Asynchronous saves started but not yet published: (writer, save_dir, iteration, tmp_dir, final_dir, non-persistent).
 _PENDING = []
 
 
@@ -528,12 +526,12 @@ def finalize_async_save(blocking=True):
     """
     if not _PENDING:
         return True
-    writer, save_dir, iteration, tmp_dir, final_dir = _PENDING[0]
+    writer, save_dir, iteration, tmp_dir, final_dir, non_persistent = _PENDING[0]
     if not blocking and not _all_ranks(writer.done()):
         return False
     _PENDING.pop(0)
     error = writer.wait()
-    writer.publish_span(lambda: _publish_checkpoint(save_dir, iteration, tmp_dir, final_dir, error))
+    writer.publish_span(lambda: _publish_checkpoint(save_dir, iteration, tmp_dir, final_dir, error, non_persistent))
     return True
 
 
@@ -592,6 +590,10 @@ def _torch_dist_common_state(args, optimizer, opt_param_scheduler, state):
 
 
 def _raise_save_failure(error, iteration, final_dir):
+    if isinstance(error, OSError) and error.errno is not None:
+        raise OSError(error.errno, f"{error.strerror or error}: saving checkpoint at iteration {iteration} to "
+                      f"{final_dir} failed; the previous checkpoint and tracker were left unchanged",
+                      error.filename) from error
     if error is not None:
         raise error
     raise RuntimeError(f"saving checkpoint at iteration {iteration} to {final_dir} failed on another rank; "
@@ -685,27 +687,35 @@ def _layout_hint(iteration_dir):
     return ", ".join(found) if found else "no mp_rank_* directories"
 
 
-def _checkpoint_dir_to_load(args, load_dir):
+def _checkpoint_dir_to_load(args, load_dir, load_arg="load"):
     """Which iteration directory of ``load_dir`` to load, for both formats.
 
     Returns ``(iteration directory, iteration, release, source)`` (``source`` says where the
     iteration came from: ``--ckpt-step`` or the tracker), or None when there is nothing to load
     (no tracker: a warning; FileNotFoundError with --exit-on-missing-checkpoint). Raises
-    FileNotFoundError when the directory named does not exist.
+    FileNotFoundError when the directory named does not exist. The iteration is ``--ckpt-step``
+    (refused when damaged) or the newest complete one at or below the tracker's, or the newest
+    non-persistent one when newer (checkpoint_integrity.choose_checkpoint: files checked against the
+    manifest; CRC-32s unless --no-verify-checkpoint); the returned directory may lie in the
+    non-persistent checkpoint directory.
     """
     tracker = get_checkpoint_tracker_filename(load_dir)
-    if args.ckpt_step is not None:
-        iteration, release, source = args.ckpt_step, False, f"--ckpt-step {args.ckpt_step}"
-    elif not os.path.isfile(tracker):
+    non_persistent_dir = None
+    if load_arg == "load" and getattr(args, "non_persistent_ckpt_type", None) == "global":
+        non_persistent_dir = non_persistent_checkpoint_dir(args, load_dir)
+    chosen = checkpoint_integrity.choose_checkpoint(
+        load_dir, ckpt_step=args.ckpt_step, verify=not getattr(args, "no_verify_checkpoint", False),
+        non_persistent_dir=non_persistent_dir, flag=f"--{load_arg.replace('_', '-')}", warn=print_rank_0)
+    if chosen is None:
         if args.exit_on_missing_checkpoint:
             raise FileNotFoundError(f"--exit-on-missing-checkpoint: no checkpoint tracker {tracker} "
                                     f"in --load directory {load_dir}")
         print_rank_0(f"WARNING: could not find the metadata file {tracker}")
         print_rank_0("    will not load any checkpoints and will start from random")
         return None
-    else:
-        iteration, release = read_metadata(tracker)
-        source = f"tracker {tracker}"
+    load_dir, iteration, release = chosen
+    source = (f"--ckpt-step {args.ckpt_step}" if args.ckpt_step is not None
+              else f"tracker {get_checkpoint_tracker_filename(load_dir)}")
 
     iteration_dir = os.path.join(load_dir, _iteration_dirname(iteration, release))
     if not os.path.isdir(iteration_dir):
@@ -805,7 +815,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
     model = _unwrap(model)
 
     restored = TrainingState()
-    found = _checkpoint_dir_to_load(args, load_dir)
+    found = _checkpoint_dir_to_load(args, load_dir, load_arg)
     if found is None:
         _deliver_training_state(restored, train_state, args)
         return 0, 0

@@ -28,6 +28,7 @@ from megatron.training.checkpointing import (
     async_save_pending,
     finalize_async_save,
     load_checkpoint,
+    non_persistent_checkpoint_dir,
     save_checkpoint,
     wait_for_async_staging,
 )
@@ -445,15 +446,17 @@ def _any_rank(flag: bool) -> bool:
     return bool(value.item())
 
 
-def _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state=None):
+def _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state=None, non_persistent=False):
     timers = get_timers()
     with telemetry.span("checkpoint", "megatron.save_checkpoint", iteration=iteration):
         timers("save-checkpoint", log_level=0).start(barrier=True)
-        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state=train_state)
+        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state=train_state,
+                        non_persistent_ckpt=non_persistent)
         timers("save-checkpoint").stop(barrier=True)
         timers.log(["save-checkpoint"])
-    log_operator_message(f"successfully saved checkpoint from iteration {iteration:7d} to {get_args().save}",
-                         printed_on_this_rank=get_rank() == 0)
+    where = non_persistent_checkpoint_dir(get_args()) if non_persistent else get_args().save
+    log_operator_message(f"successfully saved {'non-persistent ' if non_persistent else ''}checkpoint from "
+                         f"iteration {iteration:7d} to {where}", printed_on_this_rank=get_rank() == 0)
 
 
 def _exit_message(message):
@@ -476,6 +479,9 @@ def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration,
         return True
     if args.save and args.save_interval and iteration % args.save_interval == 0:
         _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state)
+        saved = True
+    elif args.save and args.non_persistent_save_interval and iteration % args.non_persistent_save_interval == 0:
+        _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state, non_persistent=True)
         saved = True
     if args.exit_duration_in_mins:
         elapsed_minutes = (time.time() - _TRAIN_START_TIME) / 60.0

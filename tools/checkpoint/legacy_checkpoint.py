@@ -1,5 +1,4 @@
-"""Read a legacy ('torch' format) or torch_dist checkpoint of any TP x PP as one full GPTModel state dict, and
-write one back (legacy format) split for TP.
+"""Read a legacy ('torch' format) checkpoint of any TP x PP as one full GPTModel state dict, and write one back split for TP.
 
 Layout (spec §8.8): ``<dir>/iter_{N:07d}|release/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt``.
 Merging rules (spec §7.3): column-parallel weights and biases (``linear_qkv``, ``linear_fc1``) and
@@ -123,8 +122,6 @@ def read_checkpoint(load_dir: str, iteration: Optional[int] = None) -> Tuple[dic
     ``megatron.training.checkpointing.load_state_dict_file`` for an unreadable file.
     """
     iteration_dir = find_iteration_dir(load_dir, iteration)
-    if os.path.isfile(os.path.join(iteration_dir, ".metadata")):
-        return _read_torch_dist(load_dir, iteration_dir)
     files = _rank_files(iteration_dir)
     tp = 1 + max(t for t, _ in files)
     pp = 1 + max(p for _, p in files)
@@ -155,29 +152,6 @@ def read_checkpoint(load_dir: str, iteration: Optional[int] = None) -> Tuple[dic
         raise CheckpointLayoutError(f"{iteration_dir}: found {layer_offset} layers, the saved args say "
                                     f"--num-layers {args.num_layers}")
     return state, args, {"tp": tp, "pp": pp, "iteration_dir": iteration_dir}
-
-
-def _read_torch_dist(load_dir: str, iteration_dir: str) -> Tuple[dict, argparse.Namespace, dict]:
-    """``read_checkpoint`` for a torch_dist iteration folder: its model tensors are stored whole under
-    global keys (the TP=1/PP=1 state-dict names), so each is read in full with DCP in this process."""
-    from megatron.core.dist_checkpointing import ShardedTensor, load
-    from megatron.core.dist_checkpointing.serialization import read_metadata
-
-    common = load_state_dict_file(os.path.join(iteration_dir, "common.pt"), context=f"--load {load_dir}")
-    args = common.get("args")
-    if args is None:
-        raise CheckpointLayoutError(f"{iteration_dir}/common.pt: no saved 'args' (model shape unknown)")
-    metadata = read_metadata(iteration_dir)
-    state, wanted = {}, []
-    for key, md in metadata.state_dict_metadata.items():
-        if key.startswith("optimizer.") or not hasattr(md, "size"):
-            continue
-        state[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        wanted.append(ShardedTensor(key, state[key], tuple(md.size), (0,) * len(md.size)))
-    load(wanted, iteration_dir, metadata=metadata)
-    layout = common.get("parallel_layout", {})
-    return state, args, {"tp": layout.get("tensor_model_parallel_size", 1),
-                         "pp": layout.get("pipeline_model_parallel_size", 1), "iteration_dir": iteration_dir}
 
 
 def split_tp(state: dict, tp: int, swiglu: bool) -> List[dict]:
