@@ -62,7 +62,7 @@ def test_tp2_to_tp1_to_pp2_trains_on_like_the_original(original, shared_data, sh
     printed = capsys.readouterr().out
     assert "optimizer state: converted" in printed and "--no-load-rng" in printed
     assert convert.main(["--load-dir", str(tp1), "--save-dir", str(pp2), "--target-pipeline-parallel-size", "2"]) == 0
-    assert sorted(os.listdir(pp2 / "iter_0000002")) == ["mp_rank_00_000", "mp_rank_00_001"]
+    assert sorted(os.listdir(pp2 / "iter_0000002")) == ["integrity_manifest.json", "mp_rank_00_000", "mp_rank_00_001"]
     assert (pp2 / "latest_checkpointed_iteration.txt").read_text() == "2"
     # Iteration 3's loss checks the weights, iteration 4's also the converted Adam moments and scheduler.
     _assert_losses_match(expected, run_pretrain(1, [*FLAGS, "--load", str(tp1), "--no-load-rng"], shared_data,
@@ -77,7 +77,7 @@ def _rank_dicts(folder):
 
     iteration_dir = convert.find_iteration_dir(str(folder))
     return {name: load_state_dict_file(os.path.join(iteration_dir, name, "model_optim_rng.pt"))
-            for name in sorted(os.listdir(iteration_dir))}
+            for name in sorted(os.listdir(iteration_dir)) if name.startswith("mp_rank_")}
 
 
 def _assert_same(a, b, where=""):

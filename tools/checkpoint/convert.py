@@ -59,7 +59,7 @@ from legacy_checkpoint import (  # noqa: E402
     split_tp,
 )
 from megatron.core.transformer.pipeline_layout import pipeline_layer_counts, pipeline_layer_offset  # noqa: E402
-from megatron.training import checkpointing  # noqa: E402
+from megatron.training import checkpoint_integrity, checkpointing  # noqa: E402
 from megatron.training.checkpointing import (  # noqa: E402
     CHECKPOINT_BASENAME,
     CHECKPOINT_VERSION,
@@ -557,7 +557,8 @@ def _rank_optimizer(optimizer: OptimizerState, params) -> dict:
 
 def write_legacy(full: FullCheckpoint, save_dir: str, target: TargetLayout, keep_rng: bool) -> str:
     """Write ``full`` at ``target`` in the legacy layout under ``save_dir``, atomically; returns the
-    iteration folder. An existing folder of the same iteration is replaced; the tracker moves last."""
+    iteration folder. An existing folder of the same iteration is replaced; the tracker moves last
+    (checkpoint_integrity.publish_iteration: integrity manifest, atomic swap, tracker)."""
     rank_dicts = build_rank_state_dicts(full, target, keep_rng)
     dirname = "release" if full.release else f"iter_{full.iteration:07d}"
     os.makedirs(save_dir, exist_ok=True)
@@ -567,11 +568,10 @@ def write_legacy(full: FullCheckpoint, save_dir: str, target: TargetLayout, keep
         for (t, p), state_dict in rank_dicts.items():
             rank_dir = f"mp_rank_{t:02d}" if target.pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
             checkpointing._write_durably(state_dict, os.path.join(tmp_dir, rank_dir, CHECKPOINT_BASENAME))
-        checkpointing._replace_dir(tmp_dir, final_dir)
+        checkpoint_integrity.publish_iteration(save_dir, tmp_dir, full.iteration, release=full.release)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
-    checkpointing._write_tracker(save_dir, "release" if full.release else str(full.iteration))
     return final_dir
 
 
