@@ -72,6 +72,23 @@ def test_tp2_to_tp1_to_pp2_trains_on_like_the_original(original, shared_data, sh
                                                 tmp_path / "run_pp2"))
 
 
+@pytest.mark.timeout(300)
+def test_bf16_tp2_to_pp2_converts_the_fp32_main_params(shared_data, shakespeare_prefix, tmp_path):
+    """The mixed-precision optimizer's fp32 main params and moments follow their params to the new layout
+    (iteration 4's loss depends on them; bf16 TP=2 and TP=1 differ by rounding, 2e-6 here)."""
+    bf16 = [*FLAGS, "--bf16"]
+    out = run_pretrain(2, [*bf16, "--tensor-model-parallel-size", "2", "--save-interval", "2", "--save",
+                           str(tmp_path / "tp2")], shared_data, shakespeare_prefix, tmp_path / "run")
+    assert convert.main(["--load-dir", str(tmp_path / "tp2"), "--ckpt-step", "2", "--save-dir", str(tmp_path / "pp2"),
+                         "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "2"]) == 0
+    stage = _rank_dicts(tmp_path / "pp2")["mp_rank_00_001"]["optimizer"]
+    assert [len(g) for g in stage["fp32_from_fp16_params"]] == [len(g["params"]) for g in stage["optimizer"]["param_groups"]]
+    assert all(t.dtype == torch.float32 for g in stage["fp32_from_fp16_params"] for t in g)
+    _assert_losses_match(losses_from_log(out), run_pretrain(2, [*bf16, "--pipeline-model-parallel-size", "2", "--load",
+                                                                str(tmp_path / "pp2"), "--no-load-rng"], shared_data,
+                                                            shakespeare_prefix, tmp_path / "run_pp2"))
+
+
 def _rank_dicts(folder):
     from megatron.training.checkpointing import load_state_dict_file
 
@@ -168,3 +185,70 @@ def test_failed_write_leaves_no_partial_output(original, tmp_path, monkeypatch):
         convert.main(["--load-dir", str(checkpoint), "--save-dir", str(save), "--target-tensor-parallel-size", "1",
                       "--target-pipeline-parallel-size", "2"])
     assert len(calls) == 2 and os.listdir(save) == []
+
+
+@pytest.mark.timeout(120)
+def test_export_hf_reads_any_layout_through_the_converter(original, tmp_path):
+    """export_hf.py reads checkpoints with convert.py's reader: the interleaved PP=2 x VP=2 copy and the
+    torch_dist copy of the TP=2 checkpoint export to the same Hugging Face tensors."""
+    pytest.importorskip("transformers")
+    safetensors = pytest.importorskip("safetensors.torch")
+    export_hf = _load_tool("export_hf")
+    checkpoint, _ = original
+    interleaved = tmp_path / "vp"
+    assert convert.main(["--load-dir", str(checkpoint), "--save-dir", str(interleaved), "--target-tensor-parallel-size",
+                         "1", "--target-pipeline-parallel-size", "2",
+                         "--target-num-virtual-stages-per-pipeline-rank", "2"]) == 0
+    folders = [("tp2", checkpoint), ("vp", interleaved)]
+    if importlib.util.find_spec("megatron.core.dist_checkpointing") is not None:
+        assert convert.main(["--load-dir", str(checkpoint), "--save-dir", str(tmp_path / "dist"),
+                             "--target-ckpt-format", "torch_dist"]) == 0
+        folders.append(("dist", tmp_path / "dist"))
+    exported = {}
+    for name, folder in folders:
+        assert export_hf.main(["--load", str(folder), "--save", str(tmp_path / f"hf_{name}"), "--vocab-size",
+                               "50257", "--no-tokenizer"]) == 0
+        exported[name] = safetensors.load_file(str(tmp_path / f"hf_{name}" / "model.safetensors"))
+    for name in exported:
+        _assert_same(exported["tp2"], exported[name], f"hf from {name}")
+    assert exported["vp"]["transformer.wte.weight"].shape == (50257, 32)
+
+
+@pytest.mark.timeout(120)
+def test_legacy_to_torch_dist_and_back_is_bit_exact(original, tmp_path):
+    """torch (TP=2) -> torch_dist -> torch (TP=2): model, Adam moments and step, param groups, scheduler and
+    counters come back bit for bit; the torch_dist copy holds global tensors under layout-free keys."""
+    pytest.importorskip("megatron.core.dist_checkpointing.serialization")
+    checkpoint, _ = original
+    dist_dir, back = tmp_path / "dist", tmp_path / "back"
+    assert convert.main(["--load-dir", str(checkpoint), "--ckpt-step", "2", "--save-dir", str(dist_dir),
+                         "--target-ckpt-format", "torch_dist"]) == 0
+    assert convert.detect_format(str(dist_dir)) == "torch_dist"
+    full = convert.read_checkpoint(str(dist_dir))
+    assert full.model["decoder.layers.3.mlp.linear_fc1.weight"].shape == (128, 32)
+    assert full.optimizer.param_state["decoder.layers.3.mlp.linear_fc1.weight"]["exp_avg"].shape == (128, 32)
+    assert convert.main(["--load-dir", str(dist_dir), "--save-dir", str(back)]) == 0
+    result = _rank_dicts(back)
+    assert sorted(result) == ["mp_rank_00", "mp_rank_01"]
+    for name in result:
+        source = convert.load_state_dict_file(str(checkpoint / "iter_0000002" / name / "model_optim_rng.pt"))
+        for key in ("model", "optimizer", "opt_param_scheduler", "iteration", "num_floating_point_operations_so_far"):
+            _assert_same(source[key], result[name][key], f"{name}/{key}")
+        assert vars(result[name]["args"])["consumed_train_samples"] == 16
+
+
+def test_damaged_source_file_is_refused_by_name(original, tmp_path, capsys):
+    """A byte flipped in a rank file fails the integrity manifest check, naming the file."""
+    import shutil
+
+    checkpoint, _ = original
+    copy = tmp_path / "copy"
+    shutil.copytree(checkpoint, copy)
+    damaged = copy / "iter_0000004" / "mp_rank_01" / "model_optim_rng.pt"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    damaged.write_bytes(bytes(data))
+    assert convert.main(["--load-dir", str(copy), "--save-dir", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert f"--load-dir {copy}" in err and f"{damaged} is corrupt" in err, err
+    assert not (tmp_path / "out").exists()

@@ -28,8 +28,10 @@ x TP) the embedding and output rows are cut, or extended by repeating the last r
 their Adam moments are zero-filled); the padded rows take part in the softmax, so the loss then
 moves slightly. The true vocabulary size comes from ``--true-vocab-size`` or the checkpoint's tokenizer.
 
-The output is written atomically: every file goes to a hidden temporary folder inside ``--save-dir``,
-which is renamed to ``iter_XXXXXXX`` (or ``release``) once complete; the tracker file is replaced last.
+The source's files are checked against its integrity manifest first (``--no-verify-checkpoint`` skips
+it). The output is published as training publishes a save: every file goes to a hidden temporary folder
+inside ``--save-dir``, gets an integrity manifest and is fsynced, the folder becomes ``iter_XXXXXXX``
+(or ``release``), and the tracker file is replaced last.
 
 Usage::
 
@@ -42,6 +44,7 @@ import argparse
 import os
 import shutil
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -68,6 +71,7 @@ from megatron.training.checkpointing import (  # noqa: E402
 )
 
 CKPT_FORMATS = ("torch", "torch_dist")
+_SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 _VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 _TIED_OUTPUT = "output_layer.weight"
 _EMBEDDING = "embedding.word_embeddings.weight"
@@ -319,19 +323,175 @@ def _merge_optimizer_block(state: OptimizerState, per_rank, offset: int, model_c
                 [{local: rank[1][local]} for rank in per_rank], swiglu)[local]
 
 
-def read_checkpoint(load_dir: str, iteration: Optional[int] = None, with_optimizer: bool = True) -> FullCheckpoint:
-    """Read a checkpoint of either format (detected) as one FullCheckpoint (see :func:`read_legacy`)."""
+def read_checkpoint(load_dir: str, iteration: Optional[int] = None, with_optimizer: bool = True,
+                    verify: bool = True) -> FullCheckpoint:
+    """Read a checkpoint of either format (detected) as one FullCheckpoint (see :func:`read_legacy`).
+
+    With ``verify`` the files are first checked against the checkpoint's integrity manifest (size and
+    CRC-32; checkpoints written without one are read as they are): ConvertError names a damaged file.
+    """
     if not os.path.isdir(load_dir):
         raise ConvertError(f"--load-dir {load_dir}: no such directory")
     ckpt_format = detect_format(load_dir, iteration)
+    if verify:
+        problems, _ = checkpoint_integrity.verify_directory(find_iteration_dir(load_dir, iteration))
+        if problems:
+            raise ConvertError(f"--load-dir {load_dir}: the checkpoint does not match its "
+                               f"{checkpoint_integrity.MANIFEST_FILENAME}: {'; '.join(problems[:5])}")
     if ckpt_format == "torch":
         return read_legacy(load_dir, iteration, with_optimizer)
     return _read_torch_dist(load_dir, iteration, with_optimizer)
 
 
+COMMON_BASENAME = "common.pt"  # torch_dist: args, counters, scheduler, optimizer hyper-parameters (rank 0)
+_OPTIMIZER_PREFIX = "optimizer.state."
+_MAIN_PARAM = "fp32_param"
+_LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+# The order of a layer's state-dict entries in TransformerLayer (others follow, sorted).
+_LAYER_ORDER = ["input_layernorm.weight", "input_layernorm.bias", "self_attention.q_layernorm.weight",
+                "self_attention.q_layernorm.bias", "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias"]
+for _module in _LINEAR_MODULES:
+    _LAYER_ORDER += [f"{_module}.weight", f"{_module}.bias", f"{_module}._extra_state"]
+    if _module == "self_attention.linear_proj":
+        _LAYER_ORDER += ["pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias"]
+
+
+def _model_order(key: str):
+    """Sort key putting full-model state-dict keys in GPTModel's order (embedding, layers, final norm, output)."""
+    layer = _layer_of(key)
+    if layer is not None:
+        suffix = _LAYER_KEY.match(key).group(2)
+        return (1, layer, _LAYER_ORDER.index(suffix) if suffix in _LAYER_ORDER else len(_LAYER_ORDER), suffix)
+    module, _, leaf = key.rpartition(".")
+    leaf_rank = {"weight": 0, "bias": 1, "_extra_state": 2}.get(leaf, 3)
+    if key.startswith("embedding."):
+        return (0, 0 if "word_embeddings" in key else 1, leaf_rank, key)
+    return (2, 0 if key.startswith("decoder.") else 1, leaf_rank, key)
+
+
+def _with_extra_state(model: Dict[str, Any]) -> Dict[str, Any]:
+    """``model`` plus the ``_extra_state`` (None) entries of its linear layers, which torch_dist does not store
+    and a strict ``load_state_dict`` of the legacy format expects, in GPTModel's order."""
+    out = dict(model)
+    for key in model:
+        for module in _LINEAR_MODULES:
+            if key.endswith(f".{module}.weight"):
+                out.setdefault(key[:-len("weight")] + "_extra_state", None)
+    out.setdefault("output_layer._extra_state", None)
+    return {key: out[key] for key in sorted(out, key=_model_order)}
+
+
+def _group_signature(name: str, ndim: int, args) -> tuple:
+    """(wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr) of a param, by the rules of
+    ``megatron.core.optimizer._get_param_groups`` with pretrain_gpt.py's no-weight-decay condition."""
+    from megatron.training.training import _no_weight_decay_cond
+
+    no_wd = _no_weight_decay_cond(args)(name, torch.empty((1,) * ndim, device="meta"))
+    decoupled = getattr(args, "decoupled_lr", None) is not None and name in _VOCAB_KEYS
+    return (0.0 if no_wd else 1.0, 1.0, False, decoupled)
+
+
+def _signature_of_group(group: dict) -> tuple:
+    return tuple(group.get(k) for k in ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr"))
+
+
 def _read_torch_dist(load_dir, iteration, with_optimizer) -> FullCheckpoint:
-    raise ConvertError(f"--load-dir {load_dir}: reading --ckpt-format torch_dist checkpoints is not available in "
-                       "this version")
+    """Read a torch_dist checkpoint (torch.distributed.checkpoint files + ``common.pt``) as one FullCheckpoint,
+    with ``megatron.core.dist_checkpointing``'s reader, in one process: every tensor is read whole.
+
+    Its tensors are already global (keys with global layer numbers, global shapes), so no merging is
+    needed; the optimizer's param groups are rebuilt from the saved hyper-parameters by the rules
+    that built them (weight decay by name and dimension). Raises ConvertError naming the folder.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    iteration_dir = find_iteration_dir(load_dir, iteration)
+    common_name = os.path.join(iteration_dir, COMMON_BASENAME)
+    if not os.path.isfile(common_name):
+        raise ConvertError(f"--load-dir {load_dir}: torch_dist checkpoint {iteration_dir} has no {COMMON_BASENAME}")
+    common = load_state_dict_file(common_name, f"--load-dir {load_dir}")
+    args = common.get("args")
+    if args is None:
+        raise ConvertError(f"{common_name}: no saved 'args' (the model shape is unknown)")
+    stored = serialization.read_metadata(iteration_dir).state_dict_metadata
+    tensors = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in stored.items()
+               if isinstance(md, TensorStorageMetadata)
+               and (with_optimizer or not key.startswith(_OPTIMIZER_PREFIX))}
+    with warnings.catch_warnings():  # this tool reads torch_dist checkpoints whole, in one process, on purpose
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+        serialization.load([ShardedTensor(key, t, tuple(t.shape), (0,) * t.dim()) for key, t in tensors.items()],
+                           iteration_dir)
+    release = os.path.basename(iteration_dir) == "release"
+    layout = common.get("parallel_layout") or {}
+    tp = layout.get("tensor_model_parallel_size", getattr(args, "tensor_model_parallel_size", 1))
+    pp = layout.get("pipeline_model_parallel_size", getattr(args, "pipeline_model_parallel_size", 1))
+    vp = layout.get("virtual_pipeline_model_parallel_size") or 1
+    model = _with_extra_state({k: v for k, v in tensors.items() if not k.startswith(_OPTIMIZER_PREFIX)})
+    if _tied(args):
+        model.pop(_TIED_OUTPUT, None)
+    full = FullCheckpoint(
+        model=model, args=args, iteration=0 if release else int(common.get("iteration", 0)), release=release,
+        layout={"tp": tp, "pp": pp, "vp": vp, "counts": None}, scheduler=common.get("opt_param_scheduler"),
+        num_floating_point_operations_so_far=common.get("num_floating_point_operations_so_far", 0))
+    train_state = common.get("train_state") or {}
+    for name in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
+        if name in train_state:
+            setattr(full.args, name, train_state[name])
+    if os.path.isdir(os.path.join(iteration_dir, "rng")):
+        full.notes.append("the RNG states of a torch_dist checkpoint belong to its global ranks and were not "
+                          "converted: load the result with --no-load-rng")
+    if not with_optimizer:
+        return full
+    if "optimizer" not in common:
+        full.notes.append("the source holds no optimizer state (saved with --no-save-optim): load the result with "
+                          "--no-load-optim")
+        full.scheduler = None
+        return full
+    saved_groups = common["optimizer"]["param_groups"]
+    index_of = {}
+    for index, group in enumerate(saved_groups):
+        index_of.setdefault(_signature_of_group(group), index)
+    param_state: Dict[str, Dict[str, Any]] = {}
+    main_params: Dict[str, torch.Tensor] = {}
+    for key, value in tensors.items():
+        if not key.startswith(_OPTIMIZER_PREFIX):
+            continue
+        name, _, state_key = key[len(_OPTIMIZER_PREFIX):].rpartition(".")
+        if state_key == _MAIN_PARAM:
+            main_params[name] = value
+        else:
+            param_state.setdefault(name, {})[state_key] = value
+    state = OptimizerState(kind="float16" if main_params else "fp32", param_state={}, groups=[], group_of={},
+                           main_params={} if main_params else None, grad_scaler=common["optimizer"].get("grad_scaler"))
+    group_index: Dict[int, int] = {}
+    for name, value in full.model.items():
+        if not torch.is_tensor(value):
+            continue
+        signature = _group_signature(name, value.dim(), args)
+        if signature not in index_of:
+            full.notes.append(f"the optimizer's param groups cannot be rebuilt ({name} fits none of the saved groups); "
+                              "the optimizer state and scheduler were dropped: load the result with --no-load-optim")
+            full.scheduler = None
+            return full
+        saved = index_of[signature]
+        if saved not in group_index:
+            group_index[saved] = len(state.groups)
+            state.groups.append({k: v for k, v in saved_groups[saved].items() if k not in ("params", "step")})
+        state.group_of[name] = group_index[saved]
+        entry = dict(param_state.get(name, {}))
+        step = saved_groups[saved].get("step")
+        if entry and step is not None:
+            entry["step"] = torch.tensor(float(step), dtype=torch.float32)
+        state.param_state[name] = entry
+        if main_params:
+            if name not in main_params:
+                raise ConvertError(f"--load-dir {load_dir}: {iteration_dir} has fp32 main params but none for {name}")
+            state.main_params[name] = main_params[name]
+    full.optimizer = state
+    return full
 
 
 # ----------------------------------------------------------------------------------------------- relayout
@@ -557,17 +717,17 @@ def _rank_optimizer(optimizer: OptimizerState, params) -> dict:
 
 def write_legacy(full: FullCheckpoint, save_dir: str, target: TargetLayout, keep_rng: bool) -> str:
     """Write ``full`` at ``target`` in the legacy layout under ``save_dir``, atomically; returns the
-    iteration folder. An existing folder of the same iteration is replaced; the tracker moves last
-    (checkpoint_integrity.publish_iteration: integrity manifest, atomic swap, tracker)."""
+    iteration folder. An existing folder of the same iteration is replaced; the tracker moves last."""
     rank_dicts = build_rank_state_dicts(full, target, keep_rng)
-    dirname = "release" if full.release else f"iter_{full.iteration:07d}"
-    os.makedirs(save_dir, exist_ok=True)
+    dirname = checkpoint_integrity.iteration_dirname(full.iteration, full.release)
+    checkpoint_integrity.prepare_save_dir(save_dir)
     tmp_dir = os.path.join(save_dir, f".{dirname}.tmp-{os.getpid()}")
     final_dir = os.path.join(save_dir, dirname)
     try:
         for (t, p), state_dict in rank_dicts.items():
             rank_dir = f"mp_rank_{t:02d}" if target.pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
             checkpointing._write_durably(state_dict, os.path.join(tmp_dir, rank_dir, CHECKPOINT_BASENAME))
+        # The same publish as training's save: manifest, fsync, directory swap, tracker last.
         checkpoint_integrity.publish_iteration(save_dir, tmp_dir, full.iteration, release=full.release)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -589,36 +749,107 @@ def convert(cli: argparse.Namespace) -> dict:
         raise ConvertError(f"--target-ckpt-format {cli.target_ckpt_format!r}: choose one of {', '.join(CKPT_FORMATS)}")
     if os.path.abspath(cli.load_dir) == os.path.abspath(cli.save_dir):
         raise ConvertError(f"--save-dir {cli.save_dir} is the --load-dir: write the converted checkpoint elsewhere")
-    full = read_checkpoint(cli.load_dir, cli.ckpt_step, with_optimizer=not cli.no_save_optim)
+    source_format = detect_format(cli.load_dir, cli.ckpt_step) if os.path.isdir(cli.load_dir) else None
+    full = read_checkpoint(cli.load_dir, cli.ckpt_step, with_optimizer=not cli.no_save_optim,
+                           verify=not cli.no_verify_checkpoint)
     if cli.no_save_optim:
         full.scheduler = None
     target = plan_target(full, cli.target_tensor_parallel_size, cli.target_pipeline_parallel_size,
                          cli.target_num_virtual_stages_per_pipeline_rank, cli.target_decoder_first_pipeline_num_layers,
                          cli.target_decoder_last_pipeline_num_layers)
-    if target.tp != full.layout["tp"]:
+    to_legacy = cli.target_ckpt_format == "torch"
+    # torch_dist loads any vocabulary padding (the rows both sides have); the legacy format needs the target's.
+    if to_legacy and target.tp != full.layout["tp"]:
         true_vocab = true_vocab_size_of(full.args, cli.true_vocab_size)
         resize_vocab(full, _padded_vocab_size(true_vocab, full.args, target.tp))
-    keep_rng = _same_layout(full, target)
-    if not keep_rng and full.rng_states is not None:
-        full.notes.append("the RNG states belong to the source's (tensor, pipeline) ranks and were dropped: load the "
-                          "result with --no-load-rng")
+    keep_rng = to_legacy and full.rng_states is not None and _same_layout(full, target)
+    if full.rng_states is not None and not keep_rng:
+        full.notes.append("the RNG states belong to the source's (tensor, pipeline) ranks and were not converted: "
+                          + ("load the result with --no-load-rng" if to_legacy else
+                             "a load keeps the seeded RNG (with a warning)"))
     try:
         if cli.target_ckpt_format == "torch":
             written = write_legacy(full, cli.save_dir, target, keep_rng)
         else:
-            written = _write_torch_dist(full, cli.save_dir, target, keep_rng)
+            written = write_torch_dist(full, cli.save_dir, target)
     except ValueError as error:
         raise ConvertError(f"--target-tensor-parallel-size {target.tp}: {error}") from None
-    return {"from": dict(full.layout, format=detect_format(cli.load_dir, cli.ckpt_step)),
+    return {"from": dict(full.layout, format=source_format),
             "to": {"tp": target.tp, "pp": target.pp, "vp": target.vp, "counts": target.counts,
                    "format": cli.target_ckpt_format},
             "iteration": "release" if full.release else full.iteration, "written": written,
-            "optimizer": full.optimizer is not None, "rng": keep_rng and full.rng_states is not None,
+            "optimizer": full.optimizer is not None, "rng": keep_rng,
             "notes": full.notes}
 
 
-def _write_torch_dist(full, save_dir, target, keep_rng) -> str:
-    raise ConvertError("--target-ckpt-format torch_dist is not available in this version")
+def _torch_dist_common(full: FullCheckpoint, target: "TargetLayout") -> dict:
+    """``common.pt`` of the converted torch_dist checkpoint (the format of
+    ``megatron.training.checkpointing._torch_dist_common_state``)."""
+    args = _target_args(full, target)
+    counters = {"iteration": full.iteration, "num_floating_point_operations_so_far":
+                int(full.num_floating_point_operations_so_far or 0)}
+    for name in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
+        counters[name] = int(getattr(args, name, 0) or 0)
+    common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "ckpt_format": "torch_dist",
+              "iteration": full.iteration, "train_state": counters,
+              "num_floating_point_operations_so_far": counters["num_floating_point_operations_so_far"],
+              # No layout equals this one, so a load never looks for RNG files (none are written).
+              "parallel_layout": None}
+    optimizer = full.optimizer
+    if optimizer is not None:
+        params = [(name, name, optimizer.param_state[name], None) for name in full.model
+                  if name in optimizer.param_state]
+        groups = _rank_optimizer(OptimizerState("fp32", optimizer.param_state, optimizer.groups, optimizer.group_of),
+                                 params)["param_groups"]
+        saved_groups = []
+        for group in groups:
+            steps = [float(optimizer.param_state[name]["step"]) for name in group["params"]
+                     if torch.is_tensor(optimizer.param_state[name].get("step"))]
+            saved_groups.append({**{k: v for k, v in group.items() if k != "params"},
+                                 "step": max(steps) if steps else None})
+        common["optimizer"] = {"param_groups": saved_groups}
+        if optimizer.grad_scaler is not None:
+            common["optimizer"]["grad_scaler"] = optimizer.grad_scaler
+        if full.scheduler is not None:
+            common["opt_param_scheduler"] = full.scheduler
+    return common
+
+
+def write_torch_dist(full: FullCheckpoint, save_dir: str, target: "TargetLayout") -> str:
+    """Write ``full`` as a torch_dist checkpoint (whole tensors, written by this one process with
+    ``megatron.core.dist_checkpointing``), atomically; returns the iteration folder. It loads at any
+    TP/PP/DP layout; ``target`` only sets the layout recorded in the saved args."""
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    def sharded(key, tensor):
+        tensor = tensor.contiguous()
+        return ShardedTensor(key, tensor, tuple(tensor.shape), (0,) * tensor.dim())
+
+    items = [sharded(key, value) for key, value in full.model.items() if torch.is_tensor(value)]
+    if full.optimizer is not None:
+        for name, entry in full.optimizer.param_state.items():
+            for state_key, value in entry.items():
+                if torch.is_tensor(value) and tuple(value.shape) == tuple(full.model[name].shape):
+                    items.append(sharded(f"{_OPTIMIZER_PREFIX}{name}.{state_key}", value))
+        for name, value in (full.optimizer.main_params or {}).items():
+            items.append(sharded(f"{_OPTIMIZER_PREFIX}{name}.{_MAIN_PARAM}", value))
+    dirname = checkpoint_integrity.iteration_dirname(full.iteration, full.release)
+    checkpoint_integrity.prepare_save_dir(save_dir)
+    tmp_dir = os.path.join(save_dir, f".{dirname}.tmp-{os.getpid()}")
+    final_dir = os.path.join(save_dir, dirname)
+    try:
+        os.makedirs(tmp_dir)
+        with warnings.catch_warnings():  # written whole, in one process, on purpose
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+            serialization.save(items, tmp_dir)
+        checkpointing._write_durably(_torch_dist_common(full, target), os.path.join(tmp_dir, COMMON_BASENAME))
+        # The same publish as training's save: manifest, fsync, directory swap, tracker last.
+        checkpoint_integrity.publish_iteration(save_dir, tmp_dir, full.iteration, release=full.release)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return final_dir
 
 
 def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -645,6 +876,8 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--true-vocab-size", type=int, default=None,
                         help="unpadded vocabulary size, needed when TP changes the padding and the checkpoint's "
                              "tokenizer files cannot be found (default: from the tokenizer)")
+    parser.add_argument("--no-verify-checkpoint", action="store_true",
+                        help="do not check the source's files against its integrity manifest (CRC-32)")
     parser.add_argument("--no-save-optim", action="store_true",
                         help="do not convert the optimizer state and scheduler (load the result with --no-load-optim)")
     return parser.parse_args(argv)

@@ -19,7 +19,6 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 import torch  # noqa: E402
 
-from megatron.training import checkpoint_integrity  # noqa: E402
 from megatron.training.checkpointing import (  # noqa: E402
     CHECKPOINT_BASENAME,
     CHECKPOINT_VERSION,
@@ -42,8 +41,7 @@ class CheckpointLayoutError(ValueError):
 def find_iteration_dir(load_dir: str, iteration: Optional[int] = None) -> str:
     """The ``iter_*``/``release`` folder to read: ``iteration`` if given, else the tracker file's.
 
-    Raises CheckpointLayoutError naming ``load_dir`` when there is none, and naming the damaged file when
-    the folder's files do not match its integrity manifest (missing, other size or CRC-32).
+    Raises CheckpointLayoutError naming ``load_dir`` when there is none.
     """
     if iteration is not None:
         path = os.path.join(load_dir, f"iter_{iteration:07d}")
@@ -55,10 +53,6 @@ def find_iteration_dir(load_dir: str, iteration: Optional[int] = None) -> str:
         path = os.path.join(load_dir, "release" if text == "release" else f"iter_{int(text):07d}")
     if not os.path.isdir(path):
         raise CheckpointLayoutError(f"--load {load_dir}: checkpoint folder {path} does not exist")
-    problems, _ = checkpoint_integrity.verify_directory(path)
-    if problems:
-        raise CheckpointLayoutError(f"--load {load_dir}: checkpoint folder {path} is incomplete or corrupt: "
-                                    + "; ".join(problems))
     return path
 
 
