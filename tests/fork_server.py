@@ -32,9 +32,13 @@ import time
 import traceback
 
 GRACE_S = 15.0  # between SIGTERM and SIGKILL for the surviving ranks of a failed launch
-PRELOAD = ("torch", "torch.distributed", "numpy", "megatron.training.training", "megatron.core.models.gpt",
-           "megatron.core.datasets.gpt_dataset", "megatron.core.datasets.blended_megatron_dataset_builder",
-           "torch.utils.tensorboard", "pytest")
+# What a pretrain_gpt.py rank imports by the end of its run (torch._dynamo: the first optimizer's
+# constructor; tiktoken: the GPT-2 tokenizer), the telemetry SDK and the tools the tests' functions use.
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.profiler", "numpy", "megatron.training.training",
+           "megatron.core.models.gpt", "megatron.core.datasets.gpt_dataset",
+           "megatron.core.datasets.blended_megatron_dataset_builder", "megatron.core.tokenizers.gpt2_bpe",
+           "tiktoken", "sentencepiece", "megatron.core.telemetry.providers", "torch.utils.tensorboard",
+           "tensorboard.backend.event_processing.event_accumulator", "pytest")
 
 
 def send(sock, obj):
