@@ -216,8 +216,9 @@ def test_export_hf_reads_any_layout_through_the_converter(original, tmp_path):
 
 @pytest.mark.timeout(120)
 def test_legacy_to_torch_dist_and_back_is_bit_exact(original, tmp_path):
-    """torch (TP=2) -> torch_dist -> torch (TP=2): model, Adam moments and step, param groups, scheduler and
-    counters come back bit for bit; the torch_dist copy holds global tensors under layout-free keys."""
+    """torch (TP=2) -> torch_dist -> torch (TP=2): model, Adam moments and step, param groups, scheduler,
+    counters and (same layout, one data-parallel rank) RNG states come back bit for bit; the torch_dist
+    copy holds global tensors under layout-free keys."""
     pytest.importorskip("megatron.core.dist_checkpointing.serialization")
     checkpoint, _ = original
     dist_dir, back = tmp_path / "dist", tmp_path / "back"
@@ -227,12 +228,14 @@ def test_legacy_to_torch_dist_and_back_is_bit_exact(original, tmp_path):
     full = convert.read_checkpoint(str(dist_dir))
     assert full.model["decoder.layers.3.mlp.linear_fc1.weight"].shape == (128, 32)
     assert full.optimizer.param_state["decoder.layers.3.mlp.linear_fc1.weight"]["exp_avg"].shape == (128, 32)
+    assert sorted(os.listdir(dist_dir / "iter_0000002" / "rng")) == ["rank_00000.pt", "rank_00001.pt"]
     assert convert.main(["--load-dir", str(dist_dir), "--save-dir", str(back)]) == 0
     result = _rank_dicts(back)
     assert sorted(result) == ["mp_rank_00", "mp_rank_01"]
     for name in result:
         source = convert.load_state_dict_file(str(checkpoint / "iter_0000002" / name / "model_optim_rng.pt"))
-        for key in ("model", "optimizer", "opt_param_scheduler", "iteration", "num_floating_point_operations_so_far"):
+        for key in ("model", "optimizer", "opt_param_scheduler", "rng_state", "iteration",
+                    "num_floating_point_operations_so_far"):
             _assert_same(source[key], result[name][key], f"{name}/{key}")
         assert vars(result[name]["args"])["consumed_train_samples"] == 16
 

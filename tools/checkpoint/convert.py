@@ -19,7 +19,8 @@ What is converted, exactly (no arithmetic on any value):
 What is not:
 
 - the RNG states: they are per (tensor, pipeline) rank and have no counterpart at another layout,
-  so they are kept only when the layout does not change; otherwise load with ``--no-load-rng``;
+  so they are kept only when the layout does not change (between formats: without data parallelism);
+  otherwise load with ``--no-load-rng`` (a torch_dist result loads without it, keeping the seeded RNG);
 - the distributed optimizer's ``distrib_optim.pt``: its flat buffers are laid out per data-parallel
   bucket of the source run; it is dropped with a message, load with ``--no-load-optim``.
 
@@ -395,6 +396,35 @@ def _signature_of_group(group: dict) -> tuple:
     return tuple(group.get(k) for k in ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr"))
 
 
+RNG_DIRNAME = "rng"  # torch_dist: rng/rank_<global rank:05d>.pt, one file per rank
+
+
+def _rank_of(t: int, p: int, tp: int) -> int:
+    """Global rank of (tensor rank t, pipeline rank p) with one data-parallel rank (order tp-cp-ep-dp-pp)."""
+    return t + tp * p
+
+
+def _torch_dist_layout(tp: int, pp: int, vp: int) -> dict:
+    """The ``parallel_layout`` entry of ``common.pt`` for a run of tp x pp ranks and no data parallelism."""
+    return {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "data_parallel_size": 1,
+            "virtual_pipeline_model_parallel_size": vp if vp > 1 else None, "world_size": tp * pp}
+
+
+def _read_torch_dist_rng(iteration_dir: str, layout: Optional[dict], context: str):
+    """{(tp rank, pp rank): rng_state list} of a torch_dist checkpoint saved without data parallelism, else None."""
+    if not layout or layout.get("data_parallel_size") != 1:
+        return None
+    tp, pp = layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"]
+    states = {}
+    for t in range(tp):
+        for p in range(pp):
+            name = os.path.join(iteration_dir, RNG_DIRNAME, f"rank_{_rank_of(t, p, tp):05d}.pt")
+            if not os.path.isfile(name):
+                return None
+            states[(t, p)] = load_state_dict_file(name, context)["rng_state"]
+    return states
+
+
 def _read_torch_dist(load_dir, iteration, with_optimizer) -> FullCheckpoint:
     """Read a torch_dist checkpoint (torch.distributed.checkpoint files + ``common.pt``) as one FullCheckpoint,
     with ``megatron.core.dist_checkpointing``'s reader, in one process: every tensor is read whole.
@@ -440,9 +470,17 @@ def _read_torch_dist(load_dir, iteration, with_optimizer) -> FullCheckpoint:
     for name in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
         if name in train_state:
             setattr(full.args, name, train_state[name])
-    if os.path.isdir(os.path.join(iteration_dir, "rng")):
-        full.notes.append("the RNG states of a torch_dist checkpoint belong to its global ranks and were not "
-                          "converted: load the result with --no-load-rng")
+    full.rng_states = _read_torch_dist_rng(iteration_dir, common.get("parallel_layout"), f"--load-dir {load_dir}")
+    if full.rng_states is not None:
+        full.layout["counts"] = pipeline_layer_counts(
+            args.num_layers, pp, layout.get("virtual_pipeline_model_parallel_size"),
+            getattr(args, "decoder_first_pipeline_num_layers", None),
+            getattr(args, "decoder_last_pipeline_num_layers", None),
+            bool(getattr(args, "account_for_embedding_in_pipeline_split", False)) and pp > 1,
+            bool(getattr(args, "account_for_loss_in_pipeline_split", False)) and pp > 1)
+    elif os.path.isdir(os.path.join(iteration_dir, RNG_DIRNAME)):
+        full.notes.append("the RNG states of this torch_dist checkpoint (saved with data parallelism) belong to its "
+                          "global ranks and were not converted: load the result with --no-load-rng")
     if not with_optimizer:
         return full
     if "optimizer" not in common:
@@ -762,7 +800,10 @@ def convert(cli: argparse.Namespace) -> dict:
     if to_legacy and target.tp != full.layout["tp"]:
         true_vocab = true_vocab_size_of(full.args, cli.true_vocab_size)
         resize_vocab(full, _padded_vocab_size(true_vocab, full.args, target.tp))
-    keep_rng = to_legacy and full.rng_states is not None and _same_layout(full, target)
+    # RNG states are per (tensor, pipeline) rank: kept only at the same layout (and, in torch_dist, for one
+    # data-parallel rank, whose global ranks are then known).
+    keep_rng = full.rng_states is not None and _same_layout(full, target) and (
+        to_legacy or int(getattr(full.args, "data_parallel_size", 1) or 1) == 1)
     if full.rng_states is not None and not keep_rng:
         full.notes.append("the RNG states belong to the source's (tensor, pipeline) ranks and were not converted: "
                           + ("load the result with --no-load-rng" if to_legacy else
@@ -771,7 +812,7 @@ def convert(cli: argparse.Namespace) -> dict:
         if cli.target_ckpt_format == "torch":
             written = write_legacy(full, cli.save_dir, target, keep_rng)
         else:
-            written = write_torch_dist(full, cli.save_dir, target)
+            written = write_torch_dist(full, cli.save_dir, target, keep_rng)
     except ValueError as error:
         raise ConvertError(f"--target-tensor-parallel-size {target.tp}: {error}") from None
     return {"from": dict(full.layout, format=source_format),
@@ -782,7 +823,7 @@ def convert(cli: argparse.Namespace) -> dict:
             "notes": full.notes}
 
 
-def _torch_dist_common(full: FullCheckpoint, target: "TargetLayout") -> dict:
+def _torch_dist_common(full: FullCheckpoint, target: "TargetLayout", keep_rng: bool) -> dict:
     """``common.pt`` of the converted torch_dist checkpoint (the format of
     ``megatron.training.checkpointing._torch_dist_common_state``)."""
     args = _target_args(full, target)
@@ -793,8 +834,9 @@ def _torch_dist_common(full: FullCheckpoint, target: "TargetLayout") -> dict:
     common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "ckpt_format": "torch_dist",
               "iteration": full.iteration, "train_state": counters,
               "num_floating_point_operations_so_far": counters["num_floating_point_operations_so_far"],
-              # No layout equals this one, so a load never looks for RNG files (none are written).
-              "parallel_layout": None}
+              # With RNG files: the layout they belong to; without: None, which no run's layout equals, so a
+              # load keeps its seeded RNG (with a warning) instead of looking for them.
+              "parallel_layout": _torch_dist_layout(target.tp, target.pp, target.vp) if keep_rng else None}
     optimizer = full.optimizer
     if optimizer is not None:
         params = [(name, name, optimizer.param_state[name], None) for name in full.model
@@ -815,10 +857,11 @@ def _torch_dist_common(full: FullCheckpoint, target: "TargetLayout") -> dict:
     return common
 
 
-def write_torch_dist(full: FullCheckpoint, save_dir: str, target: "TargetLayout") -> str:
+def write_torch_dist(full: FullCheckpoint, save_dir: str, target: "TargetLayout", keep_rng: bool = False) -> str:
     """Write ``full`` as a torch_dist checkpoint (whole tensors, written by this one process with
     ``megatron.core.dist_checkpointing``), atomically; returns the iteration folder. It loads at any
-    TP/PP/DP layout; ``target`` only sets the layout recorded in the saved args."""
+    TP/PP/DP layout; ``target`` sets the layout recorded in the saved args and, with ``keep_rng``, the
+    one the RNG files ``rng/rank_XXXXX.pt`` are written for (one data-parallel rank)."""
     from megatron.core.dist_checkpointing import serialization
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
@@ -843,7 +886,12 @@ def write_torch_dist(full: FullCheckpoint, save_dir: str, target: "TargetLayout"
         with warnings.catch_warnings():  # written whole, in one process, on purpose
             warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
             serialization.save(items, tmp_dir)
-        checkpointing._write_durably(_torch_dist_common(full, target), os.path.join(tmp_dir, COMMON_BASENAME))
+        common = _torch_dist_common(full, target, keep_rng)
+        checkpointing._write_durably(common, os.path.join(tmp_dir, COMMON_BASENAME))
+        if keep_rng:
+            for (t, p), rng_state in full.rng_states.items():
+                checkpointing._write_durably({"rng_state": rng_state, "parallel_layout": common["parallel_layout"]},
+                                             os.path.join(tmp_dir, RNG_DIRNAME, f"rank_{_rank_of(t, p, target.tp):05d}.pt"))
         # The same publish as training's save: manifest, fsync, directory swap, tracker last.
         checkpoint_integrity.publish_iteration(save_dir, tmp_dir, full.iteration, release=full.release)
     except BaseException:
