@@ -89,6 +89,20 @@ def test_bf16_tp2_to_pp2_converts_the_fp32_main_params(shared_data, shakespeare_
                                                             shakespeare_prefix, tmp_path / "run_pp2"))
 
 
+@pytest.mark.timeout(300)
+def test_distributed_optimizer_dp2_to_pp2(shared_data, shakespeare_prefix, tmp_path):
+    """The distributed optimizer's distrib_optim.pt (DP=2) is read per parameter by its param_index_map
+    and becomes the non-distributed optimizer's state at PP=2: the losses after loading match."""
+    out = run_pretrain(2, [*FLAGS, "--use-distributed-optimizer", "--save-interval", "2", "--save",
+                           str(tmp_path / "dp2")], shared_data, shakespeare_prefix, tmp_path / "run")
+    assert (tmp_path / "dp2" / "iter_0000002" / "mp_rank_00" / "distrib_optim.pt").is_file()
+    assert convert.main(["--load-dir", str(tmp_path / "dp2"), "--ckpt-step", "2", "--save-dir", str(tmp_path / "pp2"),
+                         "--target-pipeline-parallel-size", "2"]) == 0
+    _assert_losses_match(losses_from_log(out), run_pretrain(2, [*FLAGS, "--pipeline-model-parallel-size", "2", "--load",
+                                                                str(tmp_path / "pp2"), "--no-load-rng"], shared_data,
+                                                            shakespeare_prefix, tmp_path / "run_pp2"))
+
+
 def _rank_dicts(folder):
     from megatron.training.checkpointing import load_state_dict_file
 

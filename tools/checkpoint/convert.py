@@ -11,18 +11,19 @@ What is converted, exactly (no arithmetic on any value):
   ``legacy_checkpoint`` (column-, row- and vocabulary-parallel weights, SwiGLU halves), layers are
   renumbered over the pipeline stages (and interleaved virtual stages) of the target layout, the
   tied output weight of the last stage is rebuilt from the word embedding;
-- optimizer state of the (non-distributed) FP32 and mixed-precision optimizers: Adam moments (any
+- optimizer state of the FP32, mixed-precision and distributed optimizers: Adam moments (any
   per-param tensor of the param's shape) and fp32 main params follow the sharding of their param,
-  the param groups are rebuilt per target rank with the source's hyper-parameters;
-- iteration, consumed samples (in ``args``), FLOPs so far, the learning-rate scheduler.
+  the param groups are rebuilt per target rank with the source's hyper-parameters. The distributed
+  optimizer's ``distrib_optim.pt`` (flat buffers with a ``param_index_map``) is read per parameter and
+  written as the non-distributed optimizer's state (torch format: load it without
+  ``--use-distributed-optimizer``) or under torch_dist's global keys (which a distributed optimizer
+  loads at any data-parallel size);
+- iteration, consumed samples (in ``args``), FLOPs so far, the learning-rate scheduler, the grad scaler.
 
-What is not:
-
-- the RNG states: they are per (tensor, pipeline) rank and have no counterpart at another layout,
-  so they are kept only when the layout does not change (between formats: without data parallelism);
-  otherwise load with ``--no-load-rng`` (a torch_dist result loads without it, keeping the seeded RNG);
-- the distributed optimizer's ``distrib_optim.pt``: its flat buffers are laid out per data-parallel
-  bucket of the source run; it is dropped with a message, load with ``--no-load-optim``.
+What is not: the RNG states, which belong to one (tensor, pipeline) rank and have no counterpart at
+another layout. They are kept only when the layout does not change (between formats: without data
+parallelism); otherwise load the result with ``--no-load-rng`` (a torch_dist result loads without it
+and keeps the seeded RNG, with a warning).
 
 When the target tensor-parallel size changes the padded vocabulary size (``--make-vocab-size-divisible-by``
 x TP) the embedding and output rows are cut, or extended by repeating the last row (Megatron's rule;
@@ -254,12 +255,21 @@ def _read_optimizer(loaded, files, chunks, full: FullCheckpoint, swiglu: bool) -
         full.notes.append("the source holds no optimizer state (saved with --no-save-optim): load the result with "
                           "--no-load-optim")
         return None
-    if has_distrib or "distributed" in kinds or len(kinds) != 1:
-        full.notes.append("the distributed optimizer's state (distrib_optim.pt) is laid out per data-parallel bucket "
-                          "of the source run and is not converted: the optimizer state and the learning-rate "
-                          "scheduler were dropped, load the result with --no-load-optim")
-        full.scheduler = None
-        return None
+    if has_distrib or "distributed" in kinds:
+        try:
+            for rank, path in files.items():
+                loaded[rank] = dict(loaded[rank], optimizer=_plain_from_distributed(
+                    loaded[rank].get("optimizer"), os.path.join(os.path.dirname(path), DISTRIBUTED_OPTIMIZER_BASENAME),
+                    chunks[rank], full.args))
+        except ConvertError as error:
+            full.notes.append(f"the distributed optimizer's state was not converted ({error}): the optimizer state and "
+                              "the learning-rate scheduler were dropped, load the result with --no-load-optim")
+            full.scheduler = None
+            return None
+        kinds = {_optimizer_kind(ckpt.get("optimizer")) for ckpt in loaded.values()}
+    if len(kinds) != 1:
+        raise ConvertError(f"{os.path.dirname(os.path.dirname(files[(0, 0)]))}: its ranks hold optimizer states of "
+                           f"different kinds ({sorted(map(str, kinds))})")
     kind = kinds.pop()
     state = OptimizerState(kind=kind, param_state={}, groups=[], group_of={}, main_params={} if kind == "float16"
                            else None)
@@ -303,6 +313,60 @@ def _read_optimizer(loaded, files, chunks, full: FullCheckpoint, swiglu: bool) -
     if kind == "float16":
         state.grad_scaler = loaded[(0, 0)]["optimizer"].get("grad_scaler")
     return state
+
+
+def _plain_from_distributed(optimizer: Any, path: str, rank_chunks: List[dict], args) -> dict:
+    """One rank's distributed-optimizer state (``model_optim_rng.pt``'s groups and scaler plus
+    ``distrib_optim.pt``'s flat buffers with their ``param_index_map``) as the name-keyed state dict of the
+    non-distributed optimizer of the same precision (FP32Optimizer, or Float16OptimizerWithFloat16Params
+    with the buffers' fp32 ``param`` as main params). Param groups are rebuilt by the weight-decay rule.
+
+    Raises ConvertError naming the file when it is missing or does not match the model.
+    """
+    if not os.path.isfile(path):
+        raise ConvertError(f"{path} does not exist")
+    flat = load_state_dict_file(path)
+    index_map = flat.get("param_index_map") if isinstance(flat, dict) else None
+    if not index_map or not flat.get("buckets_coalesced"):
+        raise ConvertError(f"{path} is not in the coalesced-buckets layout with a param_index_map")
+    saved_groups = optimizer["optimizer"]["param_groups"]
+    index_of = {}
+    for index, group in enumerate(saved_groups):
+        index_of.setdefault(_signature_of_group(group), index)
+    vp = len(rank_chunks)
+    low_precision = any(torch.is_tensor(v) and v.dtype in (torch.float16, torch.bfloat16)
+                        for chunk in rank_chunks for v in chunk.values())
+    members: Dict[int, List[str]] = {}
+    state, mains = {}, {}
+    for buffer_index, ranges in index_map.items():
+        (world,) = flat[buffer_index].values()
+        for name, (start, end) in ranges.items():
+            chunk, local = _strip_chunk_prefix(name, vp)
+            if local not in rank_chunks[chunk]:
+                raise ConvertError(f"{path}: parameter {name} is not in the model state")
+            shape = rank_chunks[chunk][local].shape
+            if end - start != shape.numel():
+                raise ConvertError(f"{path}: parameter {name} has {end - start} elements, the model {shape.numel()}")
+            signature = _group_signature(local, len(shape), args)
+            if signature not in index_of:
+                raise ConvertError(f"{path}: parameter {name} fits none of the saved param groups")
+            group = index_of[signature]
+            members.setdefault(group, []).append(name)
+            entry = {key: world[key][start:end].view(shape).clone() for key in ("exp_avg", "exp_avg_sq")}
+            step = saved_groups[group].get("step")
+            if step is not None:
+                entry = {"step": torch.tensor(float(step), dtype=torch.float32), **entry}
+            state[name] = entry
+            mains[name] = world["param"][start:end].view(shape).clone()
+    groups = [{**{k: v for k, v in saved_groups[i].items() if k != "step"}, "params": members[i]}
+              for i in sorted(members)]
+    inner = {"state": state, "param_groups": groups}
+    if not low_precision:
+        return inner
+    result = {"optimizer": inner, "fp32_from_fp16_params": [[mains[n] for n in g["params"]] for g in groups]}
+    if "grad_scaler" in optimizer:
+        result["grad_scaler"] = optimizer["grad_scaler"]
+    return result
 
 
 def _merge_optimizer_block(state: OptimizerState, per_rank, offset: int, model_chunk: dict, swiglu: bool,
