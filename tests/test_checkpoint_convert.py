@@ -269,3 +269,24 @@ def test_damaged_source_file_is_refused_by_name(original, tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"--load-dir {copy}" in err and f"{damaged} is corrupt" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_tp4_pads_the_vocabulary_as_megatron(original, tmp_path):
+    """TP=4 pads GPT-2's 50257 tokens to a multiple of 64 x 4 = 50432 rows (50304 at TP=2): the new rows
+    repeat the last one (Megatron's converter), their Adam moments are zeros, the saved args say 50432."""
+    checkpoint, _ = original
+    assert convert.main(["--load-dir", str(checkpoint), "--save-dir", str(tmp_path / "tp4"),
+                         "--target-tensor-parallel-size", "4", "--true-vocab-size", "50257"]) == 0
+    shards = _rank_dicts(tmp_path / "tp4")
+    assert sorted(shards) == [f"mp_rank_{t:02d}" for t in range(4)]
+    embedding = torch.cat([shards[f"mp_rank_{t:02d}"]["model"]["embedding.word_embeddings.weight"] for t in range(4)])
+    moment = torch.cat([shards[f"mp_rank_{t:02d}"]["optimizer"]["state"]["embedding.word_embeddings.weight"]["exp_avg"]
+                        for t in range(4)])
+    source = [convert.load_state_dict_file(str(checkpoint / "iter_0000004" / f"mp_rank_{t:02d}" / "model_optim_rng.pt"))
+              for t in range(2)]
+    original_rows = torch.cat([s["model"]["embedding.word_embeddings.weight"] for s in source])
+    assert embedding.shape == (50432, 32) and original_rows.shape == (50304, 32)
+    assert torch.equal(embedding[:50304], original_rows)
+    assert torch.equal(embedding[50304:], original_rows[-1:].expand(128, 32))
+    assert torch.count_nonzero(moment[50304:]) == 0
+    assert shards["mp_rank_03"]["args"].padded_vocab_size == 50432
