@@ -82,7 +82,8 @@ def test_bf16_tp2_to_pp2_converts_the_fp32_main_params(shared_data, shakespeare_
     assert convert.main(["--load-dir", str(tmp_path / "tp2"), "--ckpt-step", "2", "--save-dir", str(tmp_path / "pp2"),
                          "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "2"]) == 0
     stage = _rank_dicts(tmp_path / "pp2")["mp_rank_00_001"]["optimizer"]
-    assert [len(g) for g in stage["fp32_from_fp16_params"]] == [len(g["params"]) for g in stage["optimizer"]["param_groups"]]
+    groups = stage["optimizer"]["param_groups"]
+    assert [len(g) for g in stage["fp32_from_fp16_params"]] == [len(g["params"]) for g in groups]
     assert all(t.dtype == torch.float32 for g in stage["fp32_from_fp16_params"] for t in g)
     _assert_losses_match(losses_from_log(out), run_pretrain(2, [*bf16, "--pipeline-model-parallel-size", "2", "--load",
                                                                 str(tmp_path / "pp2"), "--no-load-rng"], shared_data,

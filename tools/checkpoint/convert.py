@@ -413,8 +413,9 @@ _OPTIMIZER_PREFIX = "optimizer.state."
 _MAIN_PARAM = "fp32_param"
 _LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 # The order of a layer's state-dict entries in TransformerLayer (others follow, sorted).
-_LAYER_ORDER = ["input_layernorm.weight", "input_layernorm.bias", "self_attention.q_layernorm.weight",
-                "self_attention.q_layernorm.bias", "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias"]
+_LAYER_ORDER = ["input_layernorm.weight", "input_layernorm.bias",
+                "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
+                "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias"]
 for _module in _LINEAR_MODULES:
     _LAYER_ORDER += [f"{_module}.weight", f"{_module}.bias", f"{_module}._extra_state"]
     if _module == "self_attention.linear_proj":
@@ -954,8 +955,9 @@ def write_torch_dist(full: FullCheckpoint, save_dir: str, target: "TargetLayout"
         checkpointing._write_durably(common, os.path.join(tmp_dir, COMMON_BASENAME))
         if keep_rng:
             for (t, p), rng_state in full.rng_states.items():
+                name = os.path.join(tmp_dir, RNG_DIRNAME, f"rank_{_rank_of(t, p, target.tp):05d}.pt")
                 checkpointing._write_durably({"rng_state": rng_state, "parallel_layout": common["parallel_layout"]},
-                                             os.path.join(tmp_dir, RNG_DIRNAME, f"rank_{_rank_of(t, p, target.tp):05d}.pt"))
+                                             name)
         # The same publish as training's save: manifest, fsync, directory swap, tracker last.
         checkpoint_integrity.publish_iteration(save_dir, tmp_dir, full.iteration, release=full.release)
     except BaseException:
@@ -969,7 +971,8 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--model-type", default="GPT", choices=["GPT"], help="model type (only GPT)")
-    parser.add_argument("--load-dir", required=True, help="checkpoint folder to read (written by pretrain_gpt.py --save)")
+    parser.add_argument("--load-dir", required=True,
+                        help="checkpoint folder to read (written by pretrain_gpt.py --save)")
     parser.add_argument("--save-dir", required=True, help="folder to write the converted checkpoint to")
     parser.add_argument("--ckpt-step", "--iteration", dest="ckpt_step", type=int, default=None,
                         help="iteration to convert (default: the one the tracker file names)")
