@@ -1,7 +1,7 @@
 """Benchmark: checkpoint size, save blocking time, load time of the checkpoint formats, as ratios.
 
-For a GPT of ~91M parameters (12 layers, hidden 768, vocab 8192; fp32 weights 365 MB, with Adam's two
-moments a ~1.1 GB checkpoint) trained one step so that the optimizer state exists, one ``torchrun``
+For a GPT of ~160M parameters (12 layers, hidden 1024, vocab 8192; fp32 weights 640 MB, with Adam's two
+moments a ~1.9 GB checkpoint) trained one step so that the optimizer state exists, one ``torchrun``
 launch of this file as a worker measures, in the same processes and repeated ``--repeats`` times
 (medians reported; the machine is shared and noisy):
 
@@ -17,7 +17,7 @@ write speed. Loads read what the save just wrote, mostly from the page cache. Th
 issue: async blocking time <= 0.2 x the synchronous torch_dist save.
 
     python bench/bench_checkpoint.py [--repeats 3] [--nproc 1] [--dir /tmp/bench_ckpt] \\
-        [--num-layers 12 --hidden-size 768]
+        [--num-layers 12 --hidden-size 1024]
 """
 import argparse
 import json
@@ -151,7 +151,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--nproc", type=int, default=1, help="ranks (data-parallel; each writes its shards)")
     parser.add_argument("--num-layers", type=int, default=12)
-    parser.add_argument("--hidden-size", type=int, default=768)
+    parser.add_argument("--hidden-size", type=int, default=1024)
     parser.add_argument("--dir", default="/tmp/bench_checkpoint", help="folder for the checkpoints (emptied)")
     parser.add_argument("--formats", default="torch,torch_dist,torch_dist_async",
                         help="comma-separated subset of torch, torch_dist, torch_dist_async")
