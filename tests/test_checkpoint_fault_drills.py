@@ -27,8 +27,8 @@ from test_checkpointing import _assert_same_params, _fresh, _make_args, _seeded_
 
 pytestmark = pytest.mark.timeout(300)
 
-# Formats the drills run with: --ckpt-format torch_dist joins when it exists.
-FORMATS = ["torch"]
+# Formats the drills run with.
+FORMATS = ["torch", "torch_dist"]
 HOOK_VARIABLES = ("MEGATRON_TEST_SLEEP_IN_SAVE", "MEGATRON_TEST_ENOSPC_IN_SAVE", "MEGATRON_TEST_CRASH_AT",
                   "MEGATRON_TEST_HOOK_ITERATION", "MEGATRON_TEST_HOOK_RANK", "MEGATRON_TEST_HOOK_MARKER",
                   "MEGATRON_TEST_NO_RENAME_EXCHANGE", "MEGATRON_TEST_HOOK_RELEASE")

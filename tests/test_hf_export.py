@@ -76,7 +76,7 @@ def trained(shared_data, shakespeare_prefix, tmp_path_factory):
             save = root / f"{arch}_tp{tp}"
             data = shakespeare_prefix if arch == "gpt2" else llama_data
             run_pretrain(tp, [*_model_flags(arch, hf_tok), "--tensor-model-parallel-size", str(tp),
-                              "--save", str(save)], shared_data, data, root / f"run_{arch}_{tp}")
+                              "--save", str(save), "--ckpt-format", "torch"], shared_data, data, root / f"run_{arch}_{tp}")
             checkpoints[(arch, tp)] = save
     return checkpoints
 
