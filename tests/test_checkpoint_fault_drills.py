@@ -410,13 +410,23 @@ def uninterrupted(shared_data, shakespeare_prefix, tmp_path_factory):
     return losses_from_log(_Job(2, _E2E, shared_data, shakespeare_prefix, tmp_path).finish())
 
 
+@pytest.mark.parametrize("kind", ["persistent", "non_persistent"])
 @pytest.mark.parametrize("ckpt_format", FORMATS)
 def test_sigkill_inside_a_save_then_restart_reaches_the_same_loss(shared_data, shakespeare_prefix, tmp_path,
-                                                                 uninterrupted, ckpt_format):
-    """Kill the job (every process, SIGKILL) while the save of iteration 4 is writing: the tracker names 2,
-    which loads; re-running the same command resumes from 2 and prints the uninterrupted losses."""
+                                                                 uninterrupted, ckpt_format, kind):
+    """Kill every rank (SIGKILL) while the save of iteration 4 is writing: the tracker names 2, which loads;
+    re-running the same command resumes from 2 and prints the uninterrupted losses. ``non_persistent``: the
+    saves every 2 iterations are --non-persistent-save-interval ones (no persistent checkpoint before the
+    end), and the restart resumes from the non-persistent directory."""
     ckpt = tmp_path / "ckpt"
-    flags = _E2E + ["--save", str(ckpt), "--load", str(ckpt), "--save-interval", "2", "--ckpt-format", ckpt_format]
+    flags = _E2E + ["--save", str(ckpt), "--load", str(ckpt), "--ckpt-format", ckpt_format]
+    if kind == "persistent":
+        flags += ["--save-interval", "2"]
+        saves = ckpt
+    else:
+        flags += ["--save-interval", "100", "--non-persistent-save-interval", "2", "--non-persistent-ckpt-type",
+                  "global"]
+        saves = ckpt / "non_persistent"
     marker = tmp_path / "in_write"
     job = _Job(2, flags, shared_data, shakespeare_prefix, tmp_path,
                env={"MEGATRON_TEST_SLEEP_IN_SAVE": "600", "MEGATRON_TEST_HOOK_ITERATION": "4",
@@ -426,9 +436,9 @@ def test_sigkill_inside_a_save_then_restart_reaches_the_same_loss(shared_data, s
     finally:
         job.signal(signal.SIGKILL)
     job.finish(expect=-signal.SIGKILL)
-    assert _tracker(ckpt) == "2"
-    assert not (ckpt / "iter_0000004").exists()
-    assert [e for e in os.listdir(ckpt) if e.startswith(".iter_0000004.tmp-")]  # the killed save's files
+    assert _tracker(saves) == "2"
+    assert not (saves / "iter_0000004").exists()
+    assert [e for e in os.listdir(saves) if e.startswith(".iter_0000004.tmp-")]  # the killed save's files
 
     resumed = _Job(2, flags, shared_data, shakespeare_prefix, tmp_path).finish()
     assert "successfully loaded checkpoint from" in resumed and "at iteration 2" in resumed
@@ -436,6 +446,8 @@ def test_sigkill_inside_a_save_then_restart_reaches_the_same_loss(shared_data, s
     assert sorted(losses) == [3, 4, 5, 6]
     assert losses == {it: uninterrupted[it] for it in losses}
     assert _tracker(ckpt) == "6" and not [e for e in os.listdir(ckpt) if e.startswith(".")]
+    if kind == "non_persistent":
+        assert sorted(os.listdir(saves)) == ["iter_0000006", "latest_checkpointed_iteration.txt"]  # newest only
 
 
 @pytest.mark.parametrize("ckpt_format", FORMATS)
