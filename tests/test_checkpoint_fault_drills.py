@@ -84,6 +84,21 @@ def test_manifest_lists_every_file_with_size_and_crc(tmp_path):
     assert manifest["files"][name] == {"size": size, "crc32": crc} and size == (directory / name).stat().st_size
 
 
+def test_manifest_takes_digests_a_writer_computed_when_the_size_matches(tmp_path):
+    """An --async-save writer digests its files in the background; the manifest then does not read them again
+    (a digest whose size no longer matches is recomputed)."""
+    directory = tmp_path / "dir"
+    (directory / "sub").mkdir(parents=True)
+    (directory / "a.bin").write_bytes(b"a" * 100)
+    (directory / "sub" / "b.bin").write_bytes(b"b" * 50)
+    known = {"a.bin": {"size": 100, "crc32": "feedbeef"}, "sub/b.bin": {"size": 49, "crc32": "00000000"}}
+    checkpoint_integrity.write_manifest(str(directory), 7, known_digests=known)
+    files = json.loads((directory / "integrity_manifest.json").read_text())["files"]
+    assert files["a.bin"] == {"size": 100, "crc32": "feedbeef"}  # taken as given
+    assert files["sub/b.bin"] == checkpoint_integrity.digest_files(str(directory), ["sub/b.bin"])["sub/b.bin"]
+    assert files["sub/b.bin"]["size"] == 50
+
+
 def test_bit_flip_in_optimizer_tensor_is_refused_and_load_falls_back(tmp_path, capsys):
     """One flipped bit in an Adam moment: the file is named, the previous iteration is loaded instead."""
     args, model = _saved(tmp_path, [2, 4])
