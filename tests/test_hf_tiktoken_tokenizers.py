@@ -4,6 +4,7 @@ import argparse
 import base64
 import json
 import pickle
+import random
 
 import numpy
 import pytest
@@ -190,6 +191,34 @@ def test_gpt2_tiktoken_equals_the_python_reference(shared_data):
     with pytest.raises(UnicodeEncodeError):
         fast.tokenize("\ud800")
     assert pickle.loads(pickle.dumps(reference)).backend == "python"
+
+
+def test_gpt2_tokenize_many_equals_tokenize_per_text(shared_data):
+    """tiktoken's batch path (one call per batch, whitespace cuts found in the ids and redone) gives the
+    pure-Python reference's ids per text, for any batch boundaries; random texts stress whitespace runs,
+    contractions, non-ASCII whitespace and literal <|endoftext|>."""
+    vocab, merges = str(shared_data / "gpt2-vocab.json"), str(shared_data / "gpt2-merges.txt")
+    fast = GPT2BPETokenizer(vocab, merges, backend="tiktoken")
+    reference = GPT2BPETokenizer(vocab, merges, backend="python")
+    rng = random.Random(14)
+    alphabet = ["a", "b", "s", "t", "re", "'", " ", "  ", "\n", "\t", "\r", "\x0b", "1", ".", "é", "東", "🎉",
+                "\xa0", "\u3000", "\u2028", "\x1c", "<|endoftext|>"]
+    texts = shakespeare_texts(shared_data, 2000) + ODD_TEXTS + [
+        "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 24))) for _ in range(3000)]
+    expected = [reference.tokenize(text) for text in texts]
+    for size in (1, 7, 500, len(texts)):
+        for start in range(0, len(texts), size):
+            ids, counts = fast.tokenize_many(texts[start:start + size])
+            assert counts.tolist() == [len(e) for e in expected[start:start + size]]
+            assert ids.tolist() == [i for e in expected[start:start + size] for i in e]
+    spelled = "a <|megatron-tokenize-many-text-end|> b"  # the batch marker as plain text
+    ids, counts = fast.tokenize_many([spelled, "c"])
+    assert ids.tolist() == reference.tokenize(spelled) + reference.tokenize("c") and counts.tolist()[1] == 1
+    assert [a.tolist() for a in fast.tokenize_many([])] == [[], []]
+    with pytest.raises(UnicodeEncodeError):
+        fast.tokenize_many(["fine", "\ud800"])
+    ids, counts = reference.tokenize_many(texts[:50])  # the base class's per-text loop
+    assert ids.tolist() == [i for e in expected[:50] for i in e]
 
 
 def test_gpt2_backend_choice(shared_data, tmp_path, monkeypatch):

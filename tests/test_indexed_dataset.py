@@ -41,6 +41,29 @@ def test_golden_rewrites_byte_identically(shared_data, tmp_path):
     assert filecmp.cmp(get_idx_path(out), get_idx_path(source), shallow=False)
 
 
+def test_add_documents_in_bulk_equals_one_at_a_time(shared_data, tmp_path):
+    """The golden file rewritten in two bulk calls (documents with several, one and no sequences) is byte-identical."""
+    source = str(shared_data / "golden" / "shakes_sp_text_document")
+    ds = IndexedDataset(source)
+    out = str(tmp_path / "bulk")
+    builder = IndexedDatasetBuilder(get_bin_path(out), dtype=ds.dtype)
+    bounds = ds.document_indices
+    for first, last in ((0, 100), (100, len(bounds) - 1)):
+        sequences = range(bounds[first], bounds[last])
+        builder.add_documents(numpy.concatenate([ds[s] for s in sequences]),
+                              [int(ds.sequence_lengths[s]) for s in sequences], numpy.diff(bounds[first:last + 1]))
+    builder.add_documents(numpy.zeros(0, numpy.int64), [], [0])  # an empty document
+    builder.finalize(get_idx_path(out))
+    assert filecmp.cmp(get_bin_path(out), get_bin_path(source), shallow=False)
+    reread = IndexedDataset(out)
+    assert reread.document_indices.tolist() == bounds.tolist() + [bounds[-1]]
+    with pytest.raises(ValueError, match="sequence lengths sum to 3 but 2 tokens"):
+        builder = IndexedDatasetBuilder(str(tmp_path / "bad.bin"), dtype=numpy.uint16)
+        builder.add_documents([1, 2], [1, 2], [2])
+    with pytest.raises(ValueError, match="documents hold 1 sequences but 2 lengths"):
+        builder.add_documents([1, 2], [1, 1], [1])
+
+
 def test_two_document_example_sizes(tmp_path):
     prefix = str(tmp_path / "tiny")
     _write(prefix, [[[1, 2, 3, 4]], [[5, 6, 7]]])

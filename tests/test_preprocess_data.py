@@ -262,6 +262,28 @@ def test_skip_bad_lines(tmp_path, gpt2_flags, gpt2, capsys):
     assert _documents(tmp_path / "m_text_document") == _reference_documents(gpt2, ["Hello", "world"])
 
 
+class _DyingTokenizer(MegatronTokenizer):
+    """Ends the worker process that tokenizes with it, as the out-of-memory killer would."""
+
+    vocab_size = property(lambda self: 10)
+    vocab = property(lambda self: {})
+    inv_vocab = property(lambda self: {})
+
+    def tokenize(self, text):
+        os._exit(3)
+
+    def detokenize(self, ids):
+        return ""
+
+
+def test_dead_worker_is_an_error_not_a_hang(tmp_path):
+    source = _write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}, {"text": "b"}])
+    encoder = preprocess.Encoder(_DyingTokenizer(), ["text"], False, numpy.uint16)
+    with pytest.raises(preprocess.PreprocessError, match="a worker process died"):
+        preprocess.process_file(str(source), str(tmp_path / "o"), encoder, 2, "document")
+    assert list(tmp_path.iterdir()) == [source]
+
+
 def test_no_usable_document_is_an_error(tmp_path, gpt2_flags, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("", encoding="utf-8")

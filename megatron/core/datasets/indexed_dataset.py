@@ -283,6 +283,29 @@ class IndexedDatasetBuilder:
         if self.multimodal:
             self.sequence_modes.extend(modes if modes is not None else [0] * len(lengths))
 
+    def add_documents(self, tokens: TokenSequence, sequence_lengths: Sequence[int],
+                      sequences_per_document: Sequence[int]) -> None:
+        """Append many documents at once (what ``add_document`` does per document, in bulk).
+
+        ``tokens`` holds all their sequences back to back, ``sequence_lengths`` [S] each sequence's size
+        and ``sequences_per_document`` [D] how many of those sequences each document has (0 for an
+        empty document). Raises ValueError if the lengths do not add up to the tokens or the
+        per-document counts to the sequences.
+        """
+        array = numpy.ascontiguousarray(_as_numpy(tokens, self.dtype))
+        lengths = numpy.asarray(sequence_lengths, dtype=numpy.int64)
+        per_document = numpy.asarray(sequences_per_document, dtype=numpy.int64)
+        if int(lengths.sum()) != array.size:
+            raise ValueError(f"sequence lengths sum to {int(lengths.sum())} but {array.size} tokens were given")
+        if int(per_document.sum()) != lengths.size:
+            raise ValueError(f"documents hold {int(per_document.sum())} sequences but {lengths.size} lengths were given")
+        self._stream.write(array.data)
+        offset = len(self.sequence_lengths)
+        self.sequence_lengths.extend(lengths.tolist())
+        self.document_indices.extend((offset + numpy.cumsum(per_document)).tolist())
+        if self.multimodal:
+            self.sequence_modes.extend([0] * lengths.size)
+
     def end_document(self) -> None:
         """Close the current document at the last added sequence."""
         self.document_indices.append(len(self.sequence_lengths))

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy
 import regex
 
 from megatron.core.tokenizers.base import MegatronTokenizer
@@ -20,11 +22,25 @@ GPT2_PRETOKENIZE_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\
 # look-ahead gives all but the run's last character as one piece and starts the next piece at
 # that last character. Cutting the text there first (``_WHITESPACE_CUT``) and splitting each part
 # without the look-ahead gives the same pieces: every cut is a piece boundary of the original split.
-_PRETOKENIZE_PATTERN_NO_LOOKAHEAD = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+"""
+# The contractions come after the letter and digit runs here (another 5-10% faster in tiktoken):
+# the first alternative that matches wins, and a contraction starts with ' where a letter or digit
+# run (with its optional space) cannot, so no position has a different winner.
+_PRETOKENIZE_PATTERN_NO_LOOKAHEAD = r""" ?\p{L}+| ?\p{N}+|'s|'t|'re|'ve|'m|'ll|'d| ?[^\s\p{L}\p{N}]+|\s+"""
 # Cut before the last character of such a run (``\s`` is Unicode White_Space here and in tiktoken).
 _WHITESPACE_CUT = regex.compile(r"\s{2,}(?=\S)")
 
 END_OF_TEXT = "<|endoftext|>"
+
+# ``tokenize_many`` joins its texts, each followed by this marker, into one tiktoken call: it is a
+# special token (id just past the vocabulary), so pre-tokenization never merges across it, and no
+# proper prefix of it is also a suffix, so its matches cannot overlap: if the ids hold exactly one
+# marker per text, no text spelled it.
+_TEXT_END = "<|megatron-tokenize-many-text-end|>"
+# The characters outside ASCII that are White_Space (``\s`` in tiktoken's and in ``regex``'s patterns).
+_NON_ASCII_WHITESPACE = re.compile("[\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]")
+_ASCII_WHITESPACE = frozenset(b" \t\n\r\x0b\x0c")
+# Token classes for finding, in tiktoken's output, where ``_WHITESPACE_CUT`` would have cut.
+_SPECIAL, _TEXT, _ONE_WHITESPACE, _LONG_WHITESPACE = 0, 1, 2, 3
 
 # Which implementation GPT2BPETokenizer uses when its ``backend`` argument is not given: "auto"
 # (tiktoken when installed and the files allow it, else pure Python), "tiktoken" or "python".
@@ -132,9 +148,24 @@ def _build_tiktoken_encoding(encoder: Dict[str, int], bpe_ranks: Dict[Tuple[str,
     special = {token: token_id for token, token_id in encoder.items() if token_id not in ranked_ids}
     if any(not (token.startswith("<|") and token.endswith("|>")) for token in special):
         return None, "the vocabulary holds tokens that no merge produces"
+    special[_TEXT_END] = max(encoder.values()) + 1
     encoding = tiktoken.Encoding(name=name, pat_str=_PRETOKENIZE_PATTERN_NO_LOOKAHEAD, mergeable_ranks=mergeable,
                                  special_tokens=special)
     return encoding, None
+
+
+def _token_classes(encoder: Dict[str, int], byte_encoder: Dict[int, str], special_ids: Sequence[int],
+                   size: int) -> numpy.ndarray:
+    """[size] uint8 per id: ``_ONE_WHITESPACE`` / ``_LONG_WHITESPACE`` for a token of one / several
+    ASCII whitespace bytes only, ``_SPECIAL`` for ``special_ids`` (``<|endoftext|>``, the
+    ``_TEXT_END`` marker), ``_TEXT`` for every other token."""
+    classes = numpy.full(size, _TEXT, dtype=numpy.uint8)
+    whitespace_spelling = {byte_encoder[byte] for byte in _ASCII_WHITESPACE}
+    for token, token_id in encoder.items():
+        if whitespace_spelling.issuperset(token):  # one character per byte in GPT-2's spelling
+            classes[token_id] = _ONE_WHITESPACE if len(token) == 1 else _LONG_WHITESPACE
+    classes[list(special_ids)] = _SPECIAL
+    return classes
 
 
 def _tiktoken_encode(encoding, text: str) -> List[int]:
@@ -227,6 +258,9 @@ class GPT2BPETokenizer(MegatronTokenizer):
             warnings.warn(message + "; using the pure-Python BPE (same ids, slower)")
             return "python"
         self._tiktoken = encoding
+        self._text_end_id = encoding.encode_single_token(_TEXT_END)
+        special_ids = [encoding.encode_single_token(token) for token in encoding.special_tokens_set]
+        self._token_classes = _token_classes(self._encoder, self._byte_spelling, special_ids, encoding.n_vocab)
         return "tiktoken"
 
     def __getstate__(self):
@@ -346,6 +380,48 @@ class GPT2BPETokenizer(MegatronTokenizer):
             if chunk:
                 ids.extend(encode_plain(chunk))
         return ids
+
+    def tokenize_many(self, texts: Sequence[str]) -> Tuple[numpy.ndarray, numpy.ndarray]:
+        """``(ids [sum(counts)] uint32, counts [len(texts)] int64)``: the ids of ``tokenize`` on each text, back to back.
+
+        On tiktoken the texts are joined, each followed by the ``_TEXT_END`` special token, and encoded
+        in one call, which saves the per-call cost of thousands of short documents. That call splits
+        without ``_WHITESPACE_CUT``: a text where a cut would fall (a run of >= 2 whitespace characters
+        before a non-space, found in the ids: whitespace-only tokens spanning >= 2 bytes followed by
+        a text token) or holding non-ASCII whitespace (where the ids cannot tell) is encoded again on
+        its own with ``tokenize``. Raises UnicodeEncodeError for a lone surrogate, as ``tokenize``.
+        """
+        if self._tiktoken is None or not texts:
+            return super().tokenize_many(texts)
+        joined = _TEXT_END.join(texts) + _TEXT_END
+        joined.encode("utf-8")  # tiktoken would silently replace a lone surrogate; the reference refuses it
+        ids = self._tiktoken.encode_to_numpy(joined, allowed_special="all")
+        ends = numpy.flatnonzero(ids == self._text_end_id)
+        if len(ends) != len(texts):  # some text spells the marker itself
+            return super().tokenize_many(texts)
+        counts = numpy.diff(ends, prepend=-1) - 1
+        classes = self._token_classes[ids]
+        whitespace = classes >= _ONE_WHITESPACE
+        after_whitespace = numpy.zeros_like(whitespace)
+        after_whitespace[1:] = whitespace[:-1]
+        # Whitespace runs spanning >= 2 bytes (here: characters), at their last token.
+        long_run = whitespace & ((classes == _LONG_WHITESPACE) | after_whitespace)
+        cut_at = numpy.flatnonzero(long_run[:-1] & (classes[1:] == _TEXT))
+        redo = set(numpy.searchsorted(ends, cut_at).tolist())
+        if not joined.isascii() and _NON_ASCII_WHITESPACE.search(joined):
+            redo.update(index for index, text in enumerate(texts) if _NON_ASCII_WHITESPACE.search(text))
+        ids = numpy.delete(ids, ends)
+        if redo:
+            starts = numpy.cumsum(counts) - counts
+            pieces, done = [], 0
+            for index in sorted(redo):
+                exact = numpy.asarray(self.tokenize(texts[index]), dtype=ids.dtype)
+                pieces += [ids[done:starts[index]], exact]
+                done = starts[index] + counts[index]
+                counts[index] = exact.size
+            pieces.append(ids[done:])
+            ids = numpy.concatenate(pieces)
+        return ids, counts
 
     def detokenize(self, ids: Sequence[int]) -> str:
         """GPT-2 ids -> text; byte sequences that are not valid UTF-8 decode to U+FFFD."""
