@@ -70,7 +70,6 @@ def worker(argv: list, warmup: int) -> None:
         start = time.perf_counter()
         loss_dict, _, _, _ = train_step(pretrain_gpt.forward_step, train_iterator, model, optimizer, scheduler)
         times.append(time.perf_counter() - start)
-        args.consumed_train_samples += args.global_batch_size
         if loss_dict:
             losses.append(float(loss_dict["lm loss"]))
     measured = torch.tensor([float(get_optimizer_state_bytes(optimizer))], dtype=torch.float64)

@@ -1,11 +1,14 @@
-"""Run pretrain_gpt.py under torchrun on CPU (gloo) for end-to-end tests, and read back its log and TensorBoard."""
+"""Run pretrain_gpt.py on CPU gloo ranks (forked from the fork server, or under torchrun) for end-to-end
+tests, and read back its log and TensorBoard."""
 import os
 import re
 import subprocess
 import sys
+import tempfile
+import uuid
 from pathlib import Path
 
-from dist_utils import free_port
+from dist_utils import fork_ranks, free_port, rank_env, use_torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 LOG_LINE = re.compile(
@@ -53,12 +56,9 @@ def run_pretrain(nproc, flags, shared_data, data_prefix, tmp_path, expect_failur
     """Train a 2-layer, hidden-32 GPT on ``nproc`` gloo ranks; later ``flags`` override the defaults.
 
     Returns stdout (stdout + stderr when ``expect_failure`` or ``stderr_too``). Fails the test if the
-    exit status is not what was expected.
+    exit status is not what was expected. The ranks are started by :func:`run_ranks`.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           *_pretrain_argv(flags, shared_data, data_prefix, tmp_path)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    result = run_ranks(nproc, _pretrain_argv(flags, shared_data, data_prefix, tmp_path), timeout=300)
     if expect_failure:
         assert result.returncode != 0, result.stdout[-3000:]
         return result.stdout + result.stderr
@@ -66,22 +66,56 @@ def run_pretrain(nproc, flags, shared_data, data_prefix, tmp_path, expect_failur
     return result.stdout + result.stderr if stderr_too else result.stdout
 
 
+def run_ranks(nproc, argv, env=None, timeout=300) -> subprocess.CompletedProcess:
+    """``python argv...`` on ``nproc`` gloo ranks with torchrun's environment, in the repository, with
+    OMP_NUM_THREADS=1 over ``env`` (default: this process's); stdout and stderr captured.
+
+    The ranks are forked from the preloaded fork server (dist_utils.fork_ranks) and, as under torchrun,
+    the first to fail gets the others stopped and the launch fails (status 1); the ranks' outputs are
+    joined in rank order. PRETRAIN_TESTS_TORCHRUN=1 runs ``torchrun --standalone`` instead. Raises
+    ``subprocess.TimeoutExpired`` after ``timeout`` seconds.
+    """
+    argv = [str(a) for a in argv]
+    env = dict(os.environ if env is None else env, OMP_NUM_THREADS="1")
+    if use_torchrun():
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *argv]
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    with tempfile.TemporaryDirectory(prefix="ranks_") as logs:
+        out = [Path(logs) / f"rank{r}.out" for r in range(nproc)]
+        err = [Path(logs) / f"rank{r}.err" for r in range(nproc)]
+        port = free_port()
+        run_id = str(uuid.uuid4())  # torchrun --standalone: a random rendezvous id
+        envs = [rank_env(env, r, nproc, port, GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_RANK=str(r),
+                         ROLE_WORLD_SIZE=str(nproc), ROLE_NAME="default", TORCHELASTIC_RESTART_COUNT="0",
+                         TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID=run_id) for r in range(nproc)]
+        statuses = fork_ranks(nproc, argv, envs, REPO, out, err, timeout)
+        stdout = "".join(p.read_text(errors="replace") for p in out)
+        stderr = "".join(p.read_text(errors="replace") for p in err)
+    failed = [f"rank {r} exited with status {s}\n" for r, s in enumerate(statuses) if s != 0]
+    return subprocess.CompletedProcess(argv, 1 if failed else 0, stdout, stderr + "".join(failed))
+
+
 def run_ranks_without_launcher(nproc, flags, shared_data, data_prefix, tmp_path, timeout=300) -> list:
     """Start the ``nproc`` ranks of ``pretrain_gpt.py`` as independent processes (torchrun's environment
     variables, no torchrun) and wait for each: ``[(exit status, stdout + stderr)]`` indexed by rank.
 
     For start-up failures on every rank: under torchrun the first rank to fail gets the others killed,
-    so which ranks print their message depends on timing; here each rank runs to its own end.
+    so which ranks print their message depends on timing; here each rank runs to its own end. The ranks
+    are forked from the fork server (fresh interpreters with PRETRAIN_TESTS_TORCHRUN=1).
     """
-    argv = [sys.executable, *_pretrain_argv(flags, shared_data, data_prefix, tmp_path)]
+    argv = _pretrain_argv(flags, shared_data, data_prefix, tmp_path)
     port = free_port()
-    procs, logs = [], [tmp_path / f"rank{rank}.log" for rank in range(nproc)]
+    logs = [tmp_path / f"rank{rank}.log" for rank in range(nproc)]
+    envs = [rank_env(dict(os.environ, OMP_NUM_THREADS="1"), rank, nproc, port) for rank in range(nproc)]
+    if not use_torchrun():
+        statuses = fork_ranks(nproc, argv, envs, REPO, logs, logs, timeout, stop_others_on_failure=False)
+        return [(status, log.read_text()) for status, log in zip(statuses, logs)]
+    procs = []
     try:
         for rank in range(nproc):
-            env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
             with open(logs[rank], "w") as log:  # a file, not a pipe: no rank blocks on a full pipe
-                procs.append(subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+                procs.append(subprocess.Popen([sys.executable, *argv], cwd=REPO, env=envs[rank], stdout=log,
+                                              stderr=subprocess.STDOUT))
         statuses = [proc.wait(timeout=timeout) for proc in procs]
     finally:
         for proc in procs:

@@ -359,7 +359,7 @@ def _unreadable_error(tmp_path, content, iteration=8):
 
 def test_every_truncation_of_a_real_checkpoint_names_the_file(tmp_path):
     """A real checkpoint cut at any length: the error names the file, the iteration, --load and what is wrong."""
-    args, _ = _save_trained(tmp_path)
+    args, _ = _save_trained(tmp_path, manifest=False)
     name = get_checkpoint_name(args.load, 8)
     with open(name, "rb") as f:
         whole = f.read()
@@ -382,14 +382,14 @@ def test_every_truncation_of_a_real_checkpoint_names_the_file(tmp_path):
     pytest.param(b"\x80\x02" + bytes(range(2, 200)), "is truncated or corrupt", id="pickle-like"),
 ])
 def test_garbage_checkpoint_file_is_named(tmp_path, content, reason):
-    args, _ = _save_trained(tmp_path)
+    args, _ = _save_trained(tmp_path, manifest=False)
     name, message = _unreadable_error(tmp_path, content)
     assert f"checkpoint file {name}" in message and f"iteration 8 of --load {args.load}" in message
     assert reason in message, message
 
 
 def test_checkpoint_file_holding_no_state_dict_is_not_a_checkpoint(tmp_path):
-    args, _ = _save_trained(tmp_path)
+    args, _ = _save_trained(tmp_path, manifest=False)
     name = get_checkpoint_name(args.load, 8)
     torch.save(torch.zeros(3), name)
     with pytest.raises(RuntimeError, match=r"checkpoint file .*iter_0000008.* is not a checkpoint: it holds a Tensor"):
@@ -400,7 +400,7 @@ def test_complete_zip_with_damaged_contents_is_corrupt(tmp_path):
     """The archive is whole but its pickled record is overwritten (same length): corrupt, named."""
     import zipfile
 
-    args, _ = _save_trained(tmp_path)
+    args, _ = _save_trained(tmp_path, manifest=False)
     name = get_checkpoint_name(args.load, 8)
     with zipfile.ZipFile(name) as archive:
         record = next(info for info in archive.infolist() if info.filename.endswith("/data.pkl"))
@@ -423,10 +423,14 @@ def test_complete_zip_with_damaged_contents_is_corrupt(tmp_path):
 # Load flags and errors
 # ---------------------------------------------------------------------------------------------------
 
-def _save_trained(tmp_path, iteration=8, **arg_overrides):
+def _save_trained(tmp_path, iteration=8, manifest=True, **arg_overrides):
+    """Save a trained model at ``iteration``; without ``manifest`` its integrity manifest is removed, as in a
+    checkpoint written by Megatron-LM or an earlier version (then the loader itself must name damage)."""
     args = _make_args(tmp_path, consumed_train_samples=128, consumed_valid_samples=16, **arg_overrides)
     model, optimizer, scheduler = _trained()
     save_checkpoint(iteration, model, optimizer, scheduler, 999)
+    if not manifest:
+        os.remove(os.path.join(args.save, f"iter_{iteration:07d}", "integrity_manifest.json"))
     args.consumed_train_samples = args.consumed_valid_samples = 0
     return args, model
 
@@ -480,7 +484,9 @@ def test_tracker_naming_missing_directory(tmp_path):
     _make_args(tmp_path)
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("7")
-    with pytest.raises(FileNotFoundError, match="iter_0000007 .*iteration 7.*latest_checkpointed_iteration.txt"):
+    with pytest.raises(checkpointing.checkpoint_integrity.CheckpointIntegrityError,
+                       match="iteration 7 .*iter_0000007, named by latest_checkpointed_iteration.txt.*"
+                             "iter_0000007 does not exist"):
         load_checkpoint(*_fresh())
 
 
@@ -523,7 +529,7 @@ def test_different_parallel_layout_is_named(tmp_path, _tp_override):
     parallel_state.set_tensor_model_parallel_rank(1)
     model, optimizer, scheduler = _trained()
     save_checkpoint(6, model, optimizer, scheduler, 0)
-    assert os.listdir(tmp_path / "ckpt" / "iter_0000006") == ["mp_rank_01"]
+    assert sorted(os.listdir(tmp_path / "ckpt" / "iter_0000006")) == ["integrity_manifest.json", "mp_rank_01"]
 
     parallel_state.set_tensor_model_parallel_rank(0)
     with pytest.raises(FileNotFoundError, match=r"mp_rank_00/model_optim_rng.pt does not exist.*holds mp_rank_01"):
@@ -532,6 +538,7 @@ def test_different_parallel_layout_is_named(tmp_path, _tp_override):
     # Same file name, different layout: the stored args catch it.
     parallel_state.set_tensor_model_parallel_world_size(1)
     parallel_state.set_tensor_model_parallel_rank(None)
+    os.remove(tmp_path / "ckpt" / "iter_0000006" / "integrity_manifest.json")  # it would refuse the moved file
     os.rename(tmp_path / "ckpt" / "iter_0000006" / "mp_rank_01", tmp_path / "ckpt" / "iter_0000006" / "mp_rank_00")
     args.tensor_model_parallel_size = 1
     with pytest.raises(ValueError, match="--tensor-model-parallel-size 2 but this run uses 1"):
@@ -581,7 +588,7 @@ def _make_args_dir(root, **overrides):
 def test_two_tensor_parallel_ranks_share_one_iteration_directory(tmp_path):
     results = run_distributed(_tp2_save_and_load, 2, str(tmp_path))
     for listing, result, same in results:
-        assert listing == ["mp_rank_00", "mp_rank_01"]
+        assert listing == ["integrity_manifest.json", "mp_rank_00", "mp_rank_01"]
         assert result == (5, 50)
         assert same
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "5"

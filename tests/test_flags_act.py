@@ -11,6 +11,7 @@ from dist_utils import run_distributed
 from megatron.core import num_microbatches_calculator as nmc
 from megatron.training import global_vars, training
 from megatron.training.arguments import core_transformer_config_from_args, parse_args, validate_args
+from megatron.training.training_state import TrainingState
 from pretrain_utils import REPO, run_pretrain, tensorboard_scalars
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -286,7 +287,7 @@ def _run_fake_loop(monkeypatch, *flags):
     fake_gc = _FakeGC()
     monkeypatch.setattr(training, "gc", fake_gc)
     monkeypatch.setattr(training, "train_step", lambda *a: ({}, 0, None, None))
-    monkeypatch.setattr(training, "training_log", lambda *a: None)
+    monkeypatch.setattr(training, "training_log", lambda *a, **k: None)
     monkeypatch.setattr(training, "evaluate_and_print_results", lambda *a, **k: {})
     iteration, _, exited = training.train(None, [_Chunk()], _Optimizer(), None, None, None)
     assert (iteration, exited) == (4, False)
@@ -343,9 +344,10 @@ def test_eval_micro_batch_size_sets_the_evaluation_microbatches(monkeypatch):
 
     monkeypatch.setattr(training, "get_forward_backward_func", lambda: forward_backward)
     monkeypatch.setattr(parallel_state, "get_data_parallel_group", lambda **kwargs: None)
-    assert training.evaluate(None, None, [torch.nn.Linear(1, 1)]) == {"lm loss": 2.0}
+    state = TrainingState(consumed_valid_samples=4)
+    assert training.evaluate(None, None, [torch.nn.Linear(1, 1)], train_state=state) == {"lm loss": 2.0}
     assert seen == [(8, 1, True), (8, 1, True)]
-    assert args.consumed_valid_samples == 16
+    assert state.consumed_valid_samples == 4 + 16
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,16 +1,12 @@
 """tools/run_text_generation.py and megatron.core.inference.sampling: greedy generation at TP=1 equals TP=2 and a
 step-by-step argmax of the model's own forward; top-k / top-p / temperature keep the right tokens."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from megatron.core.inference.sampling import sample_logits
-from dist_utils import free_port
-from pretrain_utils import REPO
+from pretrain_utils import run_ranks
 
 PROMPT = "To be, or not to be"
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
@@ -74,11 +70,8 @@ def test_bad_sampling_options_are_named():
 # --------------------------------------------------------------------------------------------------
 
 def _torchrun(nproc, argv, timeout=240):
-    """Run ``argv`` on ``nproc`` ranks (one process is started without torchrun: the same, and quicker)."""
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else []
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    result = subprocess.run([sys.executable, *launcher, *argv], cwd=REPO, env=env, capture_output=True,
-                            text=True, timeout=timeout)
+    """Run ``argv`` on ``nproc`` ranks (pretrain_utils.run_ranks: torchrun's environment, forked ranks)."""
+    result = run_ranks(nproc, argv, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
 

@@ -286,7 +286,17 @@ def _add_checkpointing_args(parser):
     group.add_argument("--save-retain-interval", type=int, default=None,
                        help="Keep only checkpoints whose iteration is a multiple of this (plus the latest).")
     group.add_argument("--non-persistent-save-interval", type=int, default=None,
-                       help="Iterations between non-persistent (local) saves.")
+                       help="Iterations between non-persistent saves (frequent, only the newest kept; "
+                            "--load picks the newer of it and the persistent one). Needs "
+                            "--non-persistent-ckpt-type global.")
+    group.add_argument("--non-persistent-ckpt-type", type=str, default=None, choices=["global", "local", "in_memory"],
+                       help="Kind of non-persistent checkpoint: 'global' (a checkpoint directory on a shared "
+                            "file system); 'local' and 'in_memory' are not available in this version.")
+    group.add_argument("--non-persistent-global-ckpt-dir", type=str, default=None,
+                       help="Directory of 'global' non-persistent checkpoints (default <save>/non_persistent).")
+    group.add_argument("--no-verify-checkpoint", action="store_true",
+                       help="At load, skip the CRC-32 check of the checkpoint files against the integrity "
+                            "manifest written at save (file presence and sizes are still checked).")
     group.add_argument("--no-save-optim", action="store_true", default=None, help="Do not save optimizer state.")
     group.add_argument("--no-save-rng", action="store_true", default=None, help="Do not save RNG state.")
     group.add_argument("--load", type=str, default=None, help="Directory holding the checkpoint to load.")
@@ -498,8 +508,7 @@ def validate_args(args, defaults={}):
     """Check flag combinations and fill derived values in place (Megatron-LM's validate_args).
 
     Derives ``data_parallel_size``, ``global_batch_size``, ``ffn_hidden_size``, ``kv_channels``,
-    ``params_dtype``, ``eval_*_batch_size``, ``exit_signal`` (a signal.Signals), the run
-    counters (``consumed_*_samples``, ``iteration``, ...), applies ``defaults`` to flags
+    ``params_dtype``, ``eval_*_batch_size``, ``exit_signal`` (a signal.Signals), applies ``defaults`` to flags
     left at None, and prints the arguments on rank 0. Returns ``args``.
 
     Raises ValueError naming the offending flag(s) and values, including for features that
@@ -527,12 +536,8 @@ def validate_args(args, defaults={}):
     _validate_wandb(args)
     _validate_misc(args)
 
-    # Run counters: the training loop and checkpoint loading advance/restore them.
-    args.consumed_train_samples = 0
-    args.skipped_train_samples = 0
-    args.consumed_valid_samples = 0
-    args.iteration = 0
-    args.num_floating_point_operations_so_far = 0
+    # The run counters (iteration, consumed samples, FLOPs) are not args: the training loop owns them
+    # in a TrainingState (megatron/training/training_state.py) that checkpoints save and restore.
     # Sequence length is constant in GPT pretraining, so pipeline p2p shapes are static.
     args.variable_seq_lengths = False
 
@@ -585,7 +590,7 @@ def _validate_features(args):
 _NOT_YET_AVAILABLE = {
     "full_validation": False, "log_progress": False, "exit_signal_handler_for_training": False,
     "log_energy": False,
-    "non_persistent_save_interval": None, "pretrained_checkpoint": None, "auto_detect_ckpt_format": False,
+    "pretrained_checkpoint": None, "auto_detect_ckpt_format": False,
     "use_tp_pp_dp_mapping": False,
 }
 
@@ -964,12 +969,29 @@ def _validate_checkpointing(args):
         _require(args.save_interval is not None, "--save requires --save-interval")
     if args.save_interval is not None:
         _require(args.save_interval > 0, f"--save-interval must be > 0, got {args.save_interval}")
+    _validate_non_persistent(args)
     if args.async_save:
         raise ValueError("--async-save is not supported with --ckpt-format torch")
     if args.deprecated_use_dist_ckpt or args.dist_ckpt_format_deprecated is not None:
         _print_rank_0(args, "WARNING: --use-dist-ckpt and --dist-ckpt-format are deprecated and ignored; "
                             "use --ckpt-format")
     args.use_dist_ckpt = args.ckpt_format != "torch"
+
+
+def _validate_non_persistent(args):
+    if args.non_persistent_ckpt_type in ("local", "in_memory"):
+        raise ValueError(f"--non-persistent-ckpt-type {args.non_persistent_ckpt_type} is not available in this "
+                         "version; use --non-persistent-ckpt-type global (a directory on a shared file system, "
+                         "see --non-persistent-global-ckpt-dir)")
+    if args.non_persistent_save_interval is not None:
+        _require(args.non_persistent_save_interval > 0,
+                 f"--non-persistent-save-interval must be > 0, got {args.non_persistent_save_interval}")
+        _require(args.save is not None, "--non-persistent-save-interval requires --save")
+        _require(args.non_persistent_ckpt_type == "global",
+                 "--non-persistent-save-interval requires --non-persistent-ckpt-type global (as in Megatron-LM)")
+    elif args.non_persistent_global_ckpt_dir is not None and args.non_persistent_ckpt_type != "global":
+        raise ValueError("--non-persistent-global-ckpt-dir only applies with --non-persistent-ckpt-type global; "
+                         "remove it (it would otherwise be silently ignored)")
 
 
 def _validate_misc(args):

@@ -1,6 +1,7 @@
 """Save and load Megatron-LM legacy ('torch' format) checkpoints atomically, one file per (tp, pp) rank."""
 import argparse
 import enum
+import io
 import os
 import pickle
 import random
@@ -13,7 +14,9 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.collective_device import get_collective_device
+from megatron.training import checkpoint_integrity
 from megatron.training.global_vars import get_args
+from megatron.training.training_state import TrainingState
 from megatron.training.utils import print_rank_0
 
 CHECKPOINT_VERSION = 3.0
@@ -73,6 +76,16 @@ def get_checkpoint_name(checkpoints_path, iteration, release=False, pipeline_par
 def get_distributed_optimizer_checkpoint_name(model_checkpoint_name):
     """``distrib_optim.pt`` in the directory of ``model_checkpoint_name`` (Megatron's legacy layout)."""
     return os.path.join(os.path.dirname(model_checkpoint_name), DISTRIBUTED_OPTIMIZER_BASENAME)
+
+
+def non_persistent_checkpoint_dir(args, save_dir=None):
+    """Where --non-persistent-save-interval checkpoints go: ``--non-persistent-global-ckpt-dir``, else
+    ``<save_dir or --save>/non_persistent`` (Megatron-LM's layout); None when neither is set."""
+    explicit = getattr(args, "non_persistent_global_ckpt_dir", None)
+    if explicit:
+        return explicit
+    base = save_dir if save_dir is not None else args.save
+    return None if base is None else os.path.join(base, checkpoint_integrity.NON_PERSISTENT_SUBDIR)
 
 
 def _is_distributed_optimizer(optimizer):
@@ -246,12 +259,21 @@ def _sanitized_args(args):
 
 
 def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, iteration,
-                        num_floating_point_operations_so_far):
+                        num_floating_point_operations_so_far, train_state=None):
     """The dict written per (tp, pp) rank: args, checkpoint_version, iteration, model (``model0..``
     for several chunks), optimizer (unless --no-save-optim), opt_param_scheduler, rng_state
-    (unless ``rng_state`` is None), num_floating_point_operations_so_far."""
+    (unless ``rng_state`` is None), num_floating_point_operations_so_far.
+
+    The sample counters of ``train_state`` are stored as attributes of the saved args, where
+    Megatron-LM's legacy checkpoints keep them (``consumed_train_samples`` ...); without a state the
+    ones found on ``args`` are used.
+    """
+    saved_args = _sanitized_args(args)
+    state = TrainingState.from_args(args) if train_state is None else train_state
+    for name in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
+        setattr(saved_args, name, getattr(state, name))
     state_dict = {
-        "args": _sanitized_args(args),
+        "args": saved_args,
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": iteration,
     }
@@ -276,69 +298,51 @@ def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, 
 # ---------------------------------------------------------------------------------------------------
 
 def _fsync_dir(path):
-    # A rename is only durable once the directory holding the entry is flushed.
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    # A rename or a new entry is only durable once the directory holding it is flushed.
+    checkpoint_integrity.fsync_dir(path)
+
+
+class _ErrorRecordingWriter(io.RawIOBase):
+    """A file for torch.save that remembers the OSError of a failed write: torch.save reports it only as
+    "unexpected pos" (a full disk would otherwise read as an internal error)."""
+
+    def __init__(self, f):
+        super().__init__()
+        self.f, self.error = f, None
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        try:
+            return self.f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
 
 
 def _write_durably(state_dict, path):
+    """torch.save ``state_dict`` to ``path`` and fsync it; an OSError (e.g. ENOSPC) is raised as such, naming
+    ``path``."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "wb") as f:
-        torch.save(state_dict, f)
+    f = open(path, "wb")
+    writer = _ErrorRecordingWriter(f)
+    try:
+        torch.save(state_dict, writer)
         f.flush()
         os.fsync(f.fileno())
+        f.close()
+    except Exception as exc:
+        try:
+            f.close()
+        except OSError:
+            pass
+        cause = exc if isinstance(exc, OSError) else writer.error
+        if cause is None:
+            raise
+        raise OSError(cause.errno, f"{cause.strerror or cause}: writing checkpoint file {path} failed",
+                      path) from exc
     _fsync_dir(os.path.dirname(path))
-
-
-def _replace_dir(src, dst):
-    """Move directory ``src`` to ``dst``; an existing ``dst`` is moved aside first, then removed."""
-    parent, name = os.path.split(dst)
-    old = None
-    if os.path.exists(dst):
-        # rename() cannot replace a non-empty directory, so the old one steps aside first.
-        old = os.path.join(parent, f".{name}.old-{os.getpid()}")
-        os.rename(dst, old)
-    os.rename(src, dst)
-    _fsync_dir(parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _write_tracker(save_dir, text):
-    tracker = get_checkpoint_tracker_filename(save_dir)
-    tmp = os.path.join(save_dir, f".{TRACKER_FILENAME}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, tracker)
-    _fsync_dir(save_dir)
-
-
-def _remove_stale_temporaries(save_dir, dirname):
-    # Leftovers of a save of the same iteration that died before its rename.
-    prefixes = (f".{dirname}.tmp-", f".{dirname}.old-")
-    for entry in os.listdir(save_dir):
-        if entry.startswith(prefixes):
-            shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
-
-
-def _remove_unretained(save_dir, iteration, retain_interval):
-    """--save-retain-interval: drop earlier iter_* directories whose iteration is not a multiple."""
-    for entry in os.listdir(save_dir):
-        if not (entry.startswith("iter_") and entry[5:].isdigit()):
-            continue
-        old_iteration = int(entry[5:])
-        if old_iteration < iteration and old_iteration % retain_interval != 0:
-            shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -346,7 +350,7 @@ def _remove_unretained(save_dir, iteration, retain_interval):
 # ---------------------------------------------------------------------------------------------------
 
 def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
-                    checkpointing_context=None):
+                    checkpointing_context=None, train_state=None, non_persistent_ckpt=False):
     """Write a legacy 'torch' format checkpoint of ``iteration`` under ``--save``; all ranks call it.
 
     Layout (spec §8.8): ``<save>/iter_{iteration:07d}/mp_rank_XX[_YYY]/model_optim_rng.pt``, one
@@ -355,9 +359,12 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     beside it as ``distrib_optim.pt`` (Megatron's legacy layout, see DistributedOptimizer.
     get_parameter_state_dp_zero); ``model_optim_rng.pt`` then holds only its param groups and scaler.
     Atomic: files go to a hidden ``.iter_{iteration:07d}.tmp-<pid>`` directory in the same parent, are
-    fsynced, and after every rank has finished rank 0 renames it to ``iter_{iteration:07d}`` (an existing
-    one is replaced) and only then atomically replaces the tracker. A failure on any rank leaves
-    the previous checkpoint and tracker untouched and raises on every rank.
+    fsynced, and after every rank has finished, checkpoint_integrity.publish_iteration writes the
+    ``integrity_manifest.json`` (size and CRC-32 per file), moves the directory to ``iter_{iteration:07d}``
+    (an existing one is swapped atomically) and only then atomically replaces the tracker. A failure on
+    any rank leaves the previous checkpoint and tracker untouched and raises on every rank.
+    ``non_persistent_ckpt`` (``--non-persistent-save-interval``): the same under
+    ``--non-persistent-global-ckpt-dir`` (default ``<save>/non_persistent``), keeping only the newest.
 
     Args:
         iteration: training iteration (int) the state belongs to.
@@ -366,6 +373,9 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
         opt_param_scheduler: object with ``state_dict()`` or None.
         num_floating_point_operations_so_far: FLOPs done so far (int), stored for throughput logs.
         checkpointing_context: accepted for Megatron's signature; unused by the torch format.
+        train_state: the training loop's :class:`TrainingState` (its sample counters are saved); None
+            (Megatron's signature) takes them from ``args``.
+        non_persistent_ckpt: write a non-persistent checkpoint (see above).
     Raises ValueError without ``--save`` or with a non-torch ``--ckpt-format``; RuntimeError
     (or the original error on the failing rank) when writing fails.
     """
@@ -373,6 +383,8 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     save_dir = args.save
     if save_dir is None:
         raise ValueError("save_checkpoint needs --save")
+    if non_persistent_ckpt:
+        save_dir = non_persistent_checkpoint_dir(args, save_dir)
     ckpt_format = getattr(args, "ckpt_format", "torch")
     if ckpt_format != "torch":
         raise ValueError(f"--ckpt-format {ckpt_format} is not available in this version; use torch")
@@ -396,8 +408,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     error = None
     if rank == 0:
         try:
-            os.makedirs(save_dir, exist_ok=True)
-            _remove_stale_temporaries(save_dir, dirname)
+            checkpoint_integrity.prepare_save_dir(save_dir)  # also repairs what a crashed save left
             os.makedirs(tmp_dir)
         except Exception as exc:  # reported to every rank below instead of leaving them in a barrier
             error = exc
@@ -413,10 +424,11 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
             final_name = get_checkpoint_name(save_dir, iteration)
             tmp_name = os.path.join(tmp_dir, os.path.relpath(final_name, final_dir))
             state_dict = generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state,
-                                             iteration, num_floating_point_operations_so_far)
+                                             iteration, num_floating_point_operations_so_far, train_state)
             _write_durably(state_dict, tmp_name)
             if param_state is not None:
                 _write_durably(param_state, get_distributed_optimizer_checkpoint_name(tmp_name))
+        checkpoint_integrity.test_hook("in_write", iteration)
     except Exception as exc:
         error = exc
     if _any_rank(error is not None):
@@ -424,23 +436,24 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
             shutil.rmtree(tmp_dir, ignore_errors=True)
         _raise_save_failure(error, iteration, final_dir)
 
-    if rank == 0:
-        try:
-            _replace_dir(tmp_dir, final_dir)
-            # The tracker moves last, so it never names an incomplete directory.
-            _write_tracker(save_dir, str(iteration))
-            retain = getattr(args, "save_retain_interval", None)
-            if retain:
-                _remove_unretained(save_dir, iteration, retain)
-        except Exception as exc:
-            error = exc
-    if _any_rank(error is not None):
-        _raise_save_failure(error, iteration, final_dir)
+    try:
+        # Manifest, then the directory, and the tracker last: it never names an incomplete directory.
+        checkpoint_integrity.publish_iteration(
+            save_dir, tmp_dir, iteration, keep_only_newest=non_persistent_ckpt,
+            retain_interval=None if non_persistent_ckpt else getattr(args, "save_retain_interval", None))
+    except Exception as exc:  # raised on every rank
+        if rank == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        _raise_save_failure(exc, iteration, final_dir)
     print_rank_0("  successfully saved checkpoint from iteration {:7d} to {} {}".format(
         iteration, save_dir, _rank_summary()))
 
 
 def _raise_save_failure(error, iteration, final_dir):
+    if isinstance(error, OSError) and error.errno is not None:
+        raise OSError(error.errno, f"{error.strerror or error}: saving checkpoint at iteration {iteration} to "
+                      f"{final_dir} failed; the previous checkpoint and tracker were left unchanged",
+                      error.filename) from error
     if error is not None:
         raise error
     raise RuntimeError(f"saving checkpoint at iteration {iteration} to {final_dir} failed on another rank; "
@@ -534,21 +547,30 @@ def _layout_hint(iteration_dir):
     return ", ".join(found) if found else "no mp_rank_* directories"
 
 
-def _checkpoint_path_to_load(args, load_dir):
-    """(checkpoint file, iteration, release), or None when there is nothing to load."""
+def _checkpoint_path_to_load(args, load_dir, load_arg="load"):
+    """(checkpoint file, iteration, release), or None when there is nothing to load.
+
+    The iteration is ``--ckpt-step`` (refused when damaged) or the newest complete one at or below the
+    tracker's, or the newest non-persistent one when newer (checkpoint_integrity.choose_checkpoint:
+    files checked against the manifest; CRC-32s unless --no-verify-checkpoint).
+    """
     tracker = get_checkpoint_tracker_filename(load_dir)
-    if args.ckpt_step is not None:
-        iteration, release, source = args.ckpt_step, False, f"--ckpt-step {args.ckpt_step}"
-    elif not os.path.isfile(tracker):
+    non_persistent_dir = None
+    if load_arg == "load" and getattr(args, "non_persistent_ckpt_type", None) == "global":
+        non_persistent_dir = non_persistent_checkpoint_dir(args, load_dir)
+    chosen = checkpoint_integrity.choose_checkpoint(
+        load_dir, ckpt_step=args.ckpt_step, verify=not getattr(args, "no_verify_checkpoint", False),
+        non_persistent_dir=non_persistent_dir, flag=f"--{load_arg.replace('_', '-')}", warn=print_rank_0)
+    if chosen is None:
         if args.exit_on_missing_checkpoint:
             raise FileNotFoundError(f"--exit-on-missing-checkpoint: no checkpoint tracker {tracker} "
                                     f"in --load directory {load_dir}")
         print_rank_0(f"WARNING: could not find the metadata file {tracker}")
         print_rank_0("    will not load any checkpoints and will start from random")
         return None
-    else:
-        iteration, release = read_metadata(tracker)
-        source = f"tracker {tracker}"
+    load_dir, iteration, release = chosen
+    source = (f"--ckpt-step {args.ckpt_step}" if args.ckpt_step is not None
+              else f"tracker {get_checkpoint_tracker_filename(load_dir)}")
 
     name = get_checkpoint_name(load_dir, iteration, release)
     iteration_dir = os.path.dirname(os.path.dirname(name))
@@ -593,16 +615,17 @@ def check_checkpoint_args(checkpoint_args):
                              f"({current}) (--{name.replace('_', '-')})")
 
 
-def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
+def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", strict=True, train_state=None):
     """Load the checkpoint named by ``args.<load_arg>`` into model, optimizer and scheduler; all ranks call it.
 
     Picks the iteration from ``--ckpt-step`` or the tracker. Without a tracker: prints a warning
     and returns ``(0, 0)`` (FileNotFoundError with ``--exit-on-missing-checkpoint``).
     ``--finetune``: weights only, iteration 0, counters not restored. ``--no-load-optim`` /
-    ``--no-load-rng`` skip those parts. Otherwise restores the iteration,
-    ``args.consumed_train_samples``, ``args.skipped_train_samples``, ``args.consumed_valid_samples``,
-    ``args.num_floating_point_operations_so_far``, optimizer + scheduler state and every RNG
-    (python, numpy, torch CPU, CUDA when available, the TP tracker).
+    ``--no-load-rng`` skip those parts. Otherwise restores the training counters (iteration,
+    consumed/skipped train samples, consumed valid samples, FLOPs so far) into ``train_state``,
+    optimizer + scheduler state and every RNG (python, numpy, torch CPU, CUDA when available, the
+    TP tracker). Without a ``train_state`` (Megatron's signature) the counters other than the
+    iteration are set on ``args`` as Megatron-LM does.
 
     Args:
         model: list of model chunks (wrapped or not).
@@ -610,6 +633,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
         opt_param_scheduler: object with ``load_state_dict`` or None.
         load_arg: name of the args attribute holding the directory.
         strict: passed to ``Module.load_state_dict``.
+        train_state: the :class:`TrainingState` to restore the counters into (None: see above).
     Returns ``(iteration, num_floating_point_operations_so_far)``.
     Raises FileNotFoundError (directory or rank file missing, naming the expected file),
     ValueError (bad tracker, tp/pp or model-shape mismatch), pickle.UnpicklingError (non
@@ -623,8 +647,10 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
         raise ValueError(f"load_checkpoint needs --{load_arg.replace('_', '-')}")
     model = _unwrap(model)
 
-    found = _checkpoint_path_to_load(args, load_dir)
+    restored = TrainingState()
+    found = _checkpoint_path_to_load(args, load_dir, load_arg)
     if found is None:
+        _deliver_training_state(restored, train_state, args)
         return 0, 0
     checkpoint_name, iteration, release = found
     flag = f"--{load_arg.replace('_', '-')} {load_dir}"
@@ -653,13 +679,14 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
     else:
         if checkpoint_args is not None:
             check_checkpoint_args(checkpoint_args)
-            args.consumed_train_samples = getattr(checkpoint_args, "consumed_train_samples", 0)
-            args.skipped_train_samples = getattr(checkpoint_args, "skipped_train_samples", 0)
-            args.consumed_valid_samples = getattr(checkpoint_args, "consumed_valid_samples", 0)
+            restored.consumed_train_samples = getattr(checkpoint_args, "consumed_train_samples", 0)
+            restored.skipped_train_samples = getattr(checkpoint_args, "skipped_train_samples", 0)
+            restored.consumed_valid_samples = getattr(checkpoint_args, "consumed_valid_samples", 0)
         else:
             print_rank_0("could not find arguments in the checkpoint ...")
         num_floating_point_operations_so_far = state_dict.get("num_floating_point_operations_so_far", 0)
-    args.num_floating_point_operations_so_far = num_floating_point_operations_so_far
+    restored.iteration = iteration
+    restored.num_floating_point_operations_so_far = num_floating_point_operations_so_far
 
     _load_model(model, state_dict, strict, checkpoint_name)
 
@@ -690,8 +717,17 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
                                "specify --no-load-rng or --finetune to skip it") from None
 
     _barrier()
+    _deliver_training_state(restored, train_state, args)
     print_rank_0(f"  successfully loaded checkpoint from {load_dir} {_rank_summary()} at iteration {iteration}")
     return iteration, num_floating_point_operations_so_far
+
+
+def _deliver_training_state(restored, train_state, args):
+    """Copy the loaded counters into the caller's ``train_state``, or onto ``args`` without one."""
+    if train_state is not None:
+        train_state.load_state_dict(restored.state_dict())
+    else:  # Megatron's signature: its callers read the sample counters from args
+        restored.copy_to_args(args)
 
 
 def _load_distributed_optimizer_state(optimizer, checkpoint_name, context):

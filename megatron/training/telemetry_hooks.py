@@ -106,13 +106,14 @@ def _export_now():
         handle.snapshot_metrics()
 
 
-def record_step_metrics(elapsed_ms, loss, throughput_tflops, tokens_per_sec, grad_norm, skipped, learning_rate):
+def record_step_metrics(elapsed_ms, loss, throughput_tflops, tokens_per_sec, grad_norm, skipped, learning_rate,
+                        iteration=None, consumed_samples=None):
     """The ``megatron.training.*`` instruments at a log iteration (exporting ranks only), then a
     snapshot for export, so every logged value reaches the exporter whatever
     ``OTEL_METRIC_EXPORT_INTERVAL`` is. ``skipped`` is the number of skipped iterations since the last
     log: it is added only when non-zero (the counter's zero series exists from the first export, see
-    ``prepare_metrics``). Progress comes from the args: ``megatron.training.iteration``,
-    ``consumed_samples`` and ``consumed_tokens`` (samples x ``--seq-length``)."""
+    ``prepare_metrics``). Progress comes from the training loop's state: ``megatron.training.iteration``
+    (``iteration``), ``consumed_samples`` and ``consumed_tokens`` (``consumed_samples`` x ``--seq-length``)."""
     meter = _meter()
     if meter is None:
         return
@@ -124,13 +125,13 @@ def record_step_metrics(elapsed_ms, loss, throughput_tflops, tokens_per_sec, gra
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         memory_gb = torch.cuda.max_memory_allocated() / 1e9
     args = get_args()
-    samples = getattr(args, "consumed_train_samples", None)
+    samples = consumed_samples
     seq_length = getattr(args, "seq_length", None)
     record_training_metrics(
         meter, step_duration_ms=elapsed_ms, loss=loss, throughput_tflops=throughput_tflops,
         tokens_per_sec=tokens_per_sec, grad_norm=grad_norm, skipped_iters=skipped or 0,
         learning_rate=learning_rate, memory_allocated_gb=memory_gb,
-        iteration=getattr(args, "iteration", None), consumed_samples=samples,
+        iteration=iteration, consumed_samples=samples,
         consumed_tokens=samples * seq_length if samples is not None and seq_length else None,
     )
     _export_now()

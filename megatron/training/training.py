@@ -24,11 +24,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
 from megatron.core.utils import get_model_config
 from megatron.training import telemetry_hooks as telemetry
-from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron.training.checkpointing import load_checkpoint, non_persistent_checkpoint_dir, save_checkpoint
 from megatron.training.datasets.data_samplers import build_pretraining_data_loader
 from megatron.training.global_vars import get_args, get_telemetry, get_tensorboard_writer, get_timers, get_wandb_writer
 from megatron.training.initialize import initialize_megatron
 from megatron.training.step_breakdown import StepBreakdown, wrap_data_iterator
+from megatron.training.training_state import TrainingState
 from megatron.training.training_log import (
     LogAccumulator,
     log_operator_message,
@@ -169,9 +170,14 @@ def _no_weight_decay_cond(args):
     return no_wd
 
 
-def setup_model_and_optimizer(model_provider_func):
-    """Model chunks, optimizer and scheduler; loads ``--load`` when given. Returns the three."""
+def setup_model_and_optimizer(model_provider_func, train_state=None):
+    """Model chunks, optimizer and scheduler; loads ``--load`` when given. Returns the three.
+
+    ``train_state`` (a :class:`TrainingState`, the loop's counters) receives the loaded counters;
+    without one they are loaded into a throw-away state.
+    """
     args = get_args()
+    train_state = TrainingState() if train_state is None else train_state
     timers = get_timers()
     with telemetry.span("model_init", "megatron.model_init"):
         model = get_model(model_provider_func)
@@ -190,18 +196,15 @@ def setup_model_and_optimizer(model_provider_func):
             # Several chunks (interleaving): one per chunk, as Megatron-LM passes them to the schedule.
             config.no_sync_func = model[0].no_sync if len(model) == 1 else [chunk.no_sync for chunk in model]
 
-    args.iteration, args.num_floating_point_operations_so_far = 0, 0
     if args.load is not None:
         with telemetry.span("load_checkpoint", "megatron.load_checkpoint"):
             timers("load-checkpoint", log_level=0).start(barrier=True)
-            args.iteration, args.num_floating_point_operations_so_far = load_checkpoint(
-                model, optimizer, opt_param_scheduler
-            )
+            load_checkpoint(model, optimizer, opt_param_scheduler, train_state=train_state)
             timers("load-checkpoint").stop(barrier=True)
             timers.log(["load-checkpoint"])
-        if args.iteration > 0 or args.finetune:
-            log_operator_message(f"successfully loaded checkpoint from {args.load} at iteration {args.iteration}",
-                                 printed_on_this_rank=get_rank() == 0)
+        if train_state.iteration > 0 or args.finetune:
+            log_operator_message(f"successfully loaded checkpoint from {args.load} at iteration "
+                                 f"{train_state.iteration}", printed_on_this_rank=get_rank() == 0)
     return model, optimizer, opt_param_scheduler
 
 
@@ -217,13 +220,19 @@ def get_train_valid_test_num_samples():
     return [train, eval_iters * args.eval_global_batch_size, args.eval_iters * args.eval_global_batch_size]
 
 
-def build_train_valid_test_data_iterators(train_valid_test_dataset_provider):
-    """Datasets -> resumable samplers -> iterators (None for a split that has no data)."""
+def build_train_valid_test_data_iterators(train_valid_test_dataset_provider, train_state=None):
+    """Datasets -> resumable samplers -> iterators (None for a split that has no data).
+
+    The train and validation samplers start after ``train_state``'s consumed samples (a fresh run
+    without a state).
+    """
     args = get_args()
+    train_state = TrainingState() if train_state is None else train_state
     print_rank_0("> building train, validation, and test datasets ...")
     train_ds, valid_ds, test_ds = train_valid_test_dataset_provider(get_train_valid_test_num_samples())
-    train_loader = build_pretraining_data_loader(train_ds, args.consumed_train_samples)
-    valid_loader = build_pretraining_data_loader(valid_ds, args.consumed_valid_samples, args.eval_micro_batch_size)
+    train_loader = build_pretraining_data_loader(train_ds, train_state.consumed_train_samples)
+    valid_loader = build_pretraining_data_loader(valid_ds, train_state.consumed_valid_samples,
+                                                 args.eval_micro_batch_size)
     test_loader = build_pretraining_data_loader(test_ds, 0, args.eval_micro_batch_size)
     # Ranks without datasets (TP rank > 0) learn from the others which splits exist.
     flags = torch.tensor(
@@ -332,8 +341,11 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
 # Evaluation
 # ---------------------------------------------------------------------------------------------------
 
-def evaluate(forward_step_func, data_iterator, model, verbose=False):
-    """``--eval-iters`` forward-only global batches; returns ``{key: token-weighted mean loss}``."""
+def evaluate(forward_step_func, data_iterator, model, verbose=False, train_state=None):
+    """``--eval-iters`` forward-only global batches; returns ``{key: token-weighted mean loss}``.
+
+    Advances ``train_state.consumed_valid_samples`` (the validation iterator's position) when given.
+    """
     args = get_args()
     for chunk in model:
         chunk.eval()
@@ -353,7 +365,8 @@ def evaluate(forward_step_func, data_iterator, model, verbose=False):
                 for key, value in report.items():
                     value = value.view(-1).double()
                     totals[key] = totals.get(key, 0) + value
-            args.consumed_valid_samples += args.eval_global_batch_size
+            if train_state is not None:
+                train_state.consumed_valid_samples += args.eval_global_batch_size
     for chunk in model:
         chunk.train()
     results = {}
@@ -367,24 +380,25 @@ def evaluate(forward_step_func, data_iterator, model, verbose=False):
 
 
 def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, iteration, verbose=False,
-                               split="validation"):
+                               split="validation", train_state=None):
     """Evaluate, print Megatron's validation block on the last rank (also sent through ``logging``),
     and write TensorBoard and W&B scalars. ``split`` ("validation" or "test") labels the telemetry
     gauges (TensorBoard keeps Megatron's tags, which do not name the split)."""
     args = get_args()
     writer = get_tensorboard_writer()
     wandb_writer = get_wandb_writer()
-    results = evaluate(forward_step_func, data_iterator, model, verbose)
+    results = evaluate(forward_step_func, data_iterator, model, verbose, train_state=train_state)
+    consumed_train_samples = train_state.consumed_train_samples if train_state is not None else 0
     string = f" validation loss at {prefix} | "
     for key, loss in results.items():
         ppl = math.exp(min(20.0, loss))
         string += f"{key} value: {loss:.6E} | {key} PPL: {ppl:.6E} | "
         if writer is not None:
             writer.add_scalar(f"{key} validation", loss, iteration)
-            writer.add_scalar(f"{key} validation vs samples", loss, args.consumed_train_samples)
+            writer.add_scalar(f"{key} validation vs samples", loss, consumed_train_samples)
             if args.log_validation_ppl_to_tensorboard:
                 writer.add_scalar(f"{key} validation ppl", ppl, iteration)
-                writer.add_scalar(f"{key} validation ppl vs samples", ppl, args.consumed_train_samples)
+                writer.add_scalar(f"{key} validation ppl vs samples", ppl, consumed_train_samples)
         if key == "lm loss":
             telemetry.record_validation_metrics(loss=loss, ppl=ppl, split=split)
         if wandb_writer is not None:
@@ -423,15 +437,17 @@ def _any_rank(flag: bool) -> bool:
     return bool(value.item())
 
 
-def _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far):
+def _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state=None, non_persistent=False):
     timers = get_timers()
     with telemetry.span("checkpoint", "megatron.save_checkpoint", iteration=iteration):
         timers("save-checkpoint", log_level=0).start(barrier=True)
-        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops_so_far)
+        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state=train_state,
+                        non_persistent_ckpt=non_persistent)
         timers("save-checkpoint").stop(barrier=True)
         timers.log(["save-checkpoint"])
-    log_operator_message(f"successfully saved checkpoint from iteration {iteration:7d} to {get_args().save}",
-                         printed_on_this_rank=get_rank() == 0)
+    where = non_persistent_checkpoint_dir(get_args()) if non_persistent else get_args().save
+    log_operator_message(f"successfully saved {'non-persistent ' if non_persistent else ''}checkpoint from "
+                         f"iteration {iteration:7d} to {where}", printed_on_this_rank=get_rank() == 0)
 
 
 def _exit_message(message):
@@ -439,17 +455,24 @@ def _exit_message(message):
     log_operator_message(message, printed_on_this_rank=get_rank() == 0)
 
 
-def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration, flops_so_far, signal_flag):
-    """Save on schedule or on exit conditions (signal, duration, exit interval); True means stop now."""
+def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration, flops_so_far, signal_flag,
+                               train_state=None):
+    """Save on schedule or on exit conditions (signal, duration, exit interval); True means stop now.
+
+    ``train_state`` (the loop's counters) is what the checkpoints record.
+    """
     args = get_args()
     saved = False
     if signal_flag is not None and _any_rank(signal_flag.received):
         if args.save:
-            _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far)
+            _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state)
         _exit_message(f"exiting program after receiving {signal_flag.signal.name}.")
         return True
     if args.save and args.save_interval and iteration % args.save_interval == 0:
-        _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far)
+        _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state)
+        saved = True
+    elif args.save and args.non_persistent_save_interval and iteration % args.non_persistent_save_interval == 0:
+        _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state, non_persistent=True)
         saved = True
     if args.exit_duration_in_mins:
         elapsed_minutes = (time.time() - _TRAIN_START_TIME) / 60.0
@@ -458,12 +481,12 @@ def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration,
             dist.all_reduce(value, op=dist.ReduceOp.MAX)
         if value.item() > args.exit_duration_in_mins:
             if args.save and not saved:
-                _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far)
+                _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state)
             _exit_message(f"exiting program after {value.item():.2f} minutes")
             return True
     if args.exit_interval and iteration % args.exit_interval == 0:
         if args.save and not saved:
-            _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far)
+            _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state)
         _exit_message(f"exiting program at iteration {iteration}")
         return True
     return False
@@ -473,14 +496,20 @@ def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration,
 # The loop
 # ---------------------------------------------------------------------------------------------------
 
-def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator, valid_data_iterator):
-    """Run iterations until ``--train-iters`` or an exit condition. Returns (iteration, flops_so_far, exited)."""
+def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator, valid_data_iterator,
+          train_state=None):
+    """Run iterations until ``--train-iters`` or an exit condition. Returns (iteration, flops_so_far, exited).
+
+    ``train_state`` (a :class:`TrainingState`, the loaded one on a resume; fresh when None) is advanced
+    in place every iteration and is what the checkpoints record.
+    """
     args = get_args()
+    train_state = TrainingState() if train_state is None else train_state
     for chunk in model:
         chunk.train()
-    iteration = args.iteration
+    iteration = train_state.iteration
     args.start_iteration = iteration
-    flops_so_far = args.num_floating_point_operations_so_far
+    flops_so_far = train_state.num_floating_point_operations_so_far
     signal_flag = _SignalFlag(args.exit_signal) if args.exit_signal_handler else None
     acc = LogAccumulator()
     if args.manual_gc:
@@ -498,7 +527,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     with telemetry.span("job", "megatron.train", train_iters=args.train_iters):
         while iteration < args.train_iters:
             # --rampup-batch-size: this iteration's batch follows the samples consumed so far.
-            update_num_microbatches(args.consumed_train_samples, consistency_check=True, verbose=True)
+            update_num_microbatches(train_state.consumed_train_samples, consistency_check=True, verbose=True)
             num_microbatches = get_num_microbatches()
             args.curr_iteration = iteration
             if breakdown is not None:
@@ -512,10 +541,11 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
                 breakdown.step_end()
             telemetry.note_step_finished()
             iteration += 1
-            args.iteration = iteration
             batch_size = args.micro_batch_size * args.data_parallel_size * num_microbatches
-            args.consumed_train_samples += batch_size
             flops_so_far += num_floating_point_operations(args, batch_size)
+            train_state.iteration = iteration
+            train_state.consumed_train_samples += batch_size
+            train_state.num_floating_point_operations_so_far = flops_so_far
 
             is_log_iteration = iteration % args.log_interval == 0 or iteration == args.start_iteration + 1
             if args.log_params_norm and is_log_iteration and args.overlap_param_gather:
@@ -529,7 +559,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             training_log(
                 acc, loss_dict, learning_rate, optimizer.get_loss_scale(),
                 iteration, grad_norm, params_norm, num_zeros, skipped_iter, now - last_log_time,
-                iteration - last_log_iteration, num_microbatches, is_log_iteration,
+                iteration - last_log_iteration, num_microbatches, is_log_iteration, train_state=train_state,
             )
             if is_log_iteration:
                 last_log_time, last_log_iteration = time.perf_counter(), iteration
@@ -541,10 +571,12 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
                 if args.manual_gc and args.manual_gc_eval:
                     gc.collect()
-                evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator, model, iteration)
+                evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator, model,
+                                           iteration, train_state=train_state)
                 if args.manual_gc and args.manual_gc_eval:
                     gc.collect()
-            if checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration, flops_so_far, signal_flag):
+            if checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration, flops_so_far, signal_flag,
+                                          train_state):
                 return iteration, flops_so_far, True
             last_log_time += time.perf_counter() - paused_at
     return iteration, flops_so_far, False
@@ -587,24 +619,27 @@ def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fun
         args.train_iters = train_iters_for_samples(args)
     with telemetry.span("job", "megatron.pretrain", model_type="GPT", train_iters=args.train_iters,
                         global_batch_size=args.global_batch_size):
-        model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider)
-        train_it, valid_it, test_it = build_train_valid_test_data_iterators(train_valid_test_dataset_provider)
+        # The loop's counters: loaded with the checkpoint, advanced by train(), saved in checkpoints.
+        train_state = TrainingState()
+        model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, train_state)
+        train_it, valid_it, test_it = build_train_valid_test_data_iterators(train_valid_test_dataset_provider,
+                                                                            train_state)
         if len(model) > 1:
             # Interleaving: the schedule takes one iterator per chunk. Only chunk 0 of the first stage and
             # the last chunk of the last stage read data (see pretrain_gpt.get_batch), so they can share one.
             train_it, valid_it, test_it = ([it] * len(model) for it in (train_it, valid_it, test_it))
-        iteration = args.iteration
+        iteration = train_state.iteration
         exited = False
         if args.do_train and not args.skip_train:
             iteration, flops_so_far, exited = train(
-                forward_step_func, model, optimizer, opt_param_scheduler, train_it, valid_it
+                forward_step_func, model, optimizer, opt_param_scheduler, train_it, valid_it, train_state
             )
             if not exited and args.save and iteration != 0 and iteration % args.save_interval != 0:
-                _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far)
+                _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state)
         if not exited:
             if args.do_valid:
                 evaluate_and_print_results(f"iteration {iteration} on validation set", forward_step_func, valid_it,
-                                           model, iteration, verbose=True)
+                                           model, iteration, verbose=True, train_state=train_state)
             if args.do_test:
                 evaluate_and_print_results(f"iteration {iteration} on test set", forward_step_func, test_it,
                                            model, iteration, verbose=True, split="test")

@@ -117,24 +117,26 @@ class LogAccumulator:
 
 def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm, params_norm,
                  num_zeros_in_grad, skipped_iter, elapsed_since_last_log, iterations_since_last_log,
-                 num_microbatches, is_log_iteration):
+                 num_microbatches, is_log_iteration, train_state=None):
     """Accumulate this iteration; on log iterations print Megatron's log line (last rank).
 
     TensorBoard scalars (and the same names on W&B, without the ``vs samples`` twins) are written
     every ``--tensorboard-log-interval`` iterations. The log line also goes through ``logging``
     (see :func:`log_operator_message`). ``num_microbatches`` is this iteration's count, so the
     ``global batch size`` shown follows ``--rampup-batch-size``. Returns the averaged losses on log
-    iterations, else None.
+    iterations, else None. ``train_state`` (the loop's :class:`TrainingState`) gives the consumed
+    samples shown and logged (0 without one).
     """
     args = get_args()
     timers = get_timers()
     writer = get_tensorboard_writer()
     wandb_writer = get_wandb_writer()
     acc.add(loss_dict, skipped_iter, grad_norm)
+    consumed_train_samples = train_state.consumed_train_samples if train_state is not None else 0
     batch_size = args.micro_batch_size * args.data_parallel_size * num_microbatches
 
     if (writer is not None or wandb_writer is not None) and iteration % args.tensorboard_log_interval == 0:
-        samples = args.consumed_train_samples
+        samples = consumed_train_samples
         scalars = {"learning-rate": learning_rate, "batch-size": batch_size}
         scalars.update({key: float(value) for key, value in loss_dict.items()})
         if args.log_loss_scale_to_tensorboard:
@@ -179,7 +181,7 @@ def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm
 
     line = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f')}]"
     line += f" iteration {iteration:8d}/{args.train_iters:8d} |"
-    line += f" consumed samples: {args.consumed_train_samples:12d} |"
+    line += f" consumed samples: {consumed_train_samples:12d} |"
     line += f" elapsed time per iteration (ms): {elapsed_per_iteration * 1000.0:.1f} |"
     if args.log_throughput:
         line += f" throughput per GPU (TFLOP/s/GPU): {throughput:.1f} |"
@@ -205,7 +207,8 @@ def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm
     telemetry.record_step_metrics(
         elapsed_ms=elapsed_per_iteration * 1000.0, loss=averages.get("lm loss"), throughput_tflops=throughput,
         tokens_per_sec=batch_size * args.seq_length / max(elapsed_per_iteration, 1e-12), grad_norm=grad_norm,
-        skipped=acc.skipped, learning_rate=learning_rate,
+        skipped=acc.skipped, learning_rate=learning_rate, iteration=iteration,
+        consumed_samples=consumed_train_samples,
     )
     acc.reset()
     if not acc.memory_reported:

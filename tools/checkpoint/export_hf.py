@@ -1,4 +1,4 @@
-"""Export a legacy checkpoint (any TP, any PP) of pretrain_gpt.py to a Hugging Face `transformers` folder.
+"""Export a checkpoint of pretrain_gpt.py (torch at any TP/PP, or torch_dist) to a Hugging Face `transformers` folder.
 
 Writes ``config.json`` (GPT2Config or LlamaConfig), ``model.safetensors`` and the tokenizer files
 into ``--save``. GPT-2 architecture: learned positions, LayerNorm, GeLU (tied or untied);
@@ -24,8 +24,9 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 import torch  # noqa: E402
 
+from convert import ConvertError, read_checkpoint  # noqa: E402
 from hf_conversion import UnsupportedModelError, hf_config, megatron_to_hf  # noqa: E402
-from legacy_checkpoint import CheckpointLayoutError, read_checkpoint  # noqa: E402
+from legacy_checkpoint import CheckpointLayoutError  # noqa: E402
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -90,10 +91,15 @@ def save_tokenizer_files(args, save_dir: str) -> Optional[str]:
 
 
 def export(load_dir: str, save_dir: str, cli) -> dict:
-    """Do the export; returns a summary. Raises ExportError, CheckpointLayoutError, UnsupportedModelError."""
+    """Do the export; returns a summary. Raises ExportError, ConvertError (the checkpoint folder is not one
+    this tool reads), UnsupportedModelError."""
     from safetensors.torch import save_file
 
-    state, ckpt_args, info = read_checkpoint(load_dir, cli.iteration)
+    try:
+        full = read_checkpoint(load_dir, cli.iteration, with_optimizer=False)
+    except ConvertError as error:  # the reader speaks of convert.py's --load-dir; this tool's flag is --load
+        raise ConvertError(str(error).replace("--load-dir ", "--load ")) from None
+    state, ckpt_args, info = full.model, full.args, full.layout
     tokenizer_args = _tokenizer_args(ckpt_args, cli)
     tokenizer = None
     if cli.vocab_size is not None:
@@ -149,7 +155,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     try:
         summary = export(cli.load, cli.save, cli)
-    except (ExportError, CheckpointLayoutError, UnsupportedModelError, FileNotFoundError) as error:
+    except (ExportError, ConvertError, CheckpointLayoutError, UnsupportedModelError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     if summary["tokenizer"] is None and not cli.no_tokenizer:
