@@ -233,8 +233,12 @@ BAD_LINES = {
 }
 
 
+@pytest.mark.parametrize("loads", ["orjson if installed", "json"])
 @pytest.mark.parametrize("case", sorted(BAD_LINES))
-def test_bad_line_is_an_error_and_leaves_no_output(tmp_path, gpt2_flags, capsys, case):
+def test_bad_line_is_an_error_and_leaves_no_output(tmp_path, gpt2_flags, capsys, monkeypatch, case, loads):
+    """Also with json parsing the fast path (no orjson), which lets lone surrogates through to the checks."""
+    if loads == "json":
+        monkeypatch.setattr(preprocess, "_fast_loads", json.loads)
     content, line_number, reason = BAD_LINES[case]
     source = tmp_path / "bad.jsonl"
     source.write_text(content, encoding="utf-8")

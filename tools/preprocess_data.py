@@ -227,24 +227,16 @@ class Encoder:
         """key -> the lines' texts, or None unless the fast path of ``encode_batch`` applies to every line."""
         if self.splitter is not None or self.splitter_spec is not None:
             return None
-        texts: Dict[str, List[str]] = {key: [] for key in self.json_keys}
-        for raw in lines:
-            try:
-                data = _fast_loads(raw)
-            except ValueError:
-                return None
-            if type(data) is not dict:
-                return None
-            for key, key_texts in texts.items():
-                text = data.get(key)
-                if type(text) is not str:
-                    return None
-                key_texts.append(text)
-        for key_texts in texts.values():
-            try:  # orjson refuses lone surrogates, json does not; tokenizers should never see them
+        try:
+            records = [_fast_loads(raw) for raw in lines]
+            # KeyError: a missing key; TypeError: a line that is not a JSON object.
+            texts = {key: [record[key] for record in records] for key in self.json_keys}
+            for key_texts in texts.values():
+                # TypeError: a value that is not a string; UnicodeEncodeError: a lone surrogate (orjson
+                # refuses them, json does not; tokenizers should never see them).
                 "".join(key_texts).encode("utf-8")
-            except UnicodeEncodeError:
-                return None
+        except (ValueError, KeyError, TypeError):
+            return None
         return texts
 
     def _tokenize_documents(self, texts: List[str]) -> Tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray]:
