@@ -32,7 +32,7 @@ convert = _load_tool("convert")
 # 50304 rows at both TP=1 and TP=2 (the padded rows take part in the softmax).
 FLAGS = ["--num-layers", "4", "--micro-batch-size", "4", "--train-iters", "4", "--lr-warmup-iters", "1",
          "--lr-decay-iters", "10", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
-         "--make-vocab-size-divisible-by", "64", "--ckpt-format", "torch"]
+         "--make-vocab-size-divisible-by", "64", "--ckpt-format", "torch"]  # convert.py's default target: legacy
 
 
 @pytest.fixture(scope="module")
