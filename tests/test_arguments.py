@@ -73,7 +73,7 @@ EXPECTED_DEFAULTS = {
     "decoupled_lr": None, "override_opt_param_scheduler": False, "use_checkpoint_opt_param_scheduler": False,
     # checkpointing
     "save": None, "save_interval": None, "no_save_optim": None, "no_save_rng": None, "load": None,
-    "no_load_optim": None, "no_load_rng": None, "finetune": False, "ckpt_format": "torch", "ckpt_step": None,
+    "no_load_optim": None, "no_load_rng": None, "finetune": False, "ckpt_format": "torch_dist", "ckpt_step": None,
     "async_save": None, "pretrained_checkpoint": None, "save_retain_interval": None,
     "non_persistent_save_interval": None, "exit_on_missing_checkpoint": False,
     # mixed precision (spec §6.3)
@@ -212,7 +212,7 @@ def test_validate_derives_megatron_values(monkeypatch, capsys):
     assert args.dataloader_type == "single"
     assert args.start_weight_decay == args.end_weight_decay == args.weight_decay
     assert args.add_qkv_bias is True  # forced by the default bias on linear layers
-    assert args.use_dist_ckpt is False
+    assert args.use_dist_ckpt is True  # Megatron: --ckpt-format other than torch (the default torch_dist)
 
 
 @pytest.mark.parametrize("hidden", [64, 768, 4096, 5120])
@@ -348,14 +348,15 @@ def _drop(argv, flag):
      "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"),
     (MODEL + TRAIN + ["--use-distributed-optimizer", "--optimizer", "sgd"], 1,
      "--use-distributed-optimizer supports --optimizer adam only"),
-    (MODEL + TRAIN + ["--ckpt-format", "torch_dist"], 1, "--ckpt-format torch_dist is not available in this version yet"),
+    (MODEL + TRAIN + ["--ckpt-format", "torch_dcp"], 1, "--ckpt-format torch_dcp is not available in this version"),
     (MODEL + TRAIN + ["--transformer-impl", "transformer_engine"], 1, "use --transformer-impl local"),
     (MODEL + TRAIN + ["--exit-signal", "SIGNOPE"], 1, "--exit-signal 'SIGNOPE' is not a signal name"),
     (MODEL + TRAIN + ["--fp32-residual-connection"], 1, "--fp32-residual-connection needs --fp16 or --bf16"),
     (MODEL + TRAIN + ["--swiglu", "--squared-relu"], 1, "--swiglu and --squared-relu are mutually exclusive"),
     (MODEL + TRAIN + ["--weight-decay-incr-style", "linear"], 1, "needs --start-weight-decay and --end-weight-decay"),
     (MODEL + TRAIN + ["--optimizer", "lion"], 1, "--optimizer lion is not available"),
-    (MODEL + TRAIN + ["--async-save"], 1, "--async-save is not supported with --ckpt-format torch"),
+    (MODEL + TRAIN + ["--async-save", "--ckpt-format", "torch"], 1,
+     r"--async-save needs --ckpt-format torch_dist \(got --ckpt-format torch\)"),
     (MODEL + TRAIN + ["--recompute-activations", "--recompute-method", "uniform"], 1,
      "--recompute-method is not supported with --recompute-granularity selective"),
 ])

@@ -164,7 +164,7 @@ def test_pretrain_dp2_distributed_optimizer_matches_dp1_and_resumes_exactly(shar
     """DP=2 with the distributed optimizer and both overlaps against DP=1; then resumed from its checkpoint
     at 10 (--ckpt-step; it saves at 10 and 20)."""
     ckpt = tmp_path / "ckpt"
-    full = _train(2, DISTOPT + ["--save", str(ckpt), "--save-interval", "10"], shared_data, shakespeare_prefix,
+    full = _train(2, DISTOPT + ["--ckpt-format", "torch", "--save", str(ckpt), "--save-interval", "10"], shared_data, shakespeare_prefix,
                   tmp_path / "full")
     reference = _train(1, [], shared_data, shakespeare_prefix, tmp_path / "dp1")
     assert sorted(full["loss"]) == list(range(1, ITERS + 1))
@@ -185,7 +185,7 @@ def test_pretrain_dp2_distributed_optimizer_matches_dp1_and_resumes_exactly(shar
     assert "state" not in model_state["optimizer"]["optimizer"]
     assert model_state["optimizer"]["optimizer"]["param_groups"][0]["step"] == 10
 
-    resumed = _train(2, DISTOPT + ["--load", str(ckpt), "--ckpt-step", "10"], shared_data, shakespeare_prefix,
+    resumed = _train(2, DISTOPT + ["--ckpt-format", "torch", "--load", str(ckpt), "--ckpt-step", "10"], shared_data, shakespeare_prefix,
                      tmp_path / "resumed")
     assert sorted(resumed["loss"]) == list(range(11, ITERS + 1))
     for metric in ("loss", "grad_norm"):

@@ -34,7 +34,6 @@ REFUSED = {
     "--no-position-embedding": ["--no-position-embedding"],
     "--exit-signal-handler-for-training": ["--exit-signal-handler-for-training"],
     "--head-lr-mult": ["--head-lr-mult", "2.0"],
-    "--auto-detect-ckpt-format": ["--auto-detect-ckpt-format"],
     "--use-persistent-ckpt-worker": ["--use-persistent-ckpt-worker"],
     "--use-tp-pp-dp-mapping": ["--use-tp-pp-dp-mapping"],
     "--full-validation": ["--full-validation"],

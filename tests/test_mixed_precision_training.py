@@ -47,7 +47,7 @@ def _assert_memory_report(out, bytes_per_param):
 @pytest.mark.timeout(400)
 def test_bf16_trains_30_iterations_with_fp32_main_params(shared_data, sp_prefix, tmp_path):
     out = run_pretrain(2, [*COMMON, *sentencepiece_flags(shared_data), "--bf16", "--train-iters", "30",
-                           "--save", str(tmp_path / "ckpt"), "--save-interval", "1000"],
+                           "--save", str(tmp_path / "ckpt"), "--ckpt-format", "torch", "--save-interval", "1000"],
                        shared_data, sp_prefix, tmp_path)
     records = log_records(out)
     assert sorted(records) == list(range(1, 31))
@@ -78,7 +78,7 @@ def test_fp16_overflow_skips_halves_and_proceeds(shared_data, sp_prefix, tmp_pat
     initial, window, iters = 2.0 ** 22, 8, 40  # 2^22 overflows this model's fp16 grads; 2^17 does not
     out = run_pretrain(2, [*COMMON, *sentencepiece_flags(shared_data), "--fp16", "--train-iters", str(iters),
                            "--initial-loss-scale", str(int(initial)), "--hysteresis", "1",
-                           "--loss-scale-window", str(window), "--save", str(tmp_path / "ckpt"),
+                           "--loss-scale-window", str(window), "--save", str(tmp_path / "ckpt"), "--ckpt-format", "torch",
                            "--save-interval", "1000"],
                        shared_data, sp_prefix, tmp_path)
     records = [log_records(out)[i] for i in range(1, iters + 1)]

@@ -28,7 +28,7 @@ def _train(nproc, flags, shared_data, prefix, tmp_path):
 def pp2_vp2_run(shared_data, shakespeare_prefix, tmp_path_factory):
     """The PP=2 interleaved run, with its checkpoints (iterations 10 and 20) under ``run["ckpt"]``."""
     tmp = tmp_path_factory.mktemp("pp2_vp2")
-    run = _train(2, PP2_VP2 + ["--save", str(tmp / "ckpt"), "--save-interval", "10"], shared_data,
+    run = _train(2, PP2_VP2 + ["--ckpt-format", "torch", "--save", str(tmp / "ckpt"), "--save-interval", "10"], shared_data,
                  shakespeare_prefix, tmp)
     return dict(run, ckpt=tmp / "ckpt")
 
@@ -65,7 +65,7 @@ def test_pp2_checkpoint_per_stage_resumes_exactly(pp2_vp2_run, shared_data, shak
         assert any("output_layer.weight" in name for name in names) is not has_embedding  # tied: a copy
         # legacy format: local layer indices per chunk (one layer per chunk here)
         assert {name.split(".")[2] for name in names if name.startswith("decoder.layers.")} == {"0"}
-    resumed = _train(2, PP2_VP2 + ["--load", str(ckpt), "--ckpt-step", "10"], shared_data, shakespeare_prefix,
+    resumed = _train(2, PP2_VP2 + ["--ckpt-format", "torch", "--load", str(ckpt), "--ckpt-step", "10"], shared_data, shakespeare_prefix,
                      tmp_path / "resumed")
     full = pp2_vp2_run
     assert sorted(resumed["loss"]) == list(range(11, 21))

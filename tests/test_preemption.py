@@ -21,7 +21,7 @@ def _launch(nproc, shared_data, data_prefix, tmp_path, extra):
            "--data-path", data_prefix, "--split", "100,0,0", "--distributed-backend", "gloo",
            "--data-cache-path", str(tmp_path / "cache"), "--tokenizer-type", "GPT2BPETokenizer",
            "--vocab-file", str(shared_data / "gpt2-vocab.json"), "--merge-file", str(shared_data / "gpt2-merges.txt"),
-           "--save", str(tmp_path / "ckpt"), "--save-interval", "1000000", "--exit-signal-handler", *extra]
+           "--save", str(tmp_path / "ckpt"), "--save-interval", "1000000", "--exit-signal-handler", "--ckpt-format", "torch", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -175,7 +175,7 @@ def test_exit_signal_saves_and_stops(shared_data, shakespeare_prefix, tmp_path):
            "--data-path", shakespeare_prefix, "--split", "100,0,0", "--num-workers", "0",
            "--data-cache-path", str(tmp_path / "cache"), "--tokenizer-type", "GPT2BPETokenizer",
            "--vocab-file", str(shared_data / "gpt2-vocab.json"), "--merge-file", str(shared_data / "gpt2-merges.txt"),
-           "--save", str(ckpt), "--save-interval", "1000000", "--exit-signal-handler"]
+           "--save", str(ckpt), "--save-interval", "1000000", "--exit-signal-handler", "--ckpt-format", "torch"]
     env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="1", RANK="0", LOCAL_RANK="0",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -92,7 +92,7 @@ def checkpoints(shared_data, tmp_path_factory):
         _torchrun(tp, ["pretrain_gpt.py", *MODEL, "--micro-batch-size", "2", "--global-batch-size", "2",
                        "--lr", "1e-3", "--train-iters", "3", "--mock-data", "--eval-iters", "0",
                        "--tensor-model-parallel-size", str(tp), "--make-vocab-size-divisible-by", str(256 // tp),
-                       "--save", str(saved[tp]), "--save-interval", "3", "--data-cache-path", str(out / "cache"),
+                       "--save", str(saved[tp]), "--save-interval", "3", "--ckpt-format", "torch", "--data-cache-path", str(out / "cache"),
                        *_tokenizer_flags(shared_data)])
     return saved
 

@@ -86,9 +86,12 @@ def _checkpoint_args(load_dir: str) -> argparse.Namespace:
         raise UserInputError(f"--load {load_dir}: no checkpoint there (missing {tracker})")
     iteration, release = read_metadata(tracker)
     folder = "release" if release else f"iter_{iteration:07d}"
-    files = sorted(glob.glob(os.path.join(load_dir, folder, "mp_rank_*", "model_optim_rng.pt")))
+    # torch_dist: common.pt holds the args; torch (legacy): every rank file does.
+    files = (sorted(glob.glob(os.path.join(load_dir, folder, "common.pt")))
+             or sorted(glob.glob(os.path.join(load_dir, folder, "mp_rank_*", "model_optim_rng.pt"))))
     if not files:
-        raise UserInputError(f"--load {load_dir}: no mp_rank_*/model_optim_rng.pt under {folder}")
+        raise UserInputError(f"--load {load_dir}: neither common.pt (torch_dist) nor mp_rank_*/model_optim_rng.pt "
+                             f"(torch) under {folder}")
     saved = load_state_dict_file(files[0], f"--load {load_dir}").get("args")
     if saved is None:
         raise UserInputError(f"--use-checkpoint-args: {files[0]} holds no training args; give the model flags")
@@ -115,6 +118,7 @@ def parse_generation_args(argv=None) -> argparse.Namespace:
     if args.micro_batch_size is None:
         args.micro_batch_size = 1
     args.no_load_optim, args.no_load_rng, args.exit_on_missing_checkpoint = True, True, True
+    args.auto_detect_ckpt_format = True  # a reader: either format loads
     return args
 
 

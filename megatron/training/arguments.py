@@ -313,11 +313,15 @@ def _add_checkpointing_args(parser):
     group.add_argument("--dist-ckpt-format", type=str, default=None, dest="dist_ckpt_format_deprecated",
                        help="Deprecated no-op: use --ckpt-format.")
     group.add_argument("--auto-detect-ckpt-format", action="store_true",
-                       help="Detect the format of the checkpoint being loaded.")
-    group.add_argument("--ckpt-format", type=str, default="torch", choices=_CKPT_FORMATS,
-                       help="Checkpoint format. Default 'torch' (legacy per-rank files): it is the only format "
-                            "of this version (Megatron's default is torch_dist).")
-    group.add_argument("--async-save", action="store_true", default=None, help="Save checkpoints asynchronously.")
+                       help="Load a checkpoint in whichever format it is (torch or torch_dist), not only in "
+                            "--ckpt-format.")
+    group.add_argument("--ckpt-format", type=str, default="torch_dist", choices=_CKPT_FORMATS,
+                       help="Checkpoint format: 'torch_dist' (default; torch.distributed.checkpoint, sharded, "
+                            "loads at any TP/PP/DP layout) or 'torch' (Megatron's legacy per-rank files, same "
+                            "layout only).")
+    group.add_argument("--async-save", action="store_true", default=None,
+                       help="Write torch_dist checkpoints in the background; training waits only for the copy "
+                            "of the state to host memory.")
     group.add_argument("--use-persistent-ckpt-worker", action="store_true",
                        help="Use a persistent background process for async saves.")
     return parser
@@ -513,7 +517,7 @@ def validate_args(args, defaults={}):
 
     Raises ValueError naming the offending flag(s) and values, including for features that
     are not available in this version (context parallelism, the distributed optimizer,
-    non-torch checkpoint formats, Transformer Engine, MoE).
+    the torch_dcp and fsdp_dtensor checkpoint formats, Transformer Engine, MoE).
     """
     # Applied first so that script defaults take part in every check below; a flag given on
     # the command line wins over the script default.
@@ -554,9 +558,9 @@ def _validate_features(args):
         raise ValueError("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce")
     if args.use_distributed_optimizer and args.optimizer != "adam":
         raise ValueError(f"--use-distributed-optimizer supports --optimizer adam only, got {args.optimizer}")
-    if args.ckpt_format != "torch":
-        raise ValueError(f"--ckpt-format {args.ckpt_format} is not available in this version yet (planned in a "
-                         "later issue); only the legacy 'torch' format is supported")
+    if args.ckpt_format not in ("torch", "torch_dist"):
+        raise ValueError(f"--ckpt-format {args.ckpt_format} is not available in this version; use torch_dist "
+                         "(sharded, the default) or torch (legacy)")
     if args.transformer_impl != "local":
         raise ValueError("--transformer-impl transformer_engine is not available: this version does not ship "
                          "Transformer Engine layers; use --transformer-impl local")
@@ -590,7 +594,7 @@ def _validate_features(args):
 _NOT_YET_AVAILABLE = {
     "full_validation": False, "log_progress": False, "exit_signal_handler_for_training": False,
     "log_energy": False,
-    "pretrained_checkpoint": None, "auto_detect_ckpt_format": False,
+    "pretrained_checkpoint": None,
     "use_tp_pp_dp_mapping": False,
 }
 
@@ -600,7 +604,8 @@ _NO_EFFECT_HERE = [
     ("--head-lr-mult", "head_lr_mult", 1.0, "has no effect in GPT pretraining (Megatron-LM applies it only through "
                                             "a scale_lr_cond, which pretrain_gpt does not set)"),
     ("--use-persistent-ckpt-worker", "use_persistent_ckpt_worker", False,
-     "only applies to --async-save, which --ckpt-format torch does not support"),
+     "has no effect here: the --async-save writer is a background thread in each rank (no worker process to "
+     "keep alive between saves)"),
 ]
 # Tokenizer flags that act only with one --tokenizer-type: (flag, dest, default, that type).
 _TOKENIZER_TYPE_FLAGS = [
@@ -970,8 +975,8 @@ def _validate_checkpointing(args):
     if args.save_interval is not None:
         _require(args.save_interval > 0, f"--save-interval must be > 0, got {args.save_interval}")
     _validate_non_persistent(args)
-    if args.async_save:
-        raise ValueError("--async-save is not supported with --ckpt-format torch")
+    if args.async_save and args.ckpt_format != "torch_dist":
+        raise ValueError(f"--async-save needs --ckpt-format torch_dist (got --ckpt-format {args.ckpt_format})")
     if args.deprecated_use_dist_ckpt or args.dist_ckpt_format_deprecated is not None:
         _print_rank_0(args, "WARNING: --use-dist-ckpt and --dist-ckpt-format are deprecated and ignored; "
                             "use --ckpt-format")

@@ -1,4 +1,5 @@
-"""Save and load Megatron-LM legacy ('torch' format) checkpoints atomically, one file per (tp, pp) rank."""
+"""Save and load checkpoints atomically: ``torch_dist`` (sharded, reshardable; megatron.core.dist_checkpointing)
+and Megatron-LM's legacy ``torch`` format (one file per (tp, pp) rank)."""
 import argparse
 import enum
 import io
@@ -349,22 +350,110 @@ def _write_durably(state_dict, path):
 # Save
 # ---------------------------------------------------------------------------------------------------
 
+COMMON_BASENAME = "common.pt"
+RNG_DIRNAME = "rng"
+CKPT_FORMATS = ("torch", "torch_dist")
+
+
+def _rng_file_name(checkpoint_dir, rank):
+    """``<iteration dir>/rng/rank_<global rank:05d>.pt``: one rank's RNG states in the torch_dist format."""
+    return os.path.join(checkpoint_dir, RNG_DIRNAME, f"rank_{rank:05d}.pt")
+
+
+def _parallel_layout(args):
+    """The parallel layout a torch_dist checkpoint records (RNG states are restored only at the same one)."""
+    return {
+        "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+        "data_parallel_size": parallel_state.get_data_parallel_world_size() if dist.is_initialized() else 1,
+        "virtual_pipeline_model_parallel_size": parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+    }
+
+
+def _ckpt_format(args):
+    ckpt_format = getattr(args, "ckpt_format", "torch")
+    if ckpt_format not in CKPT_FORMATS:
+        raise ValueError(f"--ckpt-format {ckpt_format} is not available in this version; use torch_dist or torch")
+    return ckpt_format
+
+
+def _prepare_save_directory(save_dir, dirname, iteration):
+    """Create the hidden temporary directory all ranks write into; all ranks call it (a collective).
+
+    Returns ``(tmp_dir, final_dir)``. Rank 0 removes leftovers of an earlier save of the same
+    iteration that died before its rename.
+    """
+    final_dir = os.path.join(save_dir, dirname)
+    # All writers must agree on one temporary directory: use rank 0's pid.
+    owner_pid = _broadcast_int_from_rank_0(os.getpid())
+    tmp_dir = os.path.join(save_dir, f".{dirname}.tmp-{owner_pid}")
+    error = None
+    if _world_rank() == 0:
+        try:
+            checkpoint_integrity.prepare_save_dir(save_dir)  # also repairs what a crashed save left
+            os.makedirs(tmp_dir)
+        except Exception as exc:  # reported to every rank below instead of leaving them in a barrier
+            error = exc
+    if _any_rank(error is not None):
+        _raise_save_failure(error, iteration, final_dir)
+    return tmp_dir, final_dir
+
+
+def _publish_checkpoint(save_dir, iteration, tmp_dir, final_dir, write_error=None, non_persistent=False):
+    """The last step of every save, in both formats, synchronous or asynchronous; all ranks call it.
+
+    Every rank reports whether its writes (``write_error``) succeeded; only when all did,
+    checkpoint_integrity.publish_iteration writes the ``integrity_manifest.json`` (size and CRC-32
+    per file), moves ``tmp_dir`` to ``final_dir`` (an existing one is swapped atomically) and only then
+    atomically replaces the tracker, so it never names an incomplete directory; then
+    --save-retain-interval prunes older iterations (``non_persistent``: only the newest is kept). On
+    any failure the temporary directory is removed, the previous checkpoint and tracker stay as they
+    were, and every rank raises.
+    """
+    rank = _world_rank()
+    if _any_rank(write_error is not None):
+        if rank == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        _raise_save_failure(write_error, iteration, final_dir)
+    try:
+        # Manifest, then the directory, and the tracker last: it never names an incomplete directory.
+        checkpoint_integrity.publish_iteration(
+            save_dir, tmp_dir, iteration, keep_only_newest=non_persistent,
+            retain_interval=None if non_persistent else getattr(get_args(), "save_retain_interval", None))
+    except Exception as exc:  # raised on every rank
+        if rank == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        _raise_save_failure(exc, iteration, final_dir)
+    print_rank_0("  successfully saved checkpoint from iteration {:7d} to {} {}".format(
+        iteration, save_dir, _rank_summary()))
+
+
 def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
                     checkpointing_context=None, train_state=None, non_persistent_ckpt=False):
-    """Write a legacy 'torch' format checkpoint of ``iteration`` under ``--save``; all ranks call it.
+    """Write a checkpoint of ``iteration`` under ``--save`` in the ``--ckpt-format``; all ranks call it.
 
-    Layout (spec §8.8): ``<save>/iter_{iteration:07d}/mp_rank_XX[_YYY]/model_optim_rng.pt``, one
-    file per (tp, pp) rank written by data-parallel rank 0, then ``latest_checkpointed_iteration.txt``.
-    With the distributed optimizer its sharded state is gathered to data-parallel rank 0 and written
-    beside it as ``distrib_optim.pt`` (Megatron's legacy layout, see DistributedOptimizer.
-    get_parameter_state_dp_zero); ``model_optim_rng.pt`` then holds only its param groups and scaler.
-    Atomic: files go to a hidden ``.iter_{iteration:07d}.tmp-<pid>`` directory in the same parent, are
-    fsynced, and after every rank has finished, checkpoint_integrity.publish_iteration writes the
-    ``integrity_manifest.json`` (size and CRC-32 per file), moves the directory to ``iter_{iteration:07d}``
-    (an existing one is swapped atomically) and only then atomically replaces the tracker. A failure on
-    any rank leaves the previous checkpoint and tracker untouched and raises on every rank.
-    ``non_persistent_ckpt`` (``--non-persistent-save-interval``): the same under
-    ``--non-persistent-global-ckpt-dir`` (default ``<save>/non_persistent``), keeping only the newest.
+    ``torch`` (Megatron's legacy layout, spec §8.8): ``<save>/iter_{iteration:07d}/mp_rank_XX[_YYY]/
+    model_optim_rng.pt``, one file per (tp, pp) rank written by data-parallel rank 0. With the
+    distributed optimizer its sharded state is gathered to data-parallel rank 0 and written beside
+    it as ``distrib_optim.pt`` (see DistributedOptimizer.get_parameter_state_dp_zero);
+    ``model_optim_rng.pt`` then holds only its param groups and scaler. Reloads at the same TP/PP only.
+
+    ``torch_dist``: ``<save>/iter_{iteration:07d}/`` holds torch.distributed.checkpoint files
+    (``.metadata``, ``__<rank>_0.distcp``) with every model and optimizer tensor under a
+    layout-independent key with its global shape (megatron.core.dist_checkpointing), each rank
+    writing its own chunks; ``common.pt`` (rank 0: args, training state, scheduler, optimizer
+    hyper-parameters and step, grad scaler, the parallel layout) and ``rng/rank_XXXXX.pt`` (each
+    rank's RNG states). Reloads at any TP/PP/DP layout, with or without the distributed optimizer.
+    With ``--async-save`` the call returns once the state is staged in host memory; the files are
+    written in the background and published by :func:`finalize_async_save`.
+
+    Atomic in both formats: files go to a hidden ``.iter_{iteration:07d}.tmp-<pid>`` directory in the
+    same parent, are fsynced, and :func:`_publish_checkpoint` writes the integrity manifest, renames it
+    and then replaces the tracker once every rank has finished. A failure on any rank leaves the
+    previous checkpoint and tracker untouched and raises on every rank. ``non_persistent_ckpt``
+    (``--non-persistent-save-interval``): the same under ``--non-persistent-global-ckpt-dir`` (default
+    ``<save>/non_persistent``), keeping only the newest.
 
     Args:
         iteration: training iteration (int) the state belongs to.
@@ -372,11 +461,11 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
         optimizer: object with ``state_dict()`` or None.
         opt_param_scheduler: object with ``state_dict()`` or None.
         num_floating_point_operations_so_far: FLOPs done so far (int), stored for throughput logs.
-        checkpointing_context: accepted for Megatron's signature; unused by the torch format.
-        train_state: the training loop's :class:`TrainingState` (its sample counters are saved); None
+        checkpointing_context: accepted for Megatron's signature; unused.
+        train_state: the training loop's :class:`TrainingState` (its counters are saved); None
             (Megatron's signature) takes them from ``args``.
         non_persistent_ckpt: write a non-persistent checkpoint (see above).
-    Raises ValueError without ``--save`` or with a non-torch ``--ckpt-format``; RuntimeError
+    Raises ValueError without ``--save`` or with an unavailable ``--ckpt-format``; RuntimeError
     (or the original error on the failing rank) when writing fails.
     """
     args = get_args()
@@ -385,68 +474,119 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
         raise ValueError("save_checkpoint needs --save")
     if non_persistent_ckpt:
         save_dir = non_persistent_checkpoint_dir(args, save_dir)
-    ckpt_format = getattr(args, "ckpt_format", "torch")
-    if ckpt_format != "torch":
-        raise ValueError(f"--ckpt-format {ckpt_format} is not available in this version; use torch")
+    ckpt_format = _ckpt_format(args)
+    # The previous asynchronous save is published before this one starts.
+    finalize_async_save(blocking=True)
     for chunk in (model if isinstance(model, (list, tuple)) else [model]):
         sync = getattr(chunk, "sync_params_for_read", None)
         if sync is not None:  # --overlap-param-gather leaves the updated shards ungathered until the next forward
             sync()
     model = _unwrap(model)
+    state = TrainingState.from_args(args) if train_state is None else TrainingState(**train_state.state_dict())
+    state.iteration = iteration
+    state.num_floating_point_operations_so_far = num_floating_point_operations_so_far
     print_rank_0("saving checkpoint at iteration {:7d} to {} in {} format".format(iteration, save_dir, ckpt_format))
 
     # Every rank takes part: with --data-parallel-random-init this is a collective.
-    rng_state = None if args.no_save_rng else get_rng_state(getattr(args, "data_parallel_random_init", False))
+    rng_state = None if args.no_save_rng else get_rng_state(
+        getattr(args, "data_parallel_random_init", False) and ckpt_format == "torch")
 
-    dirname = _iteration_dirname(iteration, release=False)
-    final_dir = os.path.join(save_dir, dirname)
-    rank = _world_rank()
-    # All writers must agree on one temporary directory: use rank 0's pid.
-    owner_pid = _broadcast_int_from_rank_0(os.getpid())
-    tmp_dir = os.path.join(save_dir, f".{dirname}.tmp-{owner_pid}")
-
+    tmp_dir, final_dir = _prepare_save_directory(save_dir, _iteration_dirname(iteration, release=False), iteration)
     error = None
-    if rank == 0:
-        try:
-            checkpoint_integrity.prepare_save_dir(save_dir)  # also repairs what a crashed save left
-            os.makedirs(tmp_dir)
-        except Exception as exc:  # reported to every rank below instead of leaving them in a barrier
-            error = exc
-    if _any_rank(error is not None):
-        _raise_save_failure(error, iteration, final_dir)
-
     try:
-        # The distributed optimizer's shards are gathered to data-parallel rank 0 (a collective).
-        param_state = None
-        if _is_distributed_optimizer(optimizer) and not args.no_save_optim:
-            param_state = optimizer.get_parameter_state_dp_zero()
-        if parallel_state.get_data_parallel_rank() == 0:
-            final_name = get_checkpoint_name(save_dir, iteration)
-            tmp_name = os.path.join(tmp_dir, os.path.relpath(final_name, final_dir))
-            state_dict = generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state,
-                                             iteration, num_floating_point_operations_so_far, train_state)
-            _write_durably(state_dict, tmp_name)
-            if param_state is not None:
-                _write_durably(param_state, get_distributed_optimizer_checkpoint_name(tmp_name))
+        if ckpt_format == "torch":
+            _write_torch_format(args, tmp_dir, final_dir, model, optimizer, opt_param_scheduler, rng_state, state)
+        else:
+            from megatron.training import async_checkpointing
+
+            writer = async_checkpointing.start_torch_dist_save(
+                args, tmp_dir, model, optimizer, _torch_dist_common_state(args, optimizer, opt_param_scheduler, state),
+                rng_state, asynchronous=bool(getattr(args, "async_save", False)))
+            if writer is not None:  # --async-save: published later by finalize_async_save
+                _PENDING.append((writer, save_dir, iteration, tmp_dir, final_dir, non_persistent_ckpt))
+                return
         checkpoint_integrity.test_hook("in_write", iteration)
     except Exception as exc:
         error = exc
-    if _any_rank(error is not None):
-        if rank == 0:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-        _raise_save_failure(error, iteration, final_dir)
+    _publish_checkpoint(save_dir, iteration, tmp_dir, final_dir, error, non_persistent_ckpt)
 
-    try:
-        # Manifest, then the directory, and the tracker last: it never names an incomplete directory.
-        checkpoint_integrity.publish_iteration(
-            save_dir, tmp_dir, iteration, keep_only_newest=non_persistent_ckpt,
-            retain_interval=None if non_persistent_ckpt else getattr(args, "save_retain_interval", None))
-    except Exception as exc:  # raised on every rank
-        if rank == 0:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-        _raise_save_failure(exc, iteration, final_dir)
-    print_rank_0("  successfully saved checkpoint from iteration {:7d} to {} {}".format(
-        iteration, save_dir, _rank_summary()))
+
+# Asynchronous saves started but not yet published: (writer, save_dir, iteration, tmp_dir, final_dir, non-persistent).
+_PENDING = []
+
+
+def finalize_async_save(blocking=True):
+    """Publish the pending ``--async-save`` checkpoint once every rank's background write finished.
+
+    All ranks call it at the same points (the training loop: every iteration while a save is
+    pending with ``blocking=False``, before the next save and before exit with ``blocking=True``).
+    Non-blocking: publishes only when every rank is done (one all-reduce), else returns False.
+    Returns True when nothing is pending any more. Raises like :func:`save_checkpoint` when a
+    background write failed on any rank.
+    """
+    if not _PENDING:
+        return True
+    writer, save_dir, iteration, tmp_dir, final_dir, non_persistent = _PENDING[0]
+    if not blocking and not _all_ranks(writer.done()):
+        return False
+    _PENDING.pop(0)
+    error = writer.wait()
+    writer.publish_span(lambda: _publish_checkpoint(save_dir, iteration, tmp_dir, final_dir, error, non_persistent))
+    return True
+
+
+def async_save_pending():
+    """Whether an ``--async-save`` checkpoint was started and not yet published."""
+    return bool(_PENDING)
+
+
+def wait_for_async_staging():
+    """Block until the pending async save has its own copy of the state (before the parameters change)."""
+    for writer, *_ in _PENDING:
+        writer.wait_staged()
+
+
+def _all_ranks(flag):
+    return not _any_rank(not flag)
+
+
+def _write_torch_format(args, tmp_dir, final_dir, model, optimizer, opt_param_scheduler, rng_state, state):
+    # The distributed optimizer's shards are gathered to data-parallel rank 0 (a collective).
+    param_state = None
+    if _is_distributed_optimizer(optimizer) and not args.no_save_optim:
+        param_state = optimizer.get_parameter_state_dp_zero()
+    if parallel_state.get_data_parallel_rank() == 0:
+        final_name = get_checkpoint_name(os.path.dirname(final_dir), state.iteration)
+        tmp_name = os.path.join(tmp_dir, os.path.relpath(final_name, final_dir))
+        state_dict = generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, state.iteration,
+                                         state.num_floating_point_operations_so_far, state)
+        _write_durably(state_dict, tmp_name)
+        if param_state is not None:
+            _write_durably(param_state, get_distributed_optimizer_checkpoint_name(tmp_name))
+
+
+def _torch_dist_common_state(args, optimizer, opt_param_scheduler, state):
+    """``common.pt`` of a torch_dist checkpoint (written by rank 0; the same on every rank)."""
+    from megatron.core.dist_checkpointing.model_and_optimizer import optimizer_common_state
+
+    saved_args = _sanitized_args(args)
+    for name in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
+        setattr(saved_args, name, getattr(state, name))  # where Megatron-LM readers look for them
+    common = {
+        "args": saved_args,
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "ckpt_format": "torch_dist",
+        "iteration": state.iteration,
+        "train_state": state.state_dict(),
+        "num_floating_point_operations_so_far": state.num_floating_point_operations_so_far,
+        "parallel_layout": _parallel_layout(args),
+    }
+    if not args.no_save_optim:
+        if optimizer is not None:
+            common["optimizer"] = optimizer_common_state(optimizer)
+        if opt_param_scheduler is not None:
+            common["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+    return common
 
 
 def _raise_save_failure(error, iteration, final_dir):
@@ -547,12 +687,17 @@ def _layout_hint(iteration_dir):
     return ", ".join(found) if found else "no mp_rank_* directories"
 
 
-def _checkpoint_path_to_load(args, load_dir, load_arg="load"):
-    """(checkpoint file, iteration, release), or None when there is nothing to load.
+def _checkpoint_dir_to_load(args, load_dir, load_arg="load"):
+    """Which iteration directory of ``load_dir`` to load, for both formats.
 
-    The iteration is ``--ckpt-step`` (refused when damaged) or the newest complete one at or below the
-    tracker's, or the newest non-persistent one when newer (checkpoint_integrity.choose_checkpoint:
-    files checked against the manifest; CRC-32s unless --no-verify-checkpoint).
+    Returns ``(iteration directory, iteration, release, source)`` (``source`` says where the
+    iteration came from: ``--ckpt-step`` or the tracker), or None when there is nothing to load
+    (no tracker: a warning; FileNotFoundError with --exit-on-missing-checkpoint). Raises
+    FileNotFoundError when the directory named does not exist. The iteration is ``--ckpt-step``
+    (refused when damaged) or the newest complete one at or below the tracker's, or the newest
+    non-persistent one when newer (checkpoint_integrity.choose_checkpoint: files checked against the
+    manifest; CRC-32s unless --no-verify-checkpoint); the returned directory may lie in the
+    non-persistent checkpoint directory.
     """
     tracker = get_checkpoint_tracker_filename(load_dir)
     non_persistent_dir = None
@@ -572,11 +717,26 @@ def _checkpoint_path_to_load(args, load_dir, load_arg="load"):
     source = (f"--ckpt-step {args.ckpt_step}" if args.ckpt_step is not None
               else f"tracker {get_checkpoint_tracker_filename(load_dir)}")
 
-    name = get_checkpoint_name(load_dir, iteration, release)
-    iteration_dir = os.path.dirname(os.path.dirname(name))
+    iteration_dir = os.path.join(load_dir, _iteration_dirname(iteration, release))
     if not os.path.isdir(iteration_dir):
         raise FileNotFoundError(f"checkpoint directory {iteration_dir} (iteration {iteration}, from {source}) "
                                 "does not exist")
+    return iteration_dir, iteration, release, source
+
+
+def detect_checkpoint_format(iteration_dir):
+    """``'torch_dist'`` (DCP ``.metadata`` or ``common.pt``), ``'torch'`` (``mp_rank_*`` directories) or None."""
+    if os.path.isfile(os.path.join(iteration_dir, ".metadata")) or \
+            os.path.isfile(os.path.join(iteration_dir, COMMON_BASENAME)):
+        return "torch_dist"
+    if any(entry.startswith("mp_rank_") for entry in os.listdir(iteration_dir)):
+        return "torch"
+    return None
+
+
+def _legacy_checkpoint_file(iteration_dir, iteration, release):
+    """This rank's ``model_optim_rng.pt`` in a torch-format iteration directory (FileNotFoundError naming it)."""
+    name = get_checkpoint_name(os.path.dirname(iteration_dir), iteration, release)
     if not os.path.isfile(name):
         raise FileNotFoundError(
             f"checkpoint file {name} does not exist: expected for tensor-parallel rank "
@@ -586,7 +746,7 @@ def _checkpoint_path_to_load(args, load_dir, load_arg="load"):
             f"{parallel_state.get_pipeline_model_parallel_world_size()}, but {iteration_dir} holds "
             f"{_layout_hint(iteration_dir)}; it was saved with a different tensor/pipeline-parallel layout "
             "(the torch format cannot reshard)")
-    return name, iteration, release
+    return name
 
 
 def _check_layout(checkpoint_args, checkpoint_name):
@@ -599,16 +759,19 @@ def _check_layout(checkpoint_args, checkpoint_name):
                              f"{current}; the torch format cannot reshard, use {flag} {saved}")
 
 
-def check_checkpoint_args(checkpoint_args):
+def check_checkpoint_args(checkpoint_args, vocab_padding=True):
     """Fail when the model shape stored in the checkpoint differs from the command line.
 
     Compares num_layers, hidden_size, num_attention_heads, max_position_embeddings,
-    make_vocab_size_divisible_by, padded_vocab_size and tokenizer_type (each only when both
-    sides have it). Raises ValueError naming the flag and both values.
+    make_vocab_size_divisible_by, padded_vocab_size (unless ``vocab_padding`` is False: the
+    torch_dist format loads another padding) and tokenizer_type (each only when both sides have
+    it). Raises ValueError naming the flag and both values.
     """
     args = get_args()
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings",
-                 "make_vocab_size_divisible_by", "padded_vocab_size", "tokenizer_type"):
+    names = ["num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings", "tokenizer_type"]
+    if vocab_padding:
+        names += ["make_vocab_size_divisible_by", "padded_vocab_size"]
+    for name in names:
         saved, current = getattr(checkpoint_args, name, None), getattr(args, name, None)
         if saved is not None and current is not None and saved != current:
             raise ValueError(f"{name} value from checkpoint ({saved}) is not equal to the input argument value "
@@ -618,7 +781,10 @@ def check_checkpoint_args(checkpoint_args):
 def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", strict=True, train_state=None):
     """Load the checkpoint named by ``args.<load_arg>`` into model, optimizer and scheduler; all ranks call it.
 
-    Picks the iteration from ``--ckpt-step`` or the tracker. Without a tracker: prints a warning
+    Picks the iteration directory from ``--ckpt-step`` or the tracker (:func:`_checkpoint_dir_to_load`,
+    shared by both formats) and its format (``--ckpt-format``; either one with
+    ``--auto-detect-ckpt-format``): ``torch_dist`` reshards to this run's TP/PP/DP layout, ``torch``
+    loads this rank's legacy file (same layout only). Without a tracker: prints a warning
     and returns ``(0, 0)`` (FileNotFoundError with ``--exit-on-missing-checkpoint``).
     ``--finetune``: weights only, iteration 0, counters not restored. ``--no-load-optim`` /
     ``--no-load-rng`` skip those parts. Otherwise restores the training counters (iteration,
@@ -636,7 +802,8 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
         train_state: the :class:`TrainingState` to restore the counters into (None: see above).
     Returns ``(iteration, num_floating_point_operations_so_far)``.
     Raises FileNotFoundError (directory or rank file missing, naming the expected file),
-    ValueError (bad tracker, tp/pp or model-shape mismatch), pickle.UnpicklingError (non
+    ValueError (bad tracker, tp/pp or model-shape mismatch, a checkpoint of the other format without
+    --auto-detect-ckpt-format; CheckpointMismatchError for torch_dist tensors missing or of another shape), pickle.UnpicklingError (non
     weights-only content), CheckpointReadError (a RuntimeError naming the file, the iteration and
     the load directory: empty, truncated, corrupt or not a checkpoint), RuntimeError (model
     mismatch, missing optimizer/RNG state without --no-load-optim / --no-load-rng).
@@ -648,13 +815,46 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
     model = _unwrap(model)
 
     restored = TrainingState()
-    found = _checkpoint_path_to_load(args, load_dir, load_arg)
+    found = _checkpoint_dir_to_load(args, load_dir, load_arg)
     if found is None:
         _deliver_training_state(restored, train_state, args)
         return 0, 0
-    checkpoint_name, iteration, release = found
+    iteration_dir, iteration, release, source = found
     flag = f"--{load_arg.replace('_', '-')} {load_dir}"
     context = f"release checkpoint of {flag}" if release else f"iteration {iteration} of {flag}"
+    ckpt_format = _format_to_load(args, iteration_dir, iteration, source)
+    if ckpt_format == "torch_dist":
+        iteration = _load_torch_dist(args, iteration_dir, iteration, release, context, model, optimizer,
+                                     opt_param_scheduler, strict, restored)
+    else:
+        checkpoint_name = _legacy_checkpoint_file(iteration_dir, iteration, release)
+        iteration = _load_torch_format(args, checkpoint_name, iteration, release, context, model, optimizer,
+                                       opt_param_scheduler, strict, restored)
+
+    _barrier()
+    _deliver_training_state(restored, train_state, args)
+    print_rank_0(f"  successfully loaded checkpoint from {load_dir} {_rank_summary()} at iteration {iteration}")
+    return iteration, restored.num_floating_point_operations_so_far
+
+
+def _format_to_load(args, iteration_dir, iteration, source):
+    """The format of ``iteration_dir``; ValueError when it is not ``--ckpt-format`` and
+    ``--auto-detect-ckpt-format`` is not given, FileNotFoundError when it holds no checkpoint."""
+    found = detect_checkpoint_format(iteration_dir)
+    if found is None:
+        raise FileNotFoundError(f"checkpoint directory {iteration_dir} (iteration {iteration}, from {source}) holds "
+                                "no checkpoint: neither torch_dist files (.metadata, common.pt) nor torch-format "
+                                "mp_rank_* directories")
+    wanted = getattr(args, "ckpt_format", "torch")
+    if found != wanted and not getattr(args, "auto_detect_ckpt_format", False):
+        raise ValueError(f"checkpoint {iteration_dir} is in the {found} format but --ckpt-format is {wanted}; "
+                         f"pass --ckpt-format {found} or --auto-detect-ckpt-format to load it")
+    return found
+
+
+def _load_torch_format(args, checkpoint_name, iteration, release, context, model, optimizer, opt_param_scheduler,
+                       strict, restored):
+    """Load a legacy per-rank file into model, optimizer, scheduler, RNG and ``restored``; returns the iteration."""
     state_dict = load_state_dict_file(checkpoint_name, context)
     if not isinstance(state_dict, dict):
         raise CheckpointReadError(f"cannot read checkpoint file {checkpoint_name} ({context}): it is not a checkpoint: "
@@ -716,10 +916,83 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
             raise RuntimeError(f"unable to load rng state ({exc} missing) from checkpoint {checkpoint_name}; "
                                "specify --no-load-rng or --finetune to skip it") from None
 
-    _barrier()
-    _deliver_training_state(restored, train_state, args)
-    print_rank_0(f"  successfully loaded checkpoint from {load_dir} {_rank_summary()} at iteration {iteration}")
-    return iteration, num_floating_point_operations_so_far
+    return iteration
+
+
+def _load_torch_dist(args, iteration_dir, iteration, release, context, model, optimizer, opt_param_scheduler,
+                     strict, restored):
+    """Load a torch_dist checkpoint, resharding to this run's layout; returns the iteration. All ranks call it.
+
+    ``common.pt`` gives the counters, scheduler and optimizer hyper-parameters; DCP reads this
+    rank's chunks of every model (and optimizer) tensor in place; RNG states are restored only when
+    the parallel layout is the one saved (another layout has other RNG streams: a warning says so).
+    An fp32 main copy missing from the checkpoint (saved in fp32) is rebuilt from the loaded weights.
+    """
+    from megatron.core.dist_checkpointing import model_and_optimizer as mo
+    from megatron.core.dist_checkpointing import serialization
+
+    common_name = os.path.join(iteration_dir, COMMON_BASENAME)
+    if not os.path.isfile(common_name):
+        raise FileNotFoundError(f"torch_dist checkpoint {iteration_dir} ({context}) has no {COMMON_BASENAME}")
+    common = load_state_dict_file(common_name, context)
+    if not isinstance(common, dict) or common.get("ckpt_format") != "torch_dist":
+        raise CheckpointReadError(f"cannot read checkpoint file {common_name} ({context}): it is not the "
+                                  f"{COMMON_BASENAME} of a torch_dist checkpoint")
+    set_checkpoint_version(common.get("checkpoint_version", 0))
+    checkpoint_args = common.get("args")
+    if args.finetune or release:
+        iteration = 0
+    else:
+        iteration = common["iteration"]
+        if checkpoint_args is not None:
+            check_checkpoint_args(checkpoint_args, vocab_padding=False)
+        restored.load_state_dict(common.get("train_state", {}))
+    restored.iteration = iteration
+    if args.finetune:
+        restored.num_floating_point_operations_so_far = 0
+
+    load_optim = optimizer is not None and not release and not args.finetune and not args.no_load_optim
+    if load_optim and "optimizer" not in common:
+        raise RuntimeError(f"unable to load optimizer state from checkpoint {iteration_dir} (saved with "
+                           "--no-save-optim); specify --no-load-optim or --finetune to skip it")
+    sharded = mo.model_sharded_state(model)
+    if load_optim:
+        mo.ensure_optimizer_state(optimizer)
+        sharded += mo.optimizer_sharded_state(model, optimizer)
+
+    def allow_missing(key):
+        # fp32 main copies exist only in checkpoints of fp16/bf16 runs; strict=False tolerates model keys.
+        return key.endswith(".fp32_param") or (not strict and not key.startswith("optimizer."))
+
+    skipped = serialization.load(sharded, iteration_dir, allow_missing=allow_missing)
+    if optimizer is not None and hasattr(optimizer, "reload_model_params") and (
+            not load_optim or any(key.endswith(".fp32_param") for key in skipped)):
+        # fp32 main params not in the checkpoint start from the loaded (low-precision) weights.
+        optimizer.reload_model_params()
+    if load_optim:
+        mo.load_optimizer_common_state(optimizer, common["optimizer"], iteration_dir)
+        if opt_param_scheduler is not None:
+            if "opt_param_scheduler" not in common:
+                raise RuntimeError(f"unable to load the scheduler state from checkpoint {iteration_dir}; specify "
+                                   "--no-load-optim or --finetune to skip it")
+            opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
+
+    if not release and not args.finetune and not args.no_load_rng:
+        _load_torch_dist_rng(args, iteration_dir, common, context)
+    return iteration
+
+
+def _load_torch_dist_rng(args, iteration_dir, common, context):
+    saved_layout, layout = common.get("parallel_layout"), _parallel_layout(args)
+    if saved_layout != layout:
+        print_rank_0(f"WARNING: checkpoint {iteration_dir} was saved with the parallel layout {saved_layout}, this run "
+                     f"uses {layout}: the RNG states are not restored (each layout has its own RNG streams)")
+        return
+    name = _rng_file_name(iteration_dir, _world_rank())
+    if not os.path.isfile(name):
+        raise RuntimeError(f"unable to load rng state from checkpoint {iteration_dir}: {name} does not exist "
+                           "(saved with --no-save-rng?); specify --no-load-rng or --finetune to skip it")
+    _set_rng_state(load_state_dict_file(name, context)["rng_state"][0], name)
 
 
 def _deliver_training_state(restored, train_state, args):
@@ -764,7 +1037,8 @@ def _load_model(model, state_dict, strict, checkpoint_name):
 __all__ = [
     "CHECKPOINT_VERSION", "get_checkpoint_name", "get_checkpoint_tracker_filename", "read_metadata",
     "get_rng_state", "generate_state_dict", "save_checkpoint", "get_distributed_optimizer_checkpoint_name",
-    "load_checkpoint", "load_state_dict_file",
+    "load_checkpoint", "load_state_dict_file", "finalize_async_save", "async_save_pending",
+    "wait_for_async_staging", "detect_checkpoint_format",
     "CheckpointReadError", "check_checkpoint_args", "get_checkpoint_version", "set_checkpoint_version",
 ]
 

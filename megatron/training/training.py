@@ -24,7 +24,14 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
 from megatron.core.utils import get_model_config
 from megatron.training import telemetry_hooks as telemetry
-from megatron.training.checkpointing import load_checkpoint, non_persistent_checkpoint_dir, save_checkpoint
+from megatron.training.checkpointing import (
+    async_save_pending,
+    finalize_async_save,
+    load_checkpoint,
+    non_persistent_checkpoint_dir,
+    save_checkpoint,
+    wait_for_async_staging,
+)
 from megatron.training.datasets.data_samplers import build_pretraining_data_loader
 from megatron.training.global_vars import get_args, get_telemetry, get_tensorboard_writer, get_timers, get_wandb_writer
 from megatron.training.initialize import initialize_megatron
@@ -324,6 +331,8 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
 
     with telemetry.span("optimizer", "megatron.optimizer_step") as span:
         timers("optimizer", log_level=1).start()
+        # An --async-save in progress must have copied the parameters before the step changes them.
+        wait_for_async_staging()
         update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
         timers("optimizer").stop()
         telemetry.set_attributes(span, update_successful=update_successful, grad_norm=grad_norm)
@@ -530,6 +539,8 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             update_num_microbatches(train_state.consumed_train_samples, consistency_check=True, verbose=True)
             num_microbatches = get_num_microbatches()
             args.curr_iteration = iteration
+            if async_save_pending():  # every rank has the same pending save: publish it once all wrote it
+                finalize_async_save(blocking=False)
             if breakdown is not None:
                 breakdown.step_begin()
             with telemetry.step_span(iteration + 1, first=(iteration == args.start_iteration)) as step_span:
@@ -643,6 +654,7 @@ def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fun
             if args.do_test:
                 evaluate_and_print_results(f"iteration {iteration} on test set", forward_step_func, test_it,
                                            model, iteration, verbose=True, split="test")
+    finalize_async_save(blocking=True)  # an --async-save still being written is published before exit
     _shutdown()
     if exited:
         sys.exit(0)

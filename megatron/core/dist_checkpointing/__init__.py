@@ -1,0 +1,10 @@
+"""Sharded, reshardable checkpoints (``--ckpt-format torch_dist``) on torch.distributed.checkpoint.
+
+``mapping``: a rank's chunk of a global tensor (:class:`ShardedTensor`) and the tensor-parallel
+layouts; ``model_and_optimizer``: the sharded state of a GPT model and its optimizer under
+layout-independent keys; ``serialization``: save/load of sharded tensors with DCP planners.
+"""
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, TPLayout
+from megatron.core.dist_checkpointing.serialization import CheckpointMismatchError, is_dcp_checkpoint, load, save
+
+__all__ = ["ShardedTensor", "TPLayout", "CheckpointMismatchError", "is_dcp_checkpoint", "load", "save"]

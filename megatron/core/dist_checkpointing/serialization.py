@@ -1,0 +1,205 @@
+"""Save and load lists of :class:`ShardedTensor` with torch.distributed.checkpoint (DCP).
+
+Every rank writes its own chunks (``__<rank>_0.distcp`` files) in parallel; chunks that several
+ranks hold (replicated tensors: layer norms, data-parallel replicas) are written once, by the
+rank DCP's de-duplication picks. The coordinator writes ``.metadata``: every key's global shape,
+dtype and the chunks stored. Loading intersects each requested chunk with the stored ones, so any
+parallel layout can read a checkpoint written by any other.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed._shard._utils import narrow_tensor_by_index
+
+from megatron.core.collective_device import get_collective_device
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+METADATA_FILENAME = ".metadata"
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint does not hold what the model/optimizer needs (missing keys, other shapes)."""
+
+
+def _index(sharded: Sequence[ShardedTensor], for_save: bool = False) -> Dict[Tuple[str, Tuple[int, ...]],
+                                                                               ShardedTensor]:
+    out = {}
+    for item in sharded:
+        if item.data.numel() == 0 or (for_save and item.replica):
+            continue
+        slot = (item.key, item.global_offset)
+        if slot in out:
+            raise ValueError(f"sharded tensor {item.key} at offset {item.global_offset} given twice on one rank")
+        out[slot] = item
+    return out
+
+
+class ShardedSavePlanner(DefaultSavePlanner):
+    """Writes the given sharded tensors at their global offsets; DCP's global step de-duplicates replicas."""
+
+    def __init__(self, sharded: Sequence[ShardedTensor]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._items = _index(sharded, for_save=True)
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+        self.state_dict = state_dict
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for (key, offset), item in self._items.items():
+            items.append(WriteItem(
+                index=MetadataIndex(key, torch.Size(offset)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(offset), sizes=item.data.size()),
+                    properties=TensorProperties.create_from_tensor(item.data),
+                    size=torch.Size(item.global_shape),
+                ),
+            ))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        return self._items[(write_item.index.fqn, tuple(write_item.index.offset))].data.detach()
+
+
+class ShardedLoadPlanner(LoadPlanner):
+    """Reads every requested chunk in place into its ``data`` view (see :func:`load`)."""
+
+    def __init__(self, targets: Dict[Tuple[str, Tuple[int, ...]], torch.Tensor],
+                 chunks: List[Tuple[str, ChunkStorageMetadata]]):
+        self._targets = targets
+        self._chunks = chunks
+
+    def set_up_planner(self, state_dict, metadata: Optional[Metadata] = None, is_coordinator: bool = False) -> None:
+        self.metadata = metadata
+
+    def create_local_plan(self) -> LoadPlan:
+        requests: List[ReadItem] = []
+        for key, chunk in self._chunks:
+            requests.extend(create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], [chunk]))
+        return LoadPlan(requests)
+
+    def create_global_plan(self, global_plan: List[LoadPlan]) -> List[LoadPlan]:
+        return global_plan
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return central_plan
+
+    def load_bytes(self, read_item: ReadItem, value) -> None:
+        raise ValueError(f"checkpoint entry {read_item.storage_index.fqn} holds pickled bytes; the torch_dist "
+                         "format here stores tensors only and does not unpickle checkpoint data")
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        target = self._targets[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
+        return narrow_tensor_by_index(target, read_item.dest_offsets, read_item.lengths)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        pass  # read in place into the view returned by resolve_tensor
+
+
+def save(sharded: Sequence[ShardedTensor], checkpoint_dir: str, process_group=None, thread_count: int = 1) -> None:
+    """Write ``sharded`` (this rank's chunks) into ``checkpoint_dir``; every rank of ``process_group`` calls it."""
+    planner = ShardedSavePlanner(sharded)
+    writer = dcp.FileSystemWriter(checkpoint_dir, thread_count=thread_count, sync_files=True, overwrite=True)
+    dcp.save({}, storage_writer=writer, planner=planner, process_group=process_group)
+
+
+def read_metadata(checkpoint_dir: str) -> Metadata:
+    """DCP's ``.metadata`` of ``checkpoint_dir`` (global shapes, dtypes and stored chunks of every key)."""
+    return dcp.FileSystemReader(checkpoint_dir).read_metadata()
+
+
+def load(sharded: Sequence[ShardedTensor], checkpoint_dir: str, metadata: Optional[Metadata] = None,
+         allow_missing: Callable[[str], bool] = lambda key: False, process_group=None) -> List[str]:
+    """Read this rank's chunks of ``checkpoint_dir`` into the ``data`` views of ``sharded``; all ranks call it.
+
+    A key marked ``allow_shape_mismatch`` reads the rows (dimension 0) that both the checkpoint and
+    the target have. Returns the keys absent from the checkpoint that ``allow_missing`` accepted
+    (their targets are left unchanged).
+
+    Raises CheckpointMismatchError naming the checkpoint and the keys when keys are missing or a
+    global shape differs; the ranks agree on such a failure before reading (every rank raises,
+    the others naming the failing one), so none is left waiting in DCP's collectives.
+    """
+    metadata = read_metadata(checkpoint_dir) if metadata is None else metadata
+    stored = metadata.state_dict_metadata
+    targets: Dict[Tuple[str, Tuple[int, ...]], torch.Tensor] = {}
+    chunks: List[Tuple[str, ChunkStorageMetadata]] = []
+    missing, skipped, mismatched = [], [], []
+    for (key, offset), item in _index(sharded).items():
+        md = stored.get(key)
+        if md is None:
+            (skipped if allow_missing(key) else missing).append(key)
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            mismatched.append(f"{key} (not a tensor in the checkpoint)")
+            continue
+        saved_shape, data, sizes = tuple(md.size), item.data, list(item.data.shape)
+        expected = item.global_shape
+        if item.allow_shape_mismatch and len(saved_shape) == len(expected) and saved_shape[1:] == expected[1:]:
+            rows = min(sizes[0], saved_shape[0] - offset[0])
+            if rows <= 0:
+                continue  # padding rows this checkpoint does not have
+            if rows < sizes[0]:
+                data, sizes[0] = data.narrow(0, 0, rows), rows
+        elif saved_shape != expected:
+            mismatched.append(f"{key} (checkpoint {list(saved_shape)}, expected {list(expected)})")
+            continue
+        targets[(key, offset)] = data
+        chunks.append((key, ChunkStorageMetadata(offsets=torch.Size(offset), sizes=torch.Size(sizes))))
+    problem = None
+    if missing or mismatched:
+        parts = []
+        if missing:
+            unique = sorted(set(missing))
+            parts.append(f"{len(unique)} tensor(s) missing, e.g. {', '.join(unique[:4])}")
+        if mismatched:
+            parts.append(f"{len(mismatched)} tensor(s) of another shape, e.g. {', '.join(sorted(mismatched)[:4])}")
+        problem = CheckpointMismatchError(f"checkpoint {checkpoint_dir} does not match this model: {'; '.join(parts)}")
+    _agree_or_raise(problem, process_group, checkpoint_dir)
+    dcp.load({}, storage_reader=dcp.FileSystemReader(checkpoint_dir), planner=ShardedLoadPlanner(targets, chunks),
+             process_group=process_group)
+    return sorted(set(skipped))
+
+
+def _agree_or_raise(problem: Optional[Exception], process_group, checkpoint_dir: str) -> None:
+    if dist.is_initialized():
+        flag = torch.tensor([0 if problem is None else dist.get_rank() + 1], dtype=torch.long,
+                            device=get_collective_device(process_group))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
+        failed = int(flag.item())
+        if problem is None and failed:
+            problem = CheckpointMismatchError(f"checkpoint {checkpoint_dir} does not match the model on rank "
+                                              f"{failed - 1} (see its error)")
+    if problem is not None:
+        raise problem
+
+
+def is_dcp_checkpoint(checkpoint_dir: str) -> bool:
+    """Whether ``checkpoint_dir`` holds a torch.distributed.checkpoint (its ``.metadata`` file)."""
+    return os.path.isfile(os.path.join(checkpoint_dir, METADATA_FILENAME))

@@ -1,0 +1,199 @@
+"""Write a torch_dist checkpoint now or in the background (``--async-save``).
+
+Synchronous: every rank writes its chunks with torch.distributed.checkpoint before returning.
+
+Asynchronous: ``save_checkpoint`` returns as soon as the small pieces (``common.pt``, this rank's
+RNG file) are written and a background thread has been started. That thread first copies every
+tensor into host buffers kept from one save to the next (no allocation after the first save),
+then writes the copies with DCP over a process group of its own, so its collectives never mix
+with the training loop's. The loop does not wait for the copy unless it is about to change the
+parameters: ``wait_for_async_staging`` (called before the optimizer step) blocks only until the
+copy is complete, so the saved state is exactly the state of the save iteration. Publishing (the
+rename and the tracker) happens on the training thread in ``checkpointing.finalize_async_save``.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.dist_checkpointing import model_and_optimizer as mo
+from megatron.core.dist_checkpointing import serialization
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+# Host copies reused across async saves: {(key, global offset): tensor}. A buffer is rewritten only
+# by the next save, which starts after the previous one was finalized.
+_HOST_BUFFERS: Dict[Tuple[str, Tuple[int, ...]], torch.Tensor] = {}
+_WRITER_GROUP = None
+
+
+def _writer_group():
+    """A gloo group of all ranks for the background writer's DCP collectives (created once, collectively)."""
+    global _WRITER_GROUP
+    if _WRITER_GROUP is None and dist.is_initialized():
+        _WRITER_GROUP = dist.new_group(backend="gloo")
+    return _WRITER_GROUP
+
+
+def sharded_state_to_save(args, model, optimizer) -> List[ShardedTensor]:
+    """This rank's chunks of the model and (unless --no-save-optim) the optimizer state."""
+    sharded = mo.model_sharded_state(model)
+    if optimizer is not None and not args.no_save_optim:
+        sharded += mo.optimizer_sharded_state(model, optimizer)
+    return sharded
+
+
+def _write_small_files(tmp_dir, common, rng_state):
+    from megatron.training.checkpointing import _rng_file_name, _world_rank, _write_durably
+
+    rank = _world_rank()
+    if rank == 0:
+        _write_durably(common, os.path.join(tmp_dir, "common.pt"))
+    if rng_state is not None:
+        _write_durably({"rng_state": rng_state, "parallel_layout": common["parallel_layout"]},
+                       _rng_file_name(tmp_dir, rank))
+
+
+def start_torch_dist_save(args, tmp_dir, model, optimizer, common, rng_state, asynchronous=False):
+    """Write a torch_dist checkpoint into ``tmp_dir``; all ranks call it.
+
+    Returns None once written (synchronous), or the started :class:`AsyncTorchDistWriter`.
+    """
+    sharded = sharded_state_to_save(args, model, optimizer)
+    _write_small_files(tmp_dir, common, rng_state)
+    if not asynchronous:
+        serialization.save(sharded, tmp_dir)
+        return None
+    return AsyncTorchDistWriter(sharded, tmp_dir, _writer_group(), _worker_attributes(args),
+                                iteration=common["iteration"])
+
+
+def _stage(sharded: List[ShardedTensor], ready=None) -> List[ShardedTensor]:
+    """Copies of ``sharded`` in the reused host buffers (pinned when CUDA is available).
+
+    With CUDA the copies run on a side stream that first waits for ``ready`` (an event recorded on
+    the training stream when the save started), so they overlap the next forward/backward.
+    """
+    staged = []
+    pin = torch.cuda.is_available()
+    stream = None
+    if pin:
+        stream = torch.cuda.Stream()
+        if ready is not None:
+            stream.wait_event(ready)
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        for item in sharded:
+            if item.replica or item.data.numel() == 0:
+                continue
+            slot = (item.key, item.global_offset)
+            buffer = _HOST_BUFFERS.get(slot)
+            if buffer is None or buffer.shape != item.data.shape or buffer.dtype != item.data.dtype:
+                buffer = torch.empty(item.data.shape, dtype=item.data.dtype, device="cpu", pin_memory=pin)
+                _HOST_BUFFERS[slot] = buffer
+            buffer.copy_(item.data, non_blocking=pin)
+            staged.append(ShardedTensor(item.key, buffer, item.global_shape, item.global_offset,
+                                        item.allow_shape_mismatch))
+    if stream is not None:
+        stream.synchronize()
+    return staged
+
+
+def _worker_attributes(args) -> Dict:
+    """Span attributes of the background writer from the shared worker bootstrap (rank, service, resource)."""
+    from megatron.core.telemetry import build_otel_worker_bootstrap
+
+    bootstrap = build_otel_worker_bootstrap(args)
+    attrs = {"megatron.worker": "async_checkpoint_writer", "megatron.rank": bootstrap.get("rank"),
+             "megatron.world_size": bootstrap.get("world_size"), "service.name": bootstrap.get("service_name")}
+    for key, value in (bootstrap.get("resource_attrs") or {}).items():
+        attrs.setdefault(key, value)
+    return {k: v for k, v in attrs.items() if v is not None}
+
+
+def _current_context():
+    try:
+        from opentelemetry import context as otel_context
+    except ImportError:  # telemetry extras not installed: spans are no-ops anyway
+        return None
+    return otel_context.get_current()
+
+
+class AsyncTorchDistWriter:
+    """One rank's background copy-then-write of a torch_dist checkpoint (see the module docstring).
+
+    The background span ``megatron.save_checkpoint.background`` (group ``checkpoint``) and the
+    publishing span ``megatron.save_checkpoint.finalize`` are children of the ``megatron.save_checkpoint``
+    span during which the save started, so a trace shows the blocking part, the background part and
+    the finalize.
+    """
+
+    def __init__(self, sharded, checkpoint_dir, process_group, attributes, iteration):
+        self._sharded = sharded
+        self._dir = checkpoint_dir
+        self._group = process_group
+        self._attributes = dict(attributes, **{"megatron.iteration": iteration})
+        self._context = _current_context()
+        # The state to copy is what the training stream has computed up to now.
+        self._ready = None
+        if torch.cuda.is_available():
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        self._staged = threading.Event()
+        self._done = threading.Event()
+        self._error: Optional[BaseException] = None
+        self.staging_seconds = None
+        self.writing_seconds = None
+        self._thread = threading.Thread(target=self._run, name=f"async-ckpt-{iteration}", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        from megatron.core.telemetry import managed_span
+
+        try:
+            with managed_span("checkpoint", "megatron.save_checkpoint.background", context=self._context,
+                              **self._attributes):
+                start = time.perf_counter()
+                try:
+                    staged = _stage(self._sharded, self._ready)
+                finally:
+                    self._sharded = None  # the live tensors are no longer referenced
+                    self.staging_seconds = time.perf_counter() - start
+                    self._staged.set()
+                start = time.perf_counter()
+                serialization.save(staged, self._dir, process_group=self._group)
+                self.writing_seconds = time.perf_counter() - start
+                from megatron.training import checkpoint_integrity
+
+                checkpoint_integrity.test_hook("in_write", self._attributes["megatron.iteration"])
+        except BaseException as exc:  # reported to every rank by finalize_async_save
+            self._error = exc
+        finally:
+            self._staged.set()
+            self._done.set()
+
+    def wait_staged(self):
+        """Block until this rank's state is copied to host memory (the live tensors may change after)."""
+        self._staged.wait()
+
+    def done(self) -> bool:
+        """Whether this rank's background write has finished (successfully or not)."""
+        return self._done.is_set()
+
+    def wait(self) -> Optional[BaseException]:
+        """Join the background thread; returns its error or None."""
+        self._thread.join()
+        return self._error
+
+    def publish_span(self, publish):
+        """Run ``publish()`` under the ``megatron.save_checkpoint.finalize`` span."""
+        from megatron.core.telemetry import managed_span
+
+        with managed_span("checkpoint", "megatron.save_checkpoint.finalize", context=self._context,
+                          **self._attributes):
+            publish()
+
