@@ -1,14 +1,15 @@
 """Benchmark: checkpoint size, save blocking time, load time of the checkpoint formats, as ratios.
 
-For a GPT of ~91M parameters (12 layers, hidden 768, vocab 8192; fp32 weights 365 MB, with Adam's two
-moments a ~1.1 GB checkpoint) trained one step so that the optimizer state exists, one ``torchrun``
+For a GPT of ~160M parameters (12 layers, hidden 1024, vocab 8192; fp32 weights 640 MB, with Adam's two
+moments a ~1.9 GB checkpoint) trained one step so that the optimizer state exists, one ``torchrun``
 launch of this file as a worker measures, in the same processes and repeated ``--repeats`` times
 (medians reported; the machine is shared and noisy):
 
 - ``torch`` (legacy): time of ``save_checkpoint`` (a synchronous save), of ``load_checkpoint``;
 - ``torch_dist`` synchronous: the same two times;
-- ``torch_dist --async-save``: the time ``save_checkpoint`` blocks the training loop (the copy of the
-  state to host memory) and the total time until the background write is finalised;
+- ``torch_dist --async-save``: the time the training loop is blocked (``save_checkpoint`` returning plus
+  ``wait_for_async_staging``, which the loop calls before its next optimizer step: the copy of the state
+  to host memory) and the total time until the background write is finalised and published;
 - the bytes on disk of each checkpoint.
 
 Every save is durable (files fsynced before the tracker moves), so save times include the disk's
@@ -16,7 +17,7 @@ write speed. Loads read what the save just wrote, mostly from the page cache. Th
 issue: async blocking time <= 0.2 x the synchronous torch_dist save.
 
     python bench/bench_checkpoint.py [--repeats 3] [--nproc 1] [--dir /tmp/bench_ckpt] \\
-        [--num-layers 12 --hidden-size 768]
+        [--num-layers 12 --hidden-size 1024]
 """
 import argparse
 import json
@@ -69,7 +70,10 @@ def worker(argv: list, options) -> None:
     args = get_args()
     model, optimizer, scheduler = setup_model_and_optimizer(pretrain_gpt.model_provider)
     train_iterator, _, _ = build_train_valid_test_data_iterators(pretrain_gpt.train_valid_test_datasets_provider)
-    train_step(pretrain_gpt.forward_step, train_iterator, model, optimizer, scheduler)  # creates Adam's state
+    def step():
+        train_step(pretrain_gpt.forward_step, train_iterator, model, optimizer, scheduler)
+
+    step()  # creates Adam's state
     params = sum(p.numel() for chunk in model for p in chunk.parameters())
     rank = dist.get_rank()
     results = {"params": params}
@@ -85,6 +89,7 @@ def worker(argv: list, options) -> None:
         results.setdefault(name, []).append(value)
 
     formats = [name for name in ("torch", "torch_dist", "torch_dist_async") if name in options.formats]
+    step()  # warm-up
     for repeat in range(options.repeats):
         for name in formats:
             folder = os.path.join(options.dir, f"{name}_{repeat}")
@@ -92,15 +97,37 @@ def worker(argv: list, options) -> None:
             args.ckpt_format = "torch" if name == "torch" else "torch_dist"
             args.async_save = name == "torch_dist_async"
             if name == "torch_dist_async":
-                from megatron.training.async_utils import maybe_finalize_async_save
-
                 dist.barrier()
                 start = time.perf_counter()
                 checkpointing.save_checkpoint(1, model, optimizer, scheduler, 0)
+                returned = time.perf_counter() - start
+                # The loop runs on after the call, but waits for the copy to host memory before its next
+                # optimizer step: the blocking time is the call plus that wait (an upper bound).
+                checkpointing.wait_for_async_staging()
+                record(f"{name} save returns", returned)
                 record(f"{name} save blocking", time.perf_counter() - start)
-                maybe_finalize_async_save(blocking=True)
+                writer = checkpointing._PENDING[0][0] if getattr(checkpointing, "_PENDING", None) else None
+                checkpointing.finalize_async_save(blocking=True)
                 dist.barrier()
                 record(f"{name} save total", time.perf_counter() - start)
+                if writer is not None:  # where the blocking time goes: the copy of the state to host memory
+                    record(f"{name} staging", writer.staging_seconds)
+                    record(f"{name} writing", writer.writing_seconds)
+                # In the loop: the save call, then a training step, which overlaps the copy with its forward
+                # and backward and waits for it only before the optimizer step; the background write then
+                # shares the CPU with the step. The loop's loss is this minus a plain step.
+                args.save = folder + "_in_loop"
+                record("train step", timed(step))  # the reference, measured next to it (the machine is noisy)
+                dist.barrier()
+                start = time.perf_counter()
+                checkpointing.save_checkpoint(1, model, optimizer, scheduler, 0)
+                step()
+                dist.barrier()
+                record(f"{name} save + step", time.perf_counter() - start)
+                checkpointing.finalize_async_save(blocking=True)
+                if rank == 0:
+                    shutil.rmtree(args.save, ignore_errors=True)
+                args.save = folder
             else:
                 record(f"{name} save", timed(lambda: checkpointing.save_checkpoint(1, model, optimizer, scheduler, 0)))
             if rank == 0:
@@ -131,6 +158,16 @@ def table(results: dict) -> str:
                      _median(results[f"{name} load"])))
     lines = ["| format | size (MB) | save: blocking (s) | save: total (s) | load (s) | blocking / sync torch_dist save "
              "| blocking / torch save |", "|---|---|---|---|---|---|---|"]
+    if "torch_dist_async save returns" in results:
+        step = _median(results["train step"])
+        in_loop = _median([with_save - alone for with_save, alone in zip(results["torch_dist_async save + step"],
+                                                                         results["train step"])])
+        lines.insert(0, f"async: the save call returns after {_median(results['torch_dist_async save returns']):.3f} s; "
+                        f"blocking adds the wait for the copy to host memory (staging "
+                        f"{_median(results.get('torch_dist_async staging', [])):.2f} s, background write "
+                        f"{_median(results.get('torch_dist_async writing', [])):.2f} s). In the loop, save + one "
+                        f"training step take {in_loop:.2f} s more than a step alone ({step:.2f} s): "
+                        f"{in_loop / sync:.3f} of the synchronous torch_dist save.\n")
     for name, size, blocking, total, load in rows:
         total_text = f"{total:.2f}" if total == total else f"{blocking:.2f}"
         lines.append(f"| {name} | {size:.0f} | {blocking:.2f} | {total_text} | {load:.2f} | "
@@ -143,7 +180,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--nproc", type=int, default=1, help="ranks (data-parallel; each writes its shards)")
     parser.add_argument("--num-layers", type=int, default=12)
-    parser.add_argument("--hidden-size", type=int, default=768)
+    parser.add_argument("--hidden-size", type=int, default=1024)
     parser.add_argument("--dir", default="/tmp/bench_checkpoint", help="folder for the checkpoints (emptied)")
     parser.add_argument("--formats", default="torch,torch_dist,torch_dist_async",
                         help="comma-separated subset of torch, torch_dist, torch_dist_async")

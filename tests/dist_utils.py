@@ -42,7 +42,9 @@ class _ForkServer:
 
     def _start(self):
         ours, theirs = socket.socketpair()
+        # The server's own output (a failed preload, a crash): kept only when not empty.
         log = open(Path(tempfile.gettempdir()) / f"fork_server_{os.getpid()}.log", "w")
+        self._log = Path(log.name)
         self._proc = subprocess.Popen([sys.executable, str(TESTS / "fork_server.py"), str(theirs.fileno())],
                                       pass_fds=[theirs.fileno()], env=_SERVER_ENV, cwd=TESTS.parent,
                                       stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
@@ -71,11 +73,17 @@ class _ForkServer:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
             self._proc = None
+            try:
+                if self._log.stat().st_size == 0:
+                    self._log.unlink()
+            except OSError:
+                pass
 
     def launch(self, request: dict, timeout: float) -> list:
         """Fork the ranks of ``request`` (see fork_server.py) and wait for them: their exit statuses.
 
-        On ``timeout`` the ranks' process groups are killed and ``subprocess.TimeoutExpired`` raised.
+        On ``timeout`` the ranks' process groups are killed and ``subprocess.TimeoutExpired`` raised. Any
+        other interruption (pytest-timeout, KeyboardInterrupt) kills them too before it propagates.
         """
         from fork_server import send
 
@@ -84,18 +92,15 @@ class _ForkServer:
                 self._start()
             send(self._sock, request)
             pids = self._recv()["pids"]
-            self._sock.settimeout(max(timeout, 0.001))
             try:
+                self._sock.settimeout(max(timeout, 0.001))
                 reply = self._recv()
             except socket.timeout:
-                for pid in pids:
-                    try:
-                        os.killpg(pid, signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        pass
-                self._sock.settimeout(60)
-                self._recv()  # the server reaps them and answers
+                self._kill(pids)
                 raise subprocess.TimeoutExpired(request.get("argv") or "run_distributed", timeout) from None
+            except BaseException:
+                self._kill(pids)
+                raise
             finally:
                 if self._sock is not None:
                     self._sock.settimeout(None)
@@ -103,6 +108,23 @@ class _ForkServer:
                 self.close()
                 raise RuntimeError("tests/fork_server.py exited during a launch")
             return reply["statuses"]
+
+    def _kill(self, pids):
+        """SIGKILL the ranks' process groups and take the server's answer for them off the socket (or,
+        failing that, stop the server: the next launch starts a new one)."""
+        for pid in pids:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            self._sock.settimeout(60)
+            if self._recv() is not None:
+                return
+        except BaseException:
+            pass
+        self._proc.kill()
+        self.close()
 
 
 _SERVER = _ForkServer()

@@ -32,9 +32,15 @@ import time
 import traceback
 
 GRACE_S = 15.0  # between SIGTERM and SIGKILL for the surviving ranks of a failed launch
-PRELOAD = ("torch", "torch.distributed", "numpy", "megatron.training.training", "megatron.core.models.gpt",
-           "megatron.core.datasets.gpt_dataset", "megatron.core.datasets.blended_megatron_dataset_builder",
-           "torch.utils.tensorboard", "pytest")
+# What a pretrain_gpt.py rank imports by the end of its run (torch._dynamo: the first optimizer's
+# constructor; tiktoken: the GPT-2 tokenizer; transformers: --tokenizer-type HuggingFaceTokenizer), the
+# telemetry SDK and the tools the tests' functions use.
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.profiler", "numpy", "megatron.training.training",
+           "megatron.core.models.gpt", "megatron.core.datasets.gpt_dataset",
+           "megatron.core.datasets.blended_megatron_dataset_builder", "megatron.core.tokenizers.gpt2_bpe",
+           "tiktoken", "sentencepiece", "megatron.core.telemetry.providers", "torch.utils.tensorboard",
+           "tensorboard.backend.event_processing.event_accumulator", "pytest",
+           "transformers:AutoTokenizer", "transformers:PreTrainedTokenizerFast")  # "module:attribute": lazy
 
 
 def send(sock, obj):
@@ -258,7 +264,10 @@ def main():
 
     for name in PRELOAD:
         try:
-            importlib.import_module(name)
+            module, _, attribute = name.partition(":")
+            module = importlib.import_module(module)
+            if attribute:
+                getattr(module, attribute)
         except Exception as exc:  # the rank's own import reports it properly
             print(f"fork_server: preloading {name} failed: {exc!r}", file=sys.stderr, flush=True)
     del sys.path[1]

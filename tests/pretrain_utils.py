@@ -34,15 +34,29 @@ def preprocess_shakespeare(shared_data: Path, out_dir: Path, sentencepiece: bool
     """Tokenise ../shared/data/tinyshakespeare.jsonl with GPT-2 BPE (or, with ``sentencepiece``, the
     8k SentencePiece model, see :func:`sentencepiece_flags`); returns the dataset prefix."""
     out = out_dir / ("shakes_sp8k" if sentencepiece else "shakes")
-    subprocess.run(
-        [sys.executable, "tools/preprocess_data.py", "--input", str(shared_data / "tinyshakespeare.jsonl"),
+    run_python(
+        ["tools/preprocess_data.py", "--input", str(shared_data / "tinyshakespeare.jsonl"),
          "--output-prefix", str(out), *(sentencepiece_flags(shared_data) if sentencepiece else [
              "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(shared_data / "gpt2-vocab.json"),
              "--merge-file", str(shared_data / "gpt2-merges.txt")]),
-         "--append-eod", "--workers", "1", "--log-interval", "100000"],
-        cwd=REPO, check=True, capture_output=True,
-    )
+         "--append-eod", "--workers", "1", "--log-interval", "100000"])
     return str(out) + "_text_document"
+
+
+def run_python(argv, timeout=300) -> subprocess.CompletedProcess:
+    """``python argv...`` in the repository, output captured; raises ``subprocess.CalledProcessError`` when
+    it fails. One process forked from the fork server (a fresh interpreter with PRETRAIN_TESTS_TORCHRUN=1)."""
+    argv = [str(a) for a in argv]
+    if use_torchrun():
+        return subprocess.run([sys.executable, *argv], cwd=REPO, check=True, capture_output=True, text=True,
+                              timeout=timeout)
+    with tempfile.TemporaryDirectory(prefix="python_") as logs:
+        out, err = Path(logs) / "stdout", Path(logs) / "stderr"
+        status, = fork_ranks(1, argv, [dict(os.environ)], REPO, [out], [err], timeout)
+        result = subprocess.CompletedProcess(argv, status, out.read_text(errors="replace"),
+                                             err.read_text(errors="replace"))
+    result.check_returncode()
+    return result
 
 
 def sentencepiece_flags(shared_data: Path) -> list:

@@ -82,9 +82,24 @@ def test_bf16_tp2_to_pp2_converts_the_fp32_main_params(shared_data, shakespeare_
     assert convert.main(["--load-dir", str(tmp_path / "tp2"), "--ckpt-step", "2", "--save-dir", str(tmp_path / "pp2"),
                          "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "2"]) == 0
     stage = _rank_dicts(tmp_path / "pp2")["mp_rank_00_001"]["optimizer"]
-    assert [len(g) for g in stage["fp32_from_fp16_params"]] == [len(g["params"]) for g in stage["optimizer"]["param_groups"]]
+    groups = stage["optimizer"]["param_groups"]
+    assert [len(g) for g in stage["fp32_from_fp16_params"]] == [len(g["params"]) for g in groups]
     assert all(t.dtype == torch.float32 for g in stage["fp32_from_fp16_params"] for t in g)
     _assert_losses_match(losses_from_log(out), run_pretrain(2, [*bf16, "--pipeline-model-parallel-size", "2", "--load",
+                                                                str(tmp_path / "pp2"), "--no-load-rng"], shared_data,
+                                                            shakespeare_prefix, tmp_path / "run_pp2"))
+
+
+@pytest.mark.timeout(300)
+def test_distributed_optimizer_dp2_to_pp2(shared_data, shakespeare_prefix, tmp_path):
+    """The distributed optimizer's distrib_optim.pt (DP=2) is read per parameter by its param_index_map
+    and becomes the non-distributed optimizer's state at PP=2: the losses after loading match."""
+    out = run_pretrain(2, [*FLAGS, "--use-distributed-optimizer", "--save-interval", "2", "--save",
+                           str(tmp_path / "dp2")], shared_data, shakespeare_prefix, tmp_path / "run")
+    assert (tmp_path / "dp2" / "iter_0000002" / "mp_rank_00" / "distrib_optim.pt").is_file()
+    assert convert.main(["--load-dir", str(tmp_path / "dp2"), "--ckpt-step", "2", "--save-dir", str(tmp_path / "pp2"),
+                         "--target-pipeline-parallel-size", "2"]) == 0
+    _assert_losses_match(losses_from_log(out), run_pretrain(2, [*FLAGS, "--pipeline-model-parallel-size", "2", "--load",
                                                                 str(tmp_path / "pp2"), "--no-load-rng"], shared_data,
                                                             shakespeare_prefix, tmp_path / "run_pp2"))
 
@@ -216,8 +231,9 @@ def test_export_hf_reads_any_layout_through_the_converter(original, tmp_path):
 
 @pytest.mark.timeout(120)
 def test_legacy_to_torch_dist_and_back_is_bit_exact(original, tmp_path):
-    """torch (TP=2) -> torch_dist -> torch (TP=2): model, Adam moments and step, param groups, scheduler and
-    counters come back bit for bit; the torch_dist copy holds global tensors under layout-free keys."""
+    """torch (TP=2) -> torch_dist -> torch (TP=2): model, Adam moments and step, param groups, scheduler,
+    counters and (same layout, one data-parallel rank) RNG states come back bit for bit; the torch_dist
+    copy holds global tensors under layout-free keys."""
     pytest.importorskip("megatron.core.dist_checkpointing.serialization")
     checkpoint, _ = original
     dist_dir, back = tmp_path / "dist", tmp_path / "back"
@@ -227,12 +243,14 @@ def test_legacy_to_torch_dist_and_back_is_bit_exact(original, tmp_path):
     full = convert.read_checkpoint(str(dist_dir))
     assert full.model["decoder.layers.3.mlp.linear_fc1.weight"].shape == (128, 32)
     assert full.optimizer.param_state["decoder.layers.3.mlp.linear_fc1.weight"]["exp_avg"].shape == (128, 32)
+    assert sorted(os.listdir(dist_dir / "iter_0000002" / "rng")) == ["rank_00000.pt", "rank_00001.pt"]
     assert convert.main(["--load-dir", str(dist_dir), "--save-dir", str(back)]) == 0
     result = _rank_dicts(back)
     assert sorted(result) == ["mp_rank_00", "mp_rank_01"]
     for name in result:
         source = convert.load_state_dict_file(str(checkpoint / "iter_0000002" / name / "model_optim_rng.pt"))
-        for key in ("model", "optimizer", "opt_param_scheduler", "iteration", "num_floating_point_operations_so_far"):
+        for key in ("model", "optimizer", "opt_param_scheduler", "rng_state", "iteration",
+                    "num_floating_point_operations_so_far"):
             _assert_same(source[key], result[name][key], f"{name}/{key}")
         assert vars(result[name]["args"])["consumed_train_samples"] == 16
 
@@ -252,3 +270,39 @@ def test_damaged_source_file_is_refused_by_name(original, tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"--load-dir {copy}" in err and f"{damaged} is corrupt" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_tp4_pads_the_vocabulary_as_megatron(original, tmp_path):
+    """TP=4 pads GPT-2's 50257 tokens to a multiple of 64 x 4 = 50432 rows (50304 at TP=2): the new rows
+    repeat the last one (Megatron's converter), their Adam moments are zeros, the saved args say 50432."""
+    checkpoint, _ = original
+    assert convert.main(["--load-dir", str(checkpoint), "--save-dir", str(tmp_path / "tp4"),
+                         "--target-tensor-parallel-size", "4", "--true-vocab-size", "50257"]) == 0
+    shards = _rank_dicts(tmp_path / "tp4")
+    assert sorted(shards) == [f"mp_rank_{t:02d}" for t in range(4)]
+    embedding = torch.cat([shards[f"mp_rank_{t:02d}"]["model"]["embedding.word_embeddings.weight"] for t in range(4)])
+    moment = torch.cat([shards[f"mp_rank_{t:02d}"]["optimizer"]["state"]["embedding.word_embeddings.weight"]["exp_avg"]
+                        for t in range(4)])
+    source = [convert.load_state_dict_file(str(checkpoint / "iter_0000004" / f"mp_rank_{t:02d}" / "model_optim_rng.pt"))
+              for t in range(2)]
+    original_rows = torch.cat([s["model"]["embedding.word_embeddings.weight"] for s in source])
+    assert embedding.shape == (50432, 32) and original_rows.shape == (50304, 32)
+    assert torch.equal(embedding[:50304], original_rows)
+    assert torch.equal(embedding[50304:], original_rows[-1:].expand(128, 32))
+    assert torch.count_nonzero(moment[50304:]) == 0
+    assert shards["mp_rank_03"]["args"].padded_vocab_size == 50432
+
+
+@pytest.mark.timeout(300)
+def test_legacy_tp2_to_torch_dist_trains_on_at_pp2(original, shared_data, shakespeare_prefix, tmp_path):
+    """A torch (TP=2) checkpoint converted to torch_dist loads at TP=1 x PP=2 (resharded by the training's
+    own torch_dist loader, which keeps its seeded RNG at another layout) and trains on like the original."""
+    pytest.importorskip("megatron.training.async_checkpointing")  # the training's torch_dist support
+    checkpoint, expected = original
+    dist_dir = tmp_path / "dist"
+    assert convert.main(["--load-dir", str(checkpoint), "--ckpt-step", "2", "--save-dir", str(dist_dir),
+                         "--target-ckpt-format", "torch_dist"]) == 0
+    flags = FLAGS[:FLAGS.index("--ckpt-format")] + ["--ckpt-format", "torch_dist"]
+    _assert_losses_match(expected, run_pretrain(2, [*flags, "--pipeline-model-parallel-size", "2", "--load",
+                                                    str(dist_dir)], shared_data, shakespeare_prefix,
+                                                tmp_path / "run_pp2"))

@@ -84,6 +84,21 @@ def test_manifest_lists_every_file_with_size_and_crc(tmp_path):
     assert manifest["files"][name] == {"size": size, "crc32": crc} and size == (directory / name).stat().st_size
 
 
+def test_manifest_takes_digests_a_writer_computed_when_the_size_matches(tmp_path):
+    """An --async-save writer digests its files in the background; the manifest then does not read them again
+    (a digest whose size no longer matches is recomputed)."""
+    directory = tmp_path / "dir"
+    (directory / "sub").mkdir(parents=True)
+    (directory / "a.bin").write_bytes(b"a" * 100)
+    (directory / "sub" / "b.bin").write_bytes(b"b" * 50)
+    known = {"a.bin": {"size": 100, "crc32": "feedbeef"}, "sub/b.bin": {"size": 49, "crc32": "00000000"}}
+    checkpoint_integrity.write_manifest(str(directory), 7, known_digests=known)
+    files = json.loads((directory / "integrity_manifest.json").read_text())["files"]
+    assert files["a.bin"] == {"size": 100, "crc32": "feedbeef"}  # taken as given
+    assert files["sub/b.bin"] == checkpoint_integrity.digest_files(str(directory), ["sub/b.bin"])["sub/b.bin"]
+    assert files["sub/b.bin"]["size"] == 50
+
+
 def test_bit_flip_in_optimizer_tensor_is_refused_and_load_falls_back(tmp_path, capsys):
     """One flipped bit in an Adam moment: the file is named, the previous iteration is loaded instead."""
     args, model = _saved(tmp_path, [2, 4])
@@ -410,13 +425,23 @@ def uninterrupted(shared_data, shakespeare_prefix, tmp_path_factory):
     return losses_from_log(_Job(2, _E2E, shared_data, shakespeare_prefix, tmp_path).finish())
 
 
+@pytest.mark.parametrize("kind", ["persistent", "non_persistent"])
 @pytest.mark.parametrize("ckpt_format", FORMATS)
 def test_sigkill_inside_a_save_then_restart_reaches_the_same_loss(shared_data, shakespeare_prefix, tmp_path,
-                                                                 uninterrupted, ckpt_format):
-    """Kill the job (every process, SIGKILL) while the save of iteration 4 is writing: the tracker names 2,
-    which loads; re-running the same command resumes from 2 and prints the uninterrupted losses."""
+                                                                 uninterrupted, ckpt_format, kind):
+    """Kill every rank (SIGKILL) while the save of iteration 4 is writing: the tracker names 2, which loads;
+    re-running the same command resumes from 2 and prints the uninterrupted losses. ``non_persistent``: the
+    saves every 2 iterations are --non-persistent-save-interval ones (no persistent checkpoint before the
+    end), and the restart resumes from the non-persistent directory."""
     ckpt = tmp_path / "ckpt"
-    flags = _E2E + ["--save", str(ckpt), "--load", str(ckpt), "--save-interval", "2", "--ckpt-format", ckpt_format]
+    flags = _E2E + ["--save", str(ckpt), "--load", str(ckpt), "--ckpt-format", ckpt_format]
+    if kind == "persistent":
+        flags += ["--save-interval", "2"]
+        saves = ckpt
+    else:
+        flags += ["--save-interval", "100", "--non-persistent-save-interval", "2", "--non-persistent-ckpt-type",
+                  "global"]
+        saves = ckpt / "non_persistent"
     marker = tmp_path / "in_write"
     job = _Job(2, flags, shared_data, shakespeare_prefix, tmp_path,
                env={"MEGATRON_TEST_SLEEP_IN_SAVE": "600", "MEGATRON_TEST_HOOK_ITERATION": "4",
@@ -426,9 +451,9 @@ def test_sigkill_inside_a_save_then_restart_reaches_the_same_loss(shared_data, s
     finally:
         job.signal(signal.SIGKILL)
     job.finish(expect=-signal.SIGKILL)
-    assert _tracker(ckpt) == "2"
-    assert not (ckpt / "iter_0000004").exists()
-    assert [e for e in os.listdir(ckpt) if e.startswith(".iter_0000004.tmp-")]  # the killed save's files
+    assert _tracker(saves) == "2"
+    assert not (saves / "iter_0000004").exists()
+    assert [e for e in os.listdir(saves) if e.startswith(".iter_0000004.tmp-")]  # the killed save's files
 
     resumed = _Job(2, flags, shared_data, shakespeare_prefix, tmp_path).finish()
     assert "successfully loaded checkpoint from" in resumed and "at iteration 2" in resumed
@@ -436,6 +461,8 @@ def test_sigkill_inside_a_save_then_restart_reaches_the_same_loss(shared_data, s
     assert sorted(losses) == [3, 4, 5, 6]
     assert losses == {it: uninterrupted[it] for it in losses}
     assert _tracker(ckpt) == "6" and not [e for e in os.listdir(ckpt) if e.startswith(".")]
+    if kind == "non_persistent":
+        assert sorted(os.listdir(saves)) == ["iter_0000006", "latest_checkpointed_iteration.txt"]  # newest only
 
 
 @pytest.mark.parametrize("ckpt_format", FORMATS)

@@ -3,8 +3,6 @@ pretrain_gpt.py at TP=1 and TP=2 give, once exported, the same logits in `transf
 as this project's model at the checkpoint's TP; export -> import gives back the same weights."""
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,7 +10,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from pretrain_utils import run_pretrain
+from pretrain_utils import run_pretrain, run_python, run_ranks
 from tokenizer_files import build_hf_bpe_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -44,10 +42,8 @@ def _preprocess(shared_data, out_prefix, tokenizer_flags):
     source = Path(f"{out_prefix}.jsonl")
     with open(shared_data / "tinyshakespeare.jsonl", encoding="utf-8") as stream:
         source.write_text("".join(line for _, line in zip(range(400), stream)), encoding="utf-8")
-    subprocess.run(
-        [sys.executable, "tools/preprocess_data.py", "--input", str(source), "--output-prefix", str(out_prefix),
-         *tokenizer_flags, "--append-eod", "--workers", "1", "--log-interval", "100000"],
-        cwd=REPO, check=True, capture_output=True)
+    run_python(["tools/preprocess_data.py", "--input", str(source), "--output-prefix", str(out_prefix),
+                *tokenizer_flags, "--append-eod", "--workers", "1", "--log-interval", "100000"])
     return f"{out_prefix}_text_document"
 
 
@@ -193,17 +189,12 @@ def test_export_then_import_gives_back_the_checkpoint(trained, exported, tmp_pat
 @pytest.mark.timeout(600)
 def test_greedy_generation_equals_transformers_generate(trained, exported, tmp_path):
     """run_text_generation.py --greedy on the checkpoint == transformers' generate() on the export."""
-    from dist_utils import free_port
-
     for arch, tp in (("gpt2", 1), ("llama", 2)):
         output = tmp_path / f"generated_{arch}.json"
-        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(tp)] if tp > 1 else []
-        env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        result = subprocess.run(
-            [sys.executable, *launcher, "tools/run_text_generation.py", "--load", str(trained[(arch, tp)]),
-             "--use-checkpoint-args", "--tensor-model-parallel-size", str(tp), "--prompt", "ROMEO: To be, or",
-             "--greedy", "--max-new-tokens", "12", "--output-file", str(output)],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+        result = run_ranks(  # torchrun's environment, the ranks forked from the fork server
+            tp, ["tools/run_text_generation.py", "--load", str(trained[(arch, tp)]),
+                 "--use-checkpoint-args", "--tensor-model-parallel-size", str(tp), "--prompt", "ROMEO: To be, or",
+                 "--greedy", "--max-new-tokens", "12", "--output-file", str(output)], timeout=400)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         ours = json.loads(output.read_text())
         tokenizer = transformers.AutoTokenizer.from_pretrained(exported[(arch, tp)])

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from dist_utils import free_port
+from dist_utils import fork_ranks, free_port, rank_env, use_torchrun
 from pretrain_utils import REPO, _pretrain_argv, run_pretrain
 
 PP2 = ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2", "--eval-interval", "1000"]
@@ -20,28 +20,30 @@ def test_failing_last_stage_ends_every_rank_naming_it(shared_data, shakespeare_p
     down) exit non-zero within 60 s of the failure, and rank 0's error names rank 1."""
     argv = _pretrain_argv(PP2 + ["--train-iters", "6", "--distributed-timeout-minutes", "1"],
                           shared_data, shakespeare_prefix, tmp_path)
-    argv = [sys.executable, str(REPO / "tests" / "pp_failing_pretrain.py"), *argv[1:]]
-    port, procs, logs = free_port(), [], [tmp_path / f"rank{rank}.log" for rank in range(2)]
-    try:
-        for rank in range(2):
-            env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
-            with open(logs[rank], "w") as log:
-                procs.append(subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
-        for proc in procs:
-            proc.wait(timeout=360)
-        ended = time.time()
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    argv = [str(REPO / "tests" / "pp_failing_pretrain.py"), *argv[1:]]
+    port, logs = free_port(), [tmp_path / f"rank{rank}.log" for rank in range(2)]
+    envs = [rank_env(dict(os.environ, OMP_NUM_THREADS="1"), rank, 2, port) for rank in range(2)]
+    if use_torchrun():  # fresh interpreters
+        procs = []
+        try:
+            for rank in range(2):
+                with open(logs[rank], "w") as log:
+                    procs.append(subprocess.Popen([sys.executable, *argv], cwd=REPO, env=envs[rank], stdout=log,
+                                                  stderr=subprocess.STDOUT))
+            statuses = [proc.wait(timeout=360) for proc in procs]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    else:  # forked from the fork server, each rank to its own end
+        statuses = fork_ranks(2, argv, envs, REPO, logs, logs, timeout=360, stop_others_on_failure=False)
+    ended = time.time()
     out = [log.read_text() for log in logs]
     failed_at = re.search(r"injected failure at ([0-9.]+)", out[1])
     assert failed_at, out[1][-3000:]
     assert " iteration        2/" in out[1] and " iteration        3/" not in out[1], out[1][-3000:]
-    assert all(p.returncode != 0 for p in procs), \
-        ([p.returncode for p in procs], out[0][-2000:], out[1][-2000:])
+    assert all(status != 0 for status in statuses), (statuses, out[0][-2000:], out[1][-2000:])
     after_failure = ended - float(failed_at.group(1))
     print(f"both ranks ended {after_failure:.1f} s after the injected failure")
     assert after_failure < 60

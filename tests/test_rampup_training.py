@@ -26,7 +26,9 @@ def _batches(stdout):
 
 
 def test_rampup_grows_the_batch_matches_dp1_and_resumes_exactly(shared_data, shakespeare_prefix, tmp_path):
-    full_out = run_pretrain(2, ["--micro-batch-size", "2", *RAMP], shared_data, shakespeare_prefix, tmp_path)
+    ckpt = str(tmp_path / "ckpt")  # saved at iterations 4 and 8, for the resume below
+    full_out = run_pretrain(2, ["--micro-batch-size", "2", *RAMP, "--save", ckpt, "--save-interval", "4"],
+                            shared_data, shakespeare_prefix, tmp_path)
     full = losses_from_log(full_out)
     assert sorted(full) == list(range(1, 9))
     assert _batches(full_out) == {it + 1: (b, c) for it, (b, c) in enumerate(zip(EXPECTED_BATCHES, EXPECTED_CONSUMED))}
@@ -40,13 +42,10 @@ def test_rampup_grows_the_batch_matches_dp1_and_resumes_exactly(shared_data, sha
     for it in full:
         assert float(dp1[it]) == pytest.approx(float(full[it]), rel=1e-5), f"iteration {it}"
 
-    # Stop mid-ramp (after iteration 4, 20 samples consumed, the next batch is 8) and resume.
-    ckpt = str(tmp_path / "ckpt")
-    first = run_pretrain(2, ["--micro-batch-size", "2", *RAMP, "--save", ckpt, "--save-interval", "4",
-                             "--exit-interval", "4"], shared_data, shakespeare_prefix, tmp_path)
-    assert "exiting program at iteration 4" in first
-    resumed_out = run_pretrain(2, ["--micro-batch-size", "2", *RAMP, "--load", ckpt], shared_data,
-                               shakespeare_prefix, tmp_path)
+    # Resume mid-ramp (from iteration 4, 20 samples consumed, the next batch is 8).
+    assert (Path(ckpt) / "iter_0000004").is_dir()
+    resumed_out = run_pretrain(2, ["--micro-batch-size", "2", *RAMP, "--load", ckpt, "--ckpt-step", "4"],
+                               shared_data, shakespeare_prefix, tmp_path)
     resumed = losses_from_log(resumed_out)
     assert sorted(resumed) == [5, 6, 7, 8]
     assert resumed == {it: full[it] for it in resumed}

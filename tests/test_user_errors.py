@@ -1,12 +1,8 @@
 """Errors caused by the user's input end a run with one `error: ...` line per failing rank and no traceback;
 internal errors keep theirs (issue 9 item 11)."""
-import os
-import subprocess
-import sys
-
 import pytest
 
-from pretrain_utils import REPO, run_ranks_without_launcher
+from pretrain_utils import REPO, run_ranks, run_ranks_without_launcher
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -74,9 +70,6 @@ def test_internal_error_keeps_its_traceback(shared_data, shakespeare_prefix, tmp
     from pretrain_utils import _pretrain_argv
 
     argv = _pretrain_argv(TRAIN, shared_data, shakespeare_prefix, tmp_path)[1:]
-    env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(__import__("dist_utils").free_port()))
-    result = subprocess.run([sys.executable, str(script), *argv], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = run_ranks(1, [str(script), *argv], timeout=300)  # one rank, forked from the fork server
     assert result.returncode == 1
     assert "Traceback" in result.stderr and "RuntimeError: internal fault for the test" in result.stderr

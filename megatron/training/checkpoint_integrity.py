@@ -147,12 +147,28 @@ def _share(entries, rank, world_size):
     return mine
 
 
-def write_manifest(directory, iteration=None):
+def digest_files(root, rel_paths):
+    """``{relative path: {"size", "crc32"}}`` of the files ``rel_paths`` under ``root``: for a writer that
+    digests the files it wrote off the training thread (an ``--async-save`` background writer) and hands
+    the result to :func:`publish_iteration` as ``known_digests``."""
+    digests = {}
+    for rel in rel_paths:
+        size, crc = file_digest(os.path.join(root, rel))
+        digests[rel.replace(os.sep, "/")] = {"size": size, "crc32": crc}
+    return digests
+
+
+def write_manifest(directory, iteration=None, known_digests=None):
     """Write ``directory/integrity_manifest.json`` (size and CRC-32 of every file below it); all ranks call it.
 
-    Rank 0 lists the files; each rank digests its share (by size); rank 0 writes the manifest through a
-    temporary file, fsyncs it and its directory. Raises on every rank when any rank fails.
+    ``known_digests`` (this rank's :func:`digest_files` of files it wrote, or None) are used for files whose
+    size still matches; rank 0 lists the files and the others are digested now, split among the ranks by
+    size. Rank 0 writes the manifest through a temporary file and fsyncs it and its directory. Raises on
+    every rank when any rank fails.
     """
+    known = {}
+    for part in _all_gather_object(known_digests or {}):
+        known.update(part)
     error, entries = None, None
     if _rank() == 0:
         try:
@@ -162,11 +178,10 @@ def write_manifest(directory, iteration=None):
     entries = _broadcast_object(None if error is not None else entries)
     if entries is None:
         _first_error_everywhere(error or RuntimeError(f"listing {directory} failed on rank 0"))
+    todo = [(rel, size) for rel, size in entries if known.get(rel, {}).get("size") != size]
     digests = {}
     try:
-        for rel in _share(entries, _rank(), _world_size()):
-            size, crc = file_digest(os.path.join(directory, rel))
-            digests[rel] = {"size": size, "crc32": crc}
+        digests = digest_files(directory, _share(todo, _rank(), _world_size()))
     except OSError as exc:
         error = exc
     gathered = _all_gather_object(None if error is not None else digests)
@@ -174,7 +189,7 @@ def write_manifest(directory, iteration=None):
         error = RuntimeError(f"computing the checksums of {directory} failed on another rank")
     if _rank() == 0 and error is None:
         try:
-            files = {}
+            files = {rel: known[rel] for rel, _ in entries if rel in known}
             for part in gathered:
                 files.update(part)
             manifest = {"version": MANIFEST_VERSION, "algorithm": "crc32", "iteration": iteration,
@@ -445,17 +460,19 @@ def prepare_save_dir(save_dir):
         print(f"WARNING: checkpoint directory {save_dir}: {action}", flush=True)
 
 
-def publish_iteration(save_dir, tmp_dir, iteration, release=False, keep_only_newest=False, retain_interval=None):
+def publish_iteration(save_dir, tmp_dir, iteration, release=False, keep_only_newest=False, retain_interval=None,
+                      known_digests=None):
     """Make the fully written ``tmp_dir`` the checkpoint of ``iteration`` in ``save_dir``; all ranks call it
     after every rank has written and fsynced its files.
 
     Writes the manifest, fsyncs the tree, moves it to ``iter_NNNNNNN`` (:func:`replace_dir`), then replaces
     the tracker. ``keep_only_newest`` (non-persistent checkpoints) then removes every other ``iter_*``;
     ``retain_interval`` (``--save-retain-interval``) removes older ones whose iteration is not a multiple.
+    ``known_digests``: see :func:`write_manifest`.
     Raises on every rank when any step fails; the previous checkpoint and tracker are then unchanged.
     """
     test_hook("before_publish", iteration)
-    write_manifest(tmp_dir, iteration)
+    write_manifest(tmp_dir, iteration, known_digests)
     error = None
     if _rank() == 0:
         final_dir = os.path.join(save_dir, iteration_dirname(iteration, release))

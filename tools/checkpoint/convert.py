@@ -3,7 +3,10 @@
 Megatron-LM's ``tools/checkpoint/convert.py`` flags where they exist (``--load-dir``, ``--save-dir``,
 ``--target-tensor-parallel-size``, ``--target-pipeline-parallel-size``, ``--true-vocab-size``); the
 format is chosen with ``--target-ckpt-format`` (``torch``: the legacy per-rank ``mp_rank_XX[_YYY]``
-layout). The source format is detected from the folder.
+layout; ``torch_dist``: torch.distributed.checkpoint files written with ``megatron.core.dist_checkpointing``,
+every tensor whole under its layout-free key, which training loads at any TP/PP/DP layout and vocabulary
+padding). The source format is detected from the folder. Everything is read into this one process's
+memory (about the checkpoint's size).
 
 What is converted, exactly (no arithmetic on any value):
 
@@ -11,19 +14,21 @@ What is converted, exactly (no arithmetic on any value):
   ``legacy_checkpoint`` (column-, row- and vocabulary-parallel weights, SwiGLU halves), layers are
   renumbered over the pipeline stages (and interleaved virtual stages) of the target layout, the
   tied output weight of the last stage is rebuilt from the word embedding;
-- optimizer state of the (non-distributed) FP32 and mixed-precision optimizers: Adam moments (any
+- optimizer state of the FP32, mixed-precision and distributed optimizers: Adam moments (any
   per-param tensor of the param's shape) and fp32 main params follow the sharding of their param,
-  the param groups are rebuilt per target rank with the source's hyper-parameters;
-- iteration, consumed samples (in ``args``), FLOPs so far, the learning-rate scheduler.
+  the param groups are rebuilt per target rank with the source's hyper-parameters. The distributed
+  optimizer's ``distrib_optim.pt`` (flat buffers with a ``param_index_map``) is read per parameter and
+  written as the non-distributed optimizer's state (torch format: load it without
+  ``--use-distributed-optimizer``) or under torch_dist's global keys (which a distributed optimizer
+  loads at any data-parallel size);
+- iteration, consumed samples (in ``args``), FLOPs so far, the learning-rate scheduler, the grad scaler.
 
-What is not:
+What is not: the RNG states, which belong to one (tensor, pipeline) rank and have no counterpart at
+another layout. They are kept only when the layout does not change (between formats: without data
+parallelism); otherwise load the result with ``--no-load-rng`` (a torch_dist result loads without it
+and keeps the seeded RNG, with a warning).
 
-- the RNG states: they are per (tensor, pipeline) rank and have no counterpart at another layout,
-  so they are kept only when the layout does not change; otherwise load with ``--no-load-rng``;
-- the distributed optimizer's ``distrib_optim.pt``: its flat buffers are laid out per data-parallel
-  bucket of the source run; it is dropped with a message, load with ``--no-load-optim``.
-
-When the target tensor-parallel size changes the padded vocabulary size (``--make-vocab-size-divisible-by``
+When the target tensor-parallel size of a torch-format output changes the padded vocabulary size (``--make-vocab-size-divisible-by``
 x TP) the embedding and output rows are cut, or extended by repeating the last row (Megatron's rule;
 their Adam moments are zero-filled); the padded rows take part in the softmax, so the loss then
 moves slightly. The true vocabulary size comes from ``--true-vocab-size`` or the checkpoint's tokenizer.
@@ -253,12 +258,21 @@ def _read_optimizer(loaded, files, chunks, full: FullCheckpoint, swiglu: bool) -
         full.notes.append("the source holds no optimizer state (saved with --no-save-optim): load the result with "
                           "--no-load-optim")
         return None
-    if has_distrib or "distributed" in kinds or len(kinds) != 1:
-        full.notes.append("the distributed optimizer's state (distrib_optim.pt) is laid out per data-parallel bucket "
-                          "of the source run and is not converted: the optimizer state and the learning-rate "
-                          "scheduler were dropped, load the result with --no-load-optim")
-        full.scheduler = None
-        return None
+    if has_distrib or "distributed" in kinds:
+        try:
+            for rank, path in files.items():
+                loaded[rank] = dict(loaded[rank], optimizer=_plain_from_distributed(
+                    loaded[rank].get("optimizer"), os.path.join(os.path.dirname(path), DISTRIBUTED_OPTIMIZER_BASENAME),
+                    chunks[rank], full.args))
+        except ConvertError as error:
+            full.notes.append(f"the distributed optimizer's state was not converted ({error}): the optimizer state and "
+                              "the learning-rate scheduler were dropped, load the result with --no-load-optim")
+            full.scheduler = None
+            return None
+        kinds = {_optimizer_kind(ckpt.get("optimizer")) for ckpt in loaded.values()}
+    if len(kinds) != 1:
+        raise ConvertError(f"{os.path.dirname(os.path.dirname(files[(0, 0)]))}: its ranks hold optimizer states of "
+                           f"different kinds ({sorted(map(str, kinds))})")
     kind = kinds.pop()
     state = OptimizerState(kind=kind, param_state={}, groups=[], group_of={}, main_params={} if kind == "float16"
                            else None)
@@ -302,6 +316,60 @@ def _read_optimizer(loaded, files, chunks, full: FullCheckpoint, swiglu: bool) -
     if kind == "float16":
         state.grad_scaler = loaded[(0, 0)]["optimizer"].get("grad_scaler")
     return state
+
+
+def _plain_from_distributed(optimizer: Any, path: str, rank_chunks: List[dict], args) -> dict:
+    """One rank's distributed-optimizer state (``model_optim_rng.pt``'s groups and scaler plus
+    ``distrib_optim.pt``'s flat buffers with their ``param_index_map``) as the name-keyed state dict of the
+    non-distributed optimizer of the same precision (FP32Optimizer, or Float16OptimizerWithFloat16Params
+    with the buffers' fp32 ``param`` as main params). Param groups are rebuilt by the weight-decay rule.
+
+    Raises ConvertError naming the file when it is missing or does not match the model.
+    """
+    if not os.path.isfile(path):
+        raise ConvertError(f"{path} does not exist")
+    flat = load_state_dict_file(path)
+    index_map = flat.get("param_index_map") if isinstance(flat, dict) else None
+    if not index_map or not flat.get("buckets_coalesced"):
+        raise ConvertError(f"{path} is not in the coalesced-buckets layout with a param_index_map")
+    saved_groups = optimizer["optimizer"]["param_groups"]
+    index_of = {}
+    for index, group in enumerate(saved_groups):
+        index_of.setdefault(_signature_of_group(group), index)
+    vp = len(rank_chunks)
+    low_precision = any(torch.is_tensor(v) and v.dtype in (torch.float16, torch.bfloat16)
+                        for chunk in rank_chunks for v in chunk.values())
+    members: Dict[int, List[str]] = {}
+    state, mains = {}, {}
+    for buffer_index, ranges in index_map.items():
+        (world,) = flat[buffer_index].values()
+        for name, (start, end) in ranges.items():
+            chunk, local = _strip_chunk_prefix(name, vp)
+            if local not in rank_chunks[chunk]:
+                raise ConvertError(f"{path}: parameter {name} is not in the model state")
+            shape = rank_chunks[chunk][local].shape
+            if end - start != shape.numel():
+                raise ConvertError(f"{path}: parameter {name} has {end - start} elements, the model {shape.numel()}")
+            signature = _group_signature(local, len(shape), args)
+            if signature not in index_of:
+                raise ConvertError(f"{path}: parameter {name} fits none of the saved param groups")
+            group = index_of[signature]
+            members.setdefault(group, []).append(name)
+            entry = {key: world[key][start:end].view(shape).clone() for key in ("exp_avg", "exp_avg_sq")}
+            step = saved_groups[group].get("step")
+            if step is not None:
+                entry = {"step": torch.tensor(float(step), dtype=torch.float32), **entry}
+            state[name] = entry
+            mains[name] = world["param"][start:end].view(shape).clone()
+    groups = [{**{k: v for k, v in saved_groups[i].items() if k != "step"}, "params": members[i]}
+              for i in sorted(members)]
+    inner = {"state": state, "param_groups": groups}
+    if not low_precision:
+        return inner
+    result = {"optimizer": inner, "fp32_from_fp16_params": [[mains[n] for n in g["params"]] for g in groups]}
+    if "grad_scaler" in optimizer:
+        result["grad_scaler"] = optimizer["grad_scaler"]
+    return result
 
 
 def _merge_optimizer_block(state: OptimizerState, per_rank, offset: int, model_chunk: dict, swiglu: bool,
@@ -348,8 +416,9 @@ _OPTIMIZER_PREFIX = "optimizer.state."
 _MAIN_PARAM = "fp32_param"
 _LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 # The order of a layer's state-dict entries in TransformerLayer (others follow, sorted).
-_LAYER_ORDER = ["input_layernorm.weight", "input_layernorm.bias", "self_attention.q_layernorm.weight",
-                "self_attention.q_layernorm.bias", "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias"]
+_LAYER_ORDER = ["input_layernorm.weight", "input_layernorm.bias",
+                "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
+                "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias"]
 for _module in _LINEAR_MODULES:
     _LAYER_ORDER += [f"{_module}.weight", f"{_module}.bias", f"{_module}._extra_state"]
     if _module == "self_attention.linear_proj":
@@ -393,6 +462,35 @@ def _group_signature(name: str, ndim: int, args) -> tuple:
 
 def _signature_of_group(group: dict) -> tuple:
     return tuple(group.get(k) for k in ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr"))
+
+
+RNG_DIRNAME = "rng"  # torch_dist: rng/rank_<global rank:05d>.pt, one file per rank
+
+
+def _rank_of(t: int, p: int, tp: int) -> int:
+    """Global rank of (tensor rank t, pipeline rank p) with one data-parallel rank (order tp-cp-ep-dp-pp)."""
+    return t + tp * p
+
+
+def _torch_dist_layout(tp: int, pp: int, vp: int) -> dict:
+    """The ``parallel_layout`` entry of ``common.pt`` for a run of tp x pp ranks and no data parallelism."""
+    return {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "data_parallel_size": 1,
+            "virtual_pipeline_model_parallel_size": vp if vp > 1 else None, "world_size": tp * pp}
+
+
+def _read_torch_dist_rng(iteration_dir: str, layout: Optional[dict], context: str):
+    """{(tp rank, pp rank): rng_state list} of a torch_dist checkpoint saved without data parallelism, else None."""
+    if not layout or layout.get("data_parallel_size") != 1:
+        return None
+    tp, pp = layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"]
+    states = {}
+    for t in range(tp):
+        for p in range(pp):
+            name = os.path.join(iteration_dir, RNG_DIRNAME, f"rank_{_rank_of(t, p, tp):05d}.pt")
+            if not os.path.isfile(name):
+                return None
+            states[(t, p)] = load_state_dict_file(name, context)["rng_state"]
+    return states
 
 
 def _read_torch_dist(load_dir, iteration, with_optimizer) -> FullCheckpoint:
@@ -440,9 +538,17 @@ def _read_torch_dist(load_dir, iteration, with_optimizer) -> FullCheckpoint:
     for name in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
         if name in train_state:
             setattr(full.args, name, train_state[name])
-    if os.path.isdir(os.path.join(iteration_dir, "rng")):
-        full.notes.append("the RNG states of a torch_dist checkpoint belong to its global ranks and were not "
-                          "converted: load the result with --no-load-rng")
+    full.rng_states = _read_torch_dist_rng(iteration_dir, common.get("parallel_layout"), f"--load-dir {load_dir}")
+    if full.rng_states is not None:
+        full.layout["counts"] = pipeline_layer_counts(
+            args.num_layers, pp, layout.get("virtual_pipeline_model_parallel_size"),
+            getattr(args, "decoder_first_pipeline_num_layers", None),
+            getattr(args, "decoder_last_pipeline_num_layers", None),
+            bool(getattr(args, "account_for_embedding_in_pipeline_split", False)) and pp > 1,
+            bool(getattr(args, "account_for_loss_in_pipeline_split", False)) and pp > 1)
+    elif os.path.isdir(os.path.join(iteration_dir, RNG_DIRNAME)):
+        full.notes.append("the RNG states of this torch_dist checkpoint (saved with data parallelism) belong to its "
+                          "global ranks and were not converted: load the result with --no-load-rng")
     if not with_optimizer:
         return full
     if "optimizer" not in common:
@@ -762,7 +868,10 @@ def convert(cli: argparse.Namespace) -> dict:
     if to_legacy and target.tp != full.layout["tp"]:
         true_vocab = true_vocab_size_of(full.args, cli.true_vocab_size)
         resize_vocab(full, _padded_vocab_size(true_vocab, full.args, target.tp))
-    keep_rng = to_legacy and full.rng_states is not None and _same_layout(full, target)
+    # RNG states are per (tensor, pipeline) rank: kept only at the same layout (and, in torch_dist, for one
+    # data-parallel rank, whose global ranks are then known).
+    keep_rng = full.rng_states is not None and _same_layout(full, target) and (
+        to_legacy or int(getattr(full.args, "data_parallel_size", 1) or 1) == 1)
     if full.rng_states is not None and not keep_rng:
         full.notes.append("the RNG states belong to the source's (tensor, pipeline) ranks and were not converted: "
                           + ("load the result with --no-load-rng" if to_legacy else
@@ -771,7 +880,7 @@ def convert(cli: argparse.Namespace) -> dict:
         if cli.target_ckpt_format == "torch":
             written = write_legacy(full, cli.save_dir, target, keep_rng)
         else:
-            written = write_torch_dist(full, cli.save_dir, target)
+            written = write_torch_dist(full, cli.save_dir, target, keep_rng)
     except ValueError as error:
         raise ConvertError(f"--target-tensor-parallel-size {target.tp}: {error}") from None
     return {"from": dict(full.layout, format=source_format),
@@ -782,7 +891,7 @@ def convert(cli: argparse.Namespace) -> dict:
             "notes": full.notes}
 
 
-def _torch_dist_common(full: FullCheckpoint, target: "TargetLayout") -> dict:
+def _torch_dist_common(full: FullCheckpoint, target: "TargetLayout", keep_rng: bool) -> dict:
     """``common.pt`` of the converted torch_dist checkpoint (the format of
     ``megatron.training.checkpointing._torch_dist_common_state``)."""
     args = _target_args(full, target)
@@ -793,8 +902,9 @@ def _torch_dist_common(full: FullCheckpoint, target: "TargetLayout") -> dict:
     common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "ckpt_format": "torch_dist",
               "iteration": full.iteration, "train_state": counters,
               "num_floating_point_operations_so_far": counters["num_floating_point_operations_so_far"],
-              # No layout equals this one, so a load never looks for RNG files (none are written).
-              "parallel_layout": None}
+              # With RNG files: the layout they belong to; without: None, which no run's layout equals, so a
+              # load keeps its seeded RNG (with a warning) instead of looking for them.
+              "parallel_layout": _torch_dist_layout(target.tp, target.pp, target.vp) if keep_rng else None}
     optimizer = full.optimizer
     if optimizer is not None:
         params = [(name, name, optimizer.param_state[name], None) for name in full.model
@@ -815,10 +925,11 @@ def _torch_dist_common(full: FullCheckpoint, target: "TargetLayout") -> dict:
     return common
 
 
-def write_torch_dist(full: FullCheckpoint, save_dir: str, target: "TargetLayout") -> str:
+def write_torch_dist(full: FullCheckpoint, save_dir: str, target: "TargetLayout", keep_rng: bool = False) -> str:
     """Write ``full`` as a torch_dist checkpoint (whole tensors, written by this one process with
     ``megatron.core.dist_checkpointing``), atomically; returns the iteration folder. It loads at any
-    TP/PP/DP layout; ``target`` only sets the layout recorded in the saved args."""
+    TP/PP/DP layout; ``target`` sets the layout recorded in the saved args and, with ``keep_rng``, the
+    one the RNG files ``rng/rank_XXXXX.pt`` are written for (one data-parallel rank)."""
     from megatron.core.dist_checkpointing import serialization
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
@@ -843,7 +954,13 @@ def write_torch_dist(full: FullCheckpoint, save_dir: str, target: "TargetLayout"
         with warnings.catch_warnings():  # written whole, in one process, on purpose
             warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
             serialization.save(items, tmp_dir)
-        checkpointing._write_durably(_torch_dist_common(full, target), os.path.join(tmp_dir, COMMON_BASENAME))
+        common = _torch_dist_common(full, target, keep_rng)
+        checkpointing._write_durably(common, os.path.join(tmp_dir, COMMON_BASENAME))
+        if keep_rng:
+            for (t, p), rng_state in full.rng_states.items():
+                name = os.path.join(tmp_dir, RNG_DIRNAME, f"rank_{_rank_of(t, p, target.tp):05d}.pt")
+                checkpointing._write_durably({"rng_state": rng_state, "parallel_layout": common["parallel_layout"]},
+                                             name)
         # The same publish as training's save: manifest, fsync, directory swap, tracker last.
         checkpoint_integrity.publish_iteration(save_dir, tmp_dir, full.iteration, release=full.release)
     except BaseException:
@@ -857,7 +974,8 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--model-type", default="GPT", choices=["GPT"], help="model type (only GPT)")
-    parser.add_argument("--load-dir", required=True, help="checkpoint folder to read (written by pretrain_gpt.py --save)")
+    parser.add_argument("--load-dir", required=True,
+                        help="checkpoint folder to read (written by pretrain_gpt.py --save)")
     parser.add_argument("--save-dir", required=True, help="folder to write the converted checkpoint to")
     parser.add_argument("--ckpt-step", "--iteration", dest="ckpt_step", type=int, default=None,
                         help="iteration to convert (default: the one the tracker file names)")

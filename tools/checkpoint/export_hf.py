@@ -1,4 +1,4 @@
-"""Export a checkpoint (any TP, any PP, --ckpt-format torch or torch_dist) of pretrain_gpt.py to a Hugging Face `transformers` folder.
+"""Export a checkpoint of pretrain_gpt.py (torch at any TP/PP, or torch_dist) to a Hugging Face `transformers` folder.
 
 Writes ``config.json`` (GPT2Config or LlamaConfig), ``model.safetensors`` and the tokenizer files
 into ``--save``. GPT-2 architecture: learned positions, LayerNorm, GeLU (tied or untied);

@@ -154,19 +154,17 @@ def _build_tiktoken_encoding(encoder: Dict[str, int], bpe_ranks: Dict[Tuple[str,
     return encoding, None
 
 
-def _token_classes(encoder: Dict[str, int], byte_decoder: Dict[str, int], size: int) -> numpy.ndarray:
+def _token_classes(encoder: Dict[str, int], byte_encoder: Dict[int, str], special_ids: Sequence[int],
+                   size: int) -> numpy.ndarray:
     """[size] uint8 per id: ``_ONE_WHITESPACE`` / ``_LONG_WHITESPACE`` for a token of one / several
-    ASCII whitespace bytes only, ``_TEXT`` for any other spelled token, ``_SPECIAL`` for the rest
-    (``<|endoftext|>``, the ``_TEXT_END`` marker)."""
-    classes = numpy.full(size, _SPECIAL, dtype=numpy.uint8)
+    ASCII whitespace bytes only, ``_SPECIAL`` for ``special_ids`` (``<|endoftext|>``, the
+    ``_TEXT_END`` marker), ``_TEXT`` for every other token."""
+    classes = numpy.full(size, _TEXT, dtype=numpy.uint8)
+    whitespace_spelling = {byte_encoder[byte] for byte in _ASCII_WHITESPACE}
     for token, token_id in encoder.items():
-        if token_id >= size or not all(char in byte_decoder for char in token):
-            continue
-        spelled = bytes(byte_decoder[char] for char in token)
-        if not _ASCII_WHITESPACE.issuperset(spelled):
-            classes[token_id] = _TEXT
-        else:
-            classes[token_id] = _ONE_WHITESPACE if len(spelled) == 1 else _LONG_WHITESPACE
+        if whitespace_spelling.issuperset(token):  # one character per byte in GPT-2's spelling
+            classes[token_id] = _ONE_WHITESPACE if len(token) == 1 else _LONG_WHITESPACE
+    classes[list(special_ids)] = _SPECIAL
     return classes
 
 
@@ -261,7 +259,8 @@ class GPT2BPETokenizer(MegatronTokenizer):
             return "python"
         self._tiktoken = encoding
         self._text_end_id = encoding.encode_single_token(_TEXT_END)
-        self._token_classes = _token_classes(self._encoder, self._byte_decoder, self._text_end_id + 1)
+        special_ids = [encoding.encode_single_token(token) for token in encoding.special_tokens_set]
+        self._token_classes = _token_classes(self._encoder, self._byte_spelling, special_ids, encoding.n_vocab)
         return "tiktoken"
 
     def __getstate__(self):
