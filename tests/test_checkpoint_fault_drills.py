@@ -465,6 +465,29 @@ def test_sigkill_inside_a_save_then_restart_reaches_the_same_loss(shared_data, s
     assert _tracker(ckpt) == "6" and not [e for e in os.listdir(ckpt) if e.startswith(".")]
     if kind == "non_persistent":
         assert sorted(os.listdir(saves)) == ["iter_0000006", "latest_checkpointed_iteration.txt"]  # newest only
+        return
+    # The files this format wrote (in the background with --async-save) match their manifests; a bit flip
+    # in the newest and a truncation in the next are named, and the load falls back past them.
+    assert checkpoint_integrity.choose_checkpoint(str(ckpt), warn=lambda message: None) == (str(ckpt), 6, False)
+    for iteration, damage in ((6, "flip"), (4, "truncate")):
+        directory = ckpt / f"iter_{iteration:07d}"
+        largest = max((p for p in directory.rglob("*") if p.is_file() and p.name != "integrity_manifest.json"),
+                      key=lambda p: p.stat().st_size)
+        if damage == "flip":
+            with open(largest, "r+b") as f:
+                f.seek(largest.stat().st_size // 2)
+                byte = f.read(1)[0]
+                f.seek(largest.stat().st_size // 2)
+                f.write(bytes([byte ^ 0x01]))
+        else:
+            os.truncate(largest, largest.stat().st_size - 1)
+        warnings = []
+        assert checkpoint_integrity.choose_checkpoint(str(ckpt), warn=warnings.append) == \
+            (str(ckpt), iteration - 2, False)
+        assert f"iteration 6 ({ckpt / 'iter_0000006'}) is incomplete or corrupt" in warnings[0], warnings
+        assert f"iteration {iteration} ({directory}) is incomplete or corrupt ({largest} is " in warnings[0], warnings
+        assert f"loading iteration {iteration - 2} ({ckpt / f'iter_{iteration - 2:07d}'})" in warnings[0], warnings
+    assert f"{largest} is truncated or damaged" in warnings[0] and " is corrupt: CRC-32 " in warnings[0]
 
 
 @pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist_async"])
