@@ -70,7 +70,10 @@ def worker(argv: list, options) -> None:
     args = get_args()
     model, optimizer, scheduler = setup_model_and_optimizer(pretrain_gpt.model_provider)
     train_iterator, _, _ = build_train_valid_test_data_iterators(pretrain_gpt.train_valid_test_datasets_provider)
-    train_step(pretrain_gpt.forward_step, train_iterator, model, optimizer, scheduler)  # creates Adam's state
+    def step():
+        train_step(pretrain_gpt.forward_step, train_iterator, model, optimizer, scheduler)
+
+    step()  # creates Adam's state
     params = sum(p.numel() for chunk in model for p in chunk.parameters())
     rank = dist.get_rank()
     results = {"params": params}
@@ -86,6 +89,7 @@ def worker(argv: list, options) -> None:
         results.setdefault(name, []).append(value)
 
     formats = [name for name in ("torch", "torch_dist", "torch_dist_async") if name in options.formats]
+    step()  # warm-up
     for repeat in range(options.repeats):
         for name in formats:
             folder = os.path.join(options.dir, f"{name}_{repeat}")
@@ -102,9 +106,28 @@ def worker(argv: list, options) -> None:
                 checkpointing.wait_for_async_staging()
                 record(f"{name} save returns", returned)
                 record(f"{name} save blocking", time.perf_counter() - start)
+                writer = checkpointing._PENDING[0][0] if getattr(checkpointing, "_PENDING", None) else None
                 checkpointing.finalize_async_save(blocking=True)
                 dist.barrier()
                 record(f"{name} save total", time.perf_counter() - start)
+                if writer is not None:  # where the blocking time goes: the copy of the state to host memory
+                    record(f"{name} staging", writer.staging_seconds)
+                    record(f"{name} writing", writer.writing_seconds)
+                # In the loop: the save call, then a training step, which overlaps the copy with its forward
+                # and backward and waits for it only before the optimizer step; the background write then
+                # shares the CPU with the step. The loop's loss is this minus a plain step.
+                args.save = folder + "_in_loop"
+                record("train step", timed(step))  # the reference, measured next to it (the machine is noisy)
+                dist.barrier()
+                start = time.perf_counter()
+                checkpointing.save_checkpoint(1, model, optimizer, scheduler, 0)
+                step()
+                dist.barrier()
+                record(f"{name} save + step", time.perf_counter() - start)
+                checkpointing.finalize_async_save(blocking=True)
+                if rank == 0:
+                    shutil.rmtree(args.save, ignore_errors=True)
+                args.save = folder
             else:
                 record(f"{name} save", timed(lambda: checkpointing.save_checkpoint(1, model, optimizer, scheduler, 0)))
             if rank == 0:
@@ -136,9 +159,15 @@ def table(results: dict) -> str:
     lines = ["| format | size (MB) | save: blocking (s) | save: total (s) | load (s) | blocking / sync torch_dist save "
              "| blocking / torch save |", "|---|---|---|---|---|---|---|"]
     if "torch_dist_async save returns" in results:
-        lines.insert(0, f"(async: the save call itself returns after "
-                        f"{_median(results['torch_dist_async save returns']):.3f} s; blocking adds the wait for the "
-                        "copy to host memory that the next optimizer step makes)\n")
+        step = _median(results["train step"])
+        in_loop = _median([with_save - alone for with_save, alone in zip(results["torch_dist_async save + step"],
+                                                                         results["train step"])])
+        lines.insert(0, f"async: the save call returns after {_median(results['torch_dist_async save returns']):.3f} s; "
+                        f"blocking adds the wait for the copy to host memory (staging "
+                        f"{_median(results.get('torch_dist_async staging', [])):.2f} s, background write "
+                        f"{_median(results.get('torch_dist_async writing', [])):.2f} s). In the loop, save + one "
+                        f"training step take {in_loop:.2f} s more than a step alone ({step:.2f} s): "
+                        f"{in_loop / sync:.3f} of the synchronous torch_dist save.\n")
     for name, size, blocking, total, load in rows:
         total_text = f"{total:.2f}" if total == total else f"{blocking:.2f}"
         lines.append(f"| {name} | {size:.0f} | {blocking:.2f} | {total_text} | {load:.2f} | "

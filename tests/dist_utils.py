@@ -42,7 +42,9 @@ class _ForkServer:
 
     def _start(self):
         ours, theirs = socket.socketpair()
+        # The server's own output (a failed preload, a crash): kept only when not empty.
         log = open(Path(tempfile.gettempdir()) / f"fork_server_{os.getpid()}.log", "w")
+        self._log = Path(log.name)
         self._proc = subprocess.Popen([sys.executable, str(TESTS / "fork_server.py"), str(theirs.fileno())],
                                       pass_fds=[theirs.fileno()], env=_SERVER_ENV, cwd=TESTS.parent,
                                       stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
@@ -71,6 +73,11 @@ class _ForkServer:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
             self._proc = None
+            try:
+                if self._log.stat().st_size == 0:
+                    self._log.unlink()
+            except OSError:
+                pass
 
     def launch(self, request: dict, timeout: float) -> list:
         """Fork the ranks of ``request`` (see fork_server.py) and wait for them: their exit statuses.

@@ -32,7 +32,7 @@ convert = _load_tool("convert")
 # 50304 rows at both TP=1 and TP=2 (the padded rows take part in the softmax).
 FLAGS = ["--num-layers", "4", "--micro-batch-size", "4", "--train-iters", "4", "--lr-warmup-iters", "1",
          "--lr-decay-iters", "10", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
-         "--make-vocab-size-divisible-by", "64", "--ckpt-format", "torch"]
+         "--make-vocab-size-divisible-by", "64", "--ckpt-format", "torch"]  # convert.py's default target: legacy
 
 
 @pytest.fixture(scope="module")
@@ -291,3 +291,18 @@ def test_tp4_pads_the_vocabulary_as_megatron(original, tmp_path):
     assert torch.equal(embedding[50304:], original_rows[-1:].expand(128, 32))
     assert torch.count_nonzero(moment[50304:]) == 0
     assert shards["mp_rank_03"]["args"].padded_vocab_size == 50432
+
+
+@pytest.mark.timeout(300)
+def test_legacy_tp2_to_torch_dist_trains_on_at_pp2(original, shared_data, shakespeare_prefix, tmp_path):
+    """A torch (TP=2) checkpoint converted to torch_dist loads at TP=1 x PP=2 (resharded by the training's
+    own torch_dist loader, which keeps its seeded RNG at another layout) and trains on like the original."""
+    pytest.importorskip("megatron.training.async_checkpointing")  # the training's torch_dist support
+    checkpoint, expected = original
+    dist_dir = tmp_path / "dist"
+    assert convert.main(["--load-dir", str(checkpoint), "--ckpt-step", "2", "--save-dir", str(dist_dir),
+                         "--target-ckpt-format", "torch_dist"]) == 0
+    flags = FLAGS[:FLAGS.index("--ckpt-format")] + ["--ckpt-format", "torch_dist"]
+    _assert_losses_match(expected, run_pretrain(2, [*flags, "--pipeline-model-parallel-size", "2", "--load",
+                                                    str(dist_dir)], shared_data, shakespeare_prefix,
+                                                tmp_path / "run_pp2"))

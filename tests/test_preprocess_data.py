@@ -288,6 +288,28 @@ def test_dead_worker_is_an_error_not_a_hang(tmp_path):
     assert list(tmp_path.iterdir()) == [source]
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_bad_lines_across_many_batches(tmp_path, gpt2_flags, gpt2, shakespeare_lines, capsys, monkeypatch, workers):
+    """Small batches: bad lines deep in the file are named by their line, and the good ones around them
+    (encoded by the batch path and the line-by-line path alike) come out in order."""
+    monkeypatch.setattr(preprocess, "_BATCH_BYTES", 600)
+    lines = list(shakespeare_lines[:60])
+    lines[17] = '{"text": ["pre", "split"], "x": 1}\n'  # pre-split sentences: the line-by-line path
+    lines.insert(20, "not json\n")
+    lines.insert(50, '{"title": "no text"}\n')
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(lines), encoding="utf-8")
+    assert _run(source, tmp_path / "o", gpt2_flags, "--append-eod", "--workers", workers) == 1
+    assert f"{source}:21: not JSON" in capsys.readouterr().err
+    assert _run(source, tmp_path / "o", gpt2_flags, "--append-eod", "--workers", workers, "--skip-bad-lines") == 0
+    err = capsys.readouterr().err
+    assert "Skipped 2 bad line(s)" in err and f"{source}:21: not JSON" in err and f"{source}:51: missing key" in err
+    good = [json.loads(line) for index, line in enumerate(lines) if index not in (20, 50)]
+    expected = _reference_documents(gpt2, [record["text"] if index != 17 else "" for index, record in enumerate(good)])
+    expected[17] = [gpt2.tokenize("pre"), gpt2.tokenize("split") + [gpt2.eod]]
+    assert _documents(tmp_path / "o_text_document") == expected
+
+
 def test_no_usable_document_is_an_error(tmp_path, gpt2_flags, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("", encoding="utf-8")

@@ -13,6 +13,7 @@ rename and the tracker) happens on the training thread in ``checkpointing.finali
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -72,23 +73,33 @@ def start_torch_dist_save(args, tmp_dir, model, optimizer, common, rng_state, as
                                 iteration=common["iteration"])
 
 
-def _stage(sharded: List[ShardedTensor]) -> List[ShardedTensor]:
-    """Copies of ``sharded`` in the reused host buffers (pinned when CUDA is available)."""
+def _stage(sharded: List[ShardedTensor], ready=None) -> List[ShardedTensor]:
+    """Copies of ``sharded`` in the reused host buffers (pinned when CUDA is available).
+
+    With CUDA the copies run on a side stream that first waits for ``ready`` (an event recorded on
+    the training stream when the save started), so they overlap the next forward/backward.
+    """
     staged = []
     pin = torch.cuda.is_available()
-    for item in sharded:
-        if item.replica or item.data.numel() == 0:
-            continue
-        slot = (item.key, item.global_offset)
-        buffer = _HOST_BUFFERS.get(slot)
-        if buffer is None or buffer.shape != item.data.shape or buffer.dtype != item.data.dtype:
-            buffer = torch.empty(item.data.shape, dtype=item.data.dtype, device="cpu", pin_memory=pin)
-            _HOST_BUFFERS[slot] = buffer
-        buffer.copy_(item.data, non_blocking=pin)
-        staged.append(ShardedTensor(item.key, buffer, item.global_shape, item.global_offset,
-                                    item.allow_shape_mismatch))
+    stream = None
     if pin:
-        torch.cuda.synchronize()
+        stream = torch.cuda.Stream()
+        if ready is not None:
+            stream.wait_event(ready)
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        for item in sharded:
+            if item.replica or item.data.numel() == 0:
+                continue
+            slot = (item.key, item.global_offset)
+            buffer = _HOST_BUFFERS.get(slot)
+            if buffer is None or buffer.shape != item.data.shape or buffer.dtype != item.data.dtype:
+                buffer = torch.empty(item.data.shape, dtype=item.data.dtype, device="cpu", pin_memory=pin)
+                _HOST_BUFFERS[slot] = buffer
+            buffer.copy_(item.data, non_blocking=pin)
+            staged.append(ShardedTensor(item.key, buffer, item.global_shape, item.global_offset,
+                                        item.allow_shape_mismatch))
+    if stream is not None:
+        stream.synchronize()
     return staged
 
 
@@ -138,6 +149,11 @@ class AsyncTorchDistWriter:
         self._group = process_group
         self._attributes = dict(attributes, **{"megatron.iteration": iteration})
         self._context = _current_context()
+        # The state to copy is what the training stream has computed up to now.
+        self._ready = None
+        if torch.cuda.is_available():
+            self._ready = torch.cuda.Event()
+            self._ready.record()
         self._staged = threading.Event()
         self._done = threading.Event()
         self._error: Optional[BaseException] = None
@@ -155,7 +171,7 @@ class AsyncTorchDistWriter:
                               **self._attributes):
                 start = time.perf_counter()
                 try:
-                    staged = _stage(self._sharded)
+                    staged = _stage(self._sharded, self._ready)
                 finally:
                     self._sharded = None  # the live tensors are no longer referenced
                     self.staging_seconds = time.perf_counter() - start

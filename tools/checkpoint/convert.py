@@ -3,7 +3,10 @@
 Megatron-LM's ``tools/checkpoint/convert.py`` flags where they exist (``--load-dir``, ``--save-dir``,
 ``--target-tensor-parallel-size``, ``--target-pipeline-parallel-size``, ``--true-vocab-size``); the
 format is chosen with ``--target-ckpt-format`` (``torch``: the legacy per-rank ``mp_rank_XX[_YYY]``
-layout). The source format is detected from the folder.
+layout; ``torch_dist``: torch.distributed.checkpoint files written with ``megatron.core.dist_checkpointing``,
+every tensor whole under its layout-free key, which training loads at any TP/PP/DP layout and vocabulary
+padding). The source format is detected from the folder. Everything is read into this one process's
+memory (about the checkpoint's size).
 
 What is converted, exactly (no arithmetic on any value):
 
@@ -25,7 +28,7 @@ another layout. They are kept only when the layout does not change (between form
 parallelism); otherwise load the result with ``--no-load-rng`` (a torch_dist result loads without it
 and keeps the seeded RNG, with a warning).
 
-When the target tensor-parallel size changes the padded vocabulary size (``--make-vocab-size-divisible-by``
+When the target tensor-parallel size of a torch-format output changes the padded vocabulary size (``--make-vocab-size-divisible-by``
 x TP) the embedding and output rows are cut, or extended by repeating the last row (Megatron's rule;
 their Adam moments are zero-filled); the padded rows take part in the softmax, so the loss then
 moves slightly. The true vocabulary size comes from ``--true-vocab-size`` or the checkpoint's tokenizer.

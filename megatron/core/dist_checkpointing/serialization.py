@@ -8,7 +8,6 @@ parallel layout can read a checkpoint written by any other.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
