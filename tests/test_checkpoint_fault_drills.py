@@ -524,3 +524,23 @@ def test_sigterm_with_exit_signal_handler_saves_exits_0_and_restart_continues_ex
     losses = losses_from_log(_Job(2, flags, shared_data, shakespeare_prefix, tmp_path).finish())
     assert sorted(losses) == list(range(stopped_at + 1, 7))
     assert losses == {it: uninterrupted[it] for it in losses}
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch_dist", "torch_dist_async"])
+def test_full_disk_during_a_torch_dist_save_stops_with_a_clear_error_and_keeps_the_previous(
+        shared_data, shakespeare_prefix, tmp_path, ckpt_format):
+    """ENOSPC (injected) while writing iteration 4 (with --async-save: in the background, reported at the
+    publish): every rank stops with an error naming the disk and the iteration; the tracker still names 2,
+    whose files verify, and no temporary directory is left."""
+    ckpt = tmp_path / "ckpt"
+    flags = _E2E + ["--save", str(ckpt), "--save-interval", "2", *FORMATS[ckpt_format]]
+    job = _Job(2, flags, shared_data, shakespeare_prefix, tmp_path,
+               env={"MEGATRON_TEST_ENOSPC_IN_SAVE": "1", "MEGATRON_TEST_HOOK_ITERATION": "4"})
+    statuses = [proc.wait(timeout=240) for proc in job.procs]
+    out = job.output()
+    assert all(status != 0 for status in statuses), (statuses, out[-3000:])
+    assert "No space left on device" in out and "saving checkpoint at iteration 4" in out, out[-3000:]
+    assert "the previous checkpoint and tracker were left unchanged" in out, out[-3000:]
+    assert _tracker(ckpt) == "2"
+    assert sorted(os.listdir(ckpt)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert checkpoint_integrity.choose_checkpoint(str(ckpt), warn=lambda message: None) == (str(ckpt), 2, False)
