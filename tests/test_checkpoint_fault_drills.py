@@ -27,8 +27,9 @@ from test_checkpointing import _assert_same_params, _fresh, _make_args, _seeded_
 
 pytestmark = pytest.mark.timeout(300)
 
-# Formats the drills run with.
-FORMATS = ["torch", "torch_dist"]
+# Formats the end-to-end drills run with: the flags of each.
+FORMATS = {"torch": ["--ckpt-format", "torch"], "torch_dist": ["--ckpt-format", "torch_dist"],
+           "torch_dist_async": ["--ckpt-format", "torch_dist", "--async-save"]}
 HOOK_VARIABLES = ("MEGATRON_TEST_SLEEP_IN_SAVE", "MEGATRON_TEST_ENOSPC_IN_SAVE", "MEGATRON_TEST_CRASH_AT",
                   "MEGATRON_TEST_HOOK_ITERATION", "MEGATRON_TEST_HOOK_RANK", "MEGATRON_TEST_HOOK_MARKER",
                   "MEGATRON_TEST_NO_RENAME_EXCHANGE", "MEGATRON_TEST_HOOK_RELEASE")
@@ -425,16 +426,17 @@ def uninterrupted(shared_data, shakespeare_prefix, tmp_path_factory):
     return losses_from_log(_Job(2, _E2E, shared_data, shakespeare_prefix, tmp_path).finish())
 
 
-@pytest.mark.parametrize("kind", ["persistent", "non_persistent"])
-@pytest.mark.parametrize("ckpt_format", FORMATS)
+@pytest.mark.parametrize("ckpt_format,kind", [("torch", "persistent"), ("torch_dist", "persistent"),
+                                              ("torch_dist_async", "persistent"), ("torch_dist", "non_persistent")])
 def test_sigkill_inside_a_save_then_restart_reaches_the_same_loss(shared_data, shakespeare_prefix, tmp_path,
                                                                  uninterrupted, ckpt_format, kind):
-    """Kill every rank (SIGKILL) while the save of iteration 4 is writing: the tracker names 2, which loads;
-    re-running the same command resumes from 2 and prints the uninterrupted losses. ``non_persistent``: the
-    saves every 2 iterations are --non-persistent-save-interval ones (no persistent checkpoint before the
-    end), and the restart resumes from the non-persistent directory."""
+    """Kill every rank (SIGKILL) while the save of iteration 4 is writing (with --async-save: in the background
+    while training goes on): the tracker names 2, which loads; re-running the same command resumes from 2 and
+    prints the uninterrupted losses. ``non_persistent``: the saves every 2 iterations are
+    --non-persistent-save-interval ones (no persistent checkpoint before the end), and the restart resumes
+    from the non-persistent directory (the non-persistent legacy format is covered in-process above)."""
     ckpt = tmp_path / "ckpt"
-    flags = _E2E + ["--save", str(ckpt), "--load", str(ckpt), "--ckpt-format", ckpt_format]
+    flags = _E2E + ["--save", str(ckpt), "--load", str(ckpt), *FORMATS[ckpt_format]]
     if kind == "persistent":
         flags += ["--save-interval", "2"]
         saves = ckpt
@@ -463,16 +465,41 @@ def test_sigkill_inside_a_save_then_restart_reaches_the_same_loss(shared_data, s
     assert _tracker(ckpt) == "6" and not [e for e in os.listdir(ckpt) if e.startswith(".")]
     if kind == "non_persistent":
         assert sorted(os.listdir(saves)) == ["iter_0000006", "latest_checkpointed_iteration.txt"]  # newest only
+        return
+    # The files this format wrote (in the background with --async-save) match their manifests; a bit flip
+    # in the newest and a truncation in the next are named, and the load falls back past them.
+    assert checkpoint_integrity.choose_checkpoint(str(ckpt), warn=lambda message: None) == (str(ckpt), 6, False)
+    for iteration, damage in ((6, "flip"), (4, "truncate")):
+        directory = ckpt / f"iter_{iteration:07d}"
+        largest = max((p for p in directory.rglob("*") if p.is_file() and p.name != "integrity_manifest.json"),
+                      key=lambda p: p.stat().st_size)
+        if damage == "flip":
+            with open(largest, "r+b") as f:
+                f.seek(largest.stat().st_size // 2)
+                byte = f.read(1)[0]
+                f.seek(largest.stat().st_size // 2)
+                f.write(bytes([byte ^ 0x01]))
+        else:
+            os.truncate(largest, largest.stat().st_size - 1)
+        warnings = []
+        assert checkpoint_integrity.choose_checkpoint(str(ckpt), warn=warnings.append) == \
+            (str(ckpt), iteration - 2, False)
+        assert f"iteration 6 ({ckpt / 'iter_0000006'}) is incomplete or corrupt" in warnings[0], warnings
+        assert f"iteration {iteration} ({directory}) is incomplete or corrupt ({largest} is " in warnings[0], warnings
+        assert f"loading iteration {iteration - 2} ({ckpt / f'iter_{iteration - 2:07d}'})" in warnings[0], warnings
+    assert f"{largest} is truncated or damaged" in warnings[0] and " is corrupt: CRC-32 " in warnings[0]
 
 
-@pytest.mark.parametrize("ckpt_format", FORMATS)
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist_async"])
 def test_sigterm_with_exit_signal_handler_saves_exits_0_and_restart_continues_exactly(
         shared_data, shakespeare_prefix, tmp_path, uninterrupted, ckpt_format):
     """SIGTERM to every rank while rank 0 is inside the save of iteration 2 (held there until the signal is
     sent, so it arrives at a known point): every rank agrees at the next iteration boundary (3), saves,
-    exits 0; re-running the same command continues with the uninterrupted losses."""
+    exits 0; re-running the same command continues with the uninterrupted losses. With --async-save rank 0's
+    background write is held instead while training goes on, so the boundary is 3, 4 or 5 (the save of 4
+    waits for the held one); the exit save is published before the ranks exit."""
     ckpt = tmp_path / "ckpt"
-    flags = _E2E + ["--save", str(ckpt), "--load", str(ckpt), "--save-interval", "2", "--ckpt-format", ckpt_format,
+    flags = _E2E + ["--save", str(ckpt), "--load", str(ckpt), "--save-interval", "2", *FORMATS[ckpt_format],
                     "--exit-signal-handler"]
     marker = tmp_path / "in_write"
     release = tmp_path / "release"
@@ -487,8 +514,33 @@ def test_sigterm_with_exit_signal_handler_saves_exits_0_and_restart_continues_ex
         release.touch()  # the save of iteration 2 goes on once the signal is sent
     out = job.finish(expect=0)
     assert "exiting program after receiving SIGTERM." in out
-    assert _tracker(ckpt) == "3", out[-3000:]  # the save of 2 completes; the boundary after iteration 3 saves
+    stopped_at = int(_tracker(ckpt))
+    if ckpt_format == "torch_dist_async":
+        assert 3 <= stopped_at <= 5, out[-3000:]
+    else:
+        assert stopped_at == 3, out[-3000:]  # the save of 2 completes; the boundary after iteration 3 saves
+    assert not [e for e in os.listdir(ckpt) if e.startswith(".")]  # every save was published
 
     losses = losses_from_log(_Job(2, flags, shared_data, shakespeare_prefix, tmp_path).finish())
-    assert sorted(losses) == [4, 5, 6]
+    assert sorted(losses) == list(range(stopped_at + 1, 7))
     assert losses == {it: uninterrupted[it] for it in losses}
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch_dist", "torch_dist_async"])
+def test_full_disk_during_a_torch_dist_save_stops_with_a_clear_error_and_keeps_the_previous(
+        shared_data, shakespeare_prefix, tmp_path, ckpt_format):
+    """ENOSPC (injected) while writing iteration 4 (with --async-save: in the background, reported at the
+    publish): every rank stops with an error naming the disk and the iteration; the tracker still names 2,
+    whose files verify, and no temporary directory is left."""
+    ckpt = tmp_path / "ckpt"
+    flags = _E2E + ["--save", str(ckpt), "--save-interval", "2", *FORMATS[ckpt_format]]
+    job = _Job(2, flags, shared_data, shakespeare_prefix, tmp_path,
+               env={"MEGATRON_TEST_ENOSPC_IN_SAVE": "1", "MEGATRON_TEST_HOOK_ITERATION": "4"})
+    statuses = [proc.wait(timeout=240) for proc in job.procs]
+    out = job.output()
+    assert all(status != 0 for status in statuses), (statuses, out[-3000:])
+    assert "No space left on device" in out and "saving checkpoint at iteration 4" in out, out[-3000:]
+    assert "the previous checkpoint and tracker were left unchanged" in out, out[-3000:]
+    assert _tracker(ckpt) == "2"
+    assert sorted(os.listdir(ckpt)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert checkpoint_integrity.choose_checkpoint(str(ckpt), warn=lambda message: None) == (str(ckpt), 2, False)

@@ -104,7 +104,7 @@ def test_tp2_sp_checkpoint_resumes_exactly(shared_data, shakespeare_prefix, tmp_
     full = _train(2, flags + ["--ckpt-format", "torch", "--save", str(ckpt), "--save-interval", "10"], shared_data, shakespeare_prefix,
                   tmp_path / "full")
     assert sorted(full["loss"]) == list(range(1, 21))
-    assert sorted(p.name for p in (ckpt / "iter_0000010").iterdir()) == ["mp_rank_00", "mp_rank_01"]
+    assert sorted(p.name for p in (ckpt / "iter_0000010").iterdir()) == ["integrity_manifest.json", "mp_rank_00", "mp_rank_01"]
     resumed = _train(2, flags + ["--ckpt-format", "torch", "--load", str(ckpt), "--ckpt-step", "10"], shared_data, shakespeare_prefix,
                      tmp_path / "resumed")
     assert sorted(resumed["loss"]) == list(range(11, 21))

@@ -92,6 +92,18 @@ def test_gpt2_bounded_cache_gives_same_ids(gpt2, shakespeare_docs, monkeypatch):
     assert len(fresh._cache) <= 16
 
 
+def test_gpt2_whitespace_sets_are_the_patterns_whitespace():
+    """tokenize_many's ASCII / non-ASCII whitespace sets together are exactly what ``\\s`` matches in the
+    pre-tokenization patterns (Unicode White_Space)."""
+    import regex
+
+    every_character = "".join(map(chr, range(0x110000)))
+    whitespace = [ord(char) for char in regex.findall(r"\s", every_character)]
+    assert set(gpt2_bpe._ASCII_WHITESPACE) == {code for code in whitespace if code < 128}
+    assert [ord(char) for char in gpt2_bpe._NON_ASCII_WHITESPACE.findall(every_character)] == \
+        [code for code in whitespace if code >= 128]
+
+
 def test_gpt2_lone_surrogate_raises(gpt2):
     with pytest.raises(UnicodeEncodeError):
         gpt2.tokenize("bad \ud800 text")

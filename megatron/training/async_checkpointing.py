@@ -115,6 +115,17 @@ def _worker_attributes(args) -> Dict:
     return {k: v for k, v in attrs.items() if v is not None}
 
 
+def _files_written_by(checkpoint_dir, group) -> List[str]:
+    """The files this rank's DCP write produced in ``checkpoint_dir``: its ``__<rank>_<i>.distcp`` data
+    files (FileSystemWriter's naming, rank within ``group``) and, on the coordinator, ``.metadata``."""
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    names = [name for name in os.listdir(checkpoint_dir)
+             if name.startswith(f"__{rank}_") and name.endswith(".distcp")]
+    if rank == 0 and os.path.isfile(os.path.join(checkpoint_dir, ".metadata")):
+        names.append(".metadata")
+    return sorted(names)
+
+
 def _current_context():
     try:
         from opentelemetry import context as otel_context
@@ -148,6 +159,7 @@ class AsyncTorchDistWriter:
         self._error: Optional[BaseException] = None
         self.staging_seconds = None
         self.writing_seconds = None
+        self.digests = None  # {relative path: {"size", "crc32"}} of the files this rank's write produced
         self._thread = threading.Thread(target=self._run, name=f"async-ckpt-{iteration}", daemon=True)
         self._thread.start()
 
@@ -166,9 +178,12 @@ class AsyncTorchDistWriter:
                     self._staged.set()
                 start = time.perf_counter()
                 serialization.save(staged, self._dir, process_group=self._group)
-                self.writing_seconds = time.perf_counter() - start
                 from megatron.training import checkpoint_integrity
 
+                # The manifest's CRC-32s of this rank's files, here rather than on the training thread
+                # at the publish (which digests only what is not known, e.g. common.pt).
+                self.digests = checkpoint_integrity.digest_files(self._dir, _files_written_by(self._dir, self._group))
+                self.writing_seconds = time.perf_counter() - start
                 checkpoint_integrity.test_hook("in_write", self._attributes["megatron.iteration"])
         except BaseException as exc:  # reported to every rank by finalize_async_save
             self._error = exc

@@ -527,21 +527,22 @@ def _newest_complete(directory, start_iteration, release, verify, label, warn):
         return ((0, True), None) if not problems else (None, _describe_problems(problems))
     candidates = _broadcast_object([it for it in iterations_in(directory) if it < start_iteration]
                                    if _rank() == 0 else None)
-    first_problem = None
+    skipped = []  # (iteration, problems) of the damaged ones, newest first
     for iteration in [start_iteration] + sorted(candidates, reverse=True):
-        problems, has_manifest = verify_directory(os.path.join(directory, iteration_dirname(iteration)), full=verify)
+        path = os.path.join(directory, iteration_dirname(iteration))
+        problems, has_manifest = verify_directory(path, full=verify)
         if not problems:
-            if iteration != start_iteration:
-                warn(f"WARNING: {label}: iteration {start_iteration} ({os.path.join(directory, iteration_dirname(start_iteration))}) "
-                     f"is incomplete or corrupt ({first_problem}); loading iteration {iteration} "
-                     f"({os.path.join(directory, iteration_dirname(iteration))}), the newest complete one, instead")
+            if skipped:
+                damaged = "; ".join(f"iteration {it} ({os.path.join(directory, iteration_dirname(it))}) is "
+                                    f"incomplete or corrupt ({text})" for it, text in skipped)
+                warn(f"WARNING: {label}: {damaged}; loading iteration {iteration} ({path}), the newest complete "
+                     "one, instead")
             if not has_manifest:
-                warn(f"WARNING: {label}: {os.path.join(directory, iteration_dirname(iteration))} has no "
-                     f"{MANIFEST_FILENAME} (written by another tool or version); its files are not verified")
+                warn(f"WARNING: {label}: {path} has no {MANIFEST_FILENAME} (written by another tool or version); "
+                     "its files are not verified")
             return (iteration, False), None
-        if first_problem is None:
-            first_problem = _describe_problems(problems)
-    return None, first_problem
+        skipped.append((iteration, _describe_problems(problems)))
+    return None, skipped[0][1]
 
 
 def choose_checkpoint(load_dir, ckpt_step=None, verify=True, non_persistent_dir=None, flag="--load", warn=None):

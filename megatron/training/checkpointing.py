@@ -400,7 +400,8 @@ def _prepare_save_directory(save_dir, dirname, iteration):
     return tmp_dir, final_dir
 
 
-def _publish_checkpoint(save_dir, iteration, tmp_dir, final_dir, write_error=None, non_persistent=False):
+def _publish_checkpoint(save_dir, iteration, tmp_dir, final_dir, write_error=None, non_persistent=False,
+                        known_digests=None):
     """The last step of every save, in both formats, synchronous or asynchronous; all ranks call it.
 
     Every rank reports whether its writes (``write_error``) succeeded; only when all did,
@@ -409,7 +410,8 @@ def _publish_checkpoint(save_dir, iteration, tmp_dir, final_dir, write_error=Non
     atomically replaces the tracker, so it never names an incomplete directory; then
     --save-retain-interval prunes older iterations (``non_persistent``: only the newest is kept). On
     any failure the temporary directory is removed, the previous checkpoint and tracker stay as they
-    were, and every rank raises.
+    were, and every rank raises. ``known_digests``: this rank's CRC-32s computed by an ``--async-save``
+    background writer (checkpoint_integrity.write_manifest digests only the other files).
     """
     rank = _world_rank()
     if _any_rank(write_error is not None):
@@ -419,7 +421,7 @@ def _publish_checkpoint(save_dir, iteration, tmp_dir, final_dir, write_error=Non
     try:
         # Manifest, then the directory, and the tracker last: it never names an incomplete directory.
         checkpoint_integrity.publish_iteration(
-            save_dir, tmp_dir, iteration, keep_only_newest=non_persistent,
+            save_dir, tmp_dir, iteration, keep_only_newest=non_persistent, known_digests=known_digests,
             retain_interval=None if non_persistent else getattr(get_args(), "save_retain_interval", None))
     except Exception as exc:  # raised on every rank
         if rank == 0:
@@ -531,7 +533,8 @@ def finalize_async_save(blocking=True):
         return False
     _PENDING.pop(0)
     error = writer.wait()
-    writer.publish_span(lambda: _publish_checkpoint(save_dir, iteration, tmp_dir, final_dir, error, non_persistent))
+    writer.publish_span(lambda: _publish_checkpoint(save_dir, iteration, tmp_dir, final_dir, error, non_persistent,
+                                                    writer.digests))
     return True
 
 
