@@ -306,3 +306,19 @@ def test_legacy_tp2_to_torch_dist_trains_on_at_pp2(original, shared_data, shakes
     _assert_losses_match(expected, run_pretrain(2, [*flags, "--pipeline-model-parallel-size", "2", "--load",
                                                     str(dist_dir)], shared_data, shakespeare_prefix,
                                                 tmp_path / "run_pp2"))
+
+
+@pytest.mark.timeout(300)
+def test_torch_dist_dp2_distributed_optimizer_to_legacy_pp2(shared_data, shakespeare_prefix, tmp_path):
+    """A torch_dist checkpoint written by training (DP=2, distributed optimizer: flat ranges of each
+    parameter under global keys) converts to the legacy format at PP=2, which trains on like the original."""
+    pytest.importorskip("megatron.training.async_checkpointing")  # the training's torch_dist support
+    flags = FLAGS[:FLAGS.index("--ckpt-format")]
+    out = run_pretrain(2, [*flags, "--ckpt-format", "torch_dist", "--use-distributed-optimizer", "--save-interval", "2",
+                           "--save", str(tmp_path / "dist")], shared_data, shakespeare_prefix, tmp_path / "run")
+    assert convert.detect_format(str(tmp_path / "dist"), 2) == "torch_dist"
+    assert convert.main(["--load-dir", str(tmp_path / "dist"), "--ckpt-step", "2", "--save-dir", str(tmp_path / "pp2"),
+                         "--target-pipeline-parallel-size", "2"]) == 0
+    _assert_losses_match(losses_from_log(out), run_pretrain(2, [*FLAGS, "--pipeline-model-parallel-size", "2", "--load",
+                                                                str(tmp_path / "pp2"), "--no-load-rng"], shared_data,
+                                                            shakespeare_prefix, tmp_path / "run_pp2"))

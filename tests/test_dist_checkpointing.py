@@ -218,3 +218,27 @@ def test_gated_mlp_gqa_model_reloads_at_another_tp_size_and_vocab_padding(save_t
             assert torch.equal(value, saved[name]), name
     assert not torch.equal(before["decoder.layers.0.mlp.linear_fc1.weight"],
                            loaded["decoder.layers.0.mlp.linear_fc1.weight"])  # the load changed something
+
+
+def test_async_save_spans_show_the_blocking_background_and_finalize_parts(shared_data, shakespeare_prefix, tmp_path,
+                                                                          monkeypatch):
+    import json
+
+    monkeypatch.setenv("MEGATRON_OTEL_ENABLED", "1")
+    monkeypatch.setenv("MEGATRON_OTEL_EXPORTER", "console")
+    monkeypatch.setenv("MEGATRON_OTEL_SPAN_GROUPS", "per_step")
+    out = run_pretrain(1, ["--micro-batch-size", "4", "--train-iters", "3", "--eval-iters", "0", "--async-save",
+                           "--save", str(tmp_path / "ckpt"), "--save-interval", "2"], shared_data, shakespeare_prefix,
+                       tmp_path)
+    spans = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    spans = [s for s in spans if "name" in s]
+    saves = {s["context"]["span_id"]: s for s in spans if s["name"] == "megatron.save_checkpoint"}
+    assert sorted(s["attributes"]["megatron.iteration"] for s in saves.values()) == [2, 3]
+    for part in ("megatron.save_checkpoint.background", "megatron.save_checkpoint.finalize"):
+        found = [s for s in spans if s["name"] == part]
+        assert sorted(s["attributes"]["megatron.iteration"] for s in found) == [2, 3], part
+        for span in found:  # children of the save that started them, with the writer's identity
+            assert saves[span["parent_id"]]["attributes"]["megatron.iteration"] == span["attributes"]["megatron.iteration"]
+            assert span["attributes"]["megatron.worker"] == "async_checkpoint_writer"
+            assert span["attributes"]["megatron.rank"] == 0
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "3"

@@ -405,12 +405,14 @@ def test_deprecated_megatron_no_ops_warn_and_change_nothing(capsys, flags, warni
         config = core_transformer_config_from_args(args)
         return {k: v for k, v in vars(config).items() if not callable(v)}, training._optimizer_config_from_args(args)
 
-    plain = settings(_args())
+    plain_args = _args()
+    plain = settings(plain_args)
     capsys.readouterr()
     args = _args(*flags)
     assert warning in capsys.readouterr().out
     assert settings(args) == plain
-    assert args.use_dist_ckpt is False
+    # use_dist_ckpt follows --ckpt-format (default torch_dist), whatever the deprecated flags say.
+    assert args.use_dist_ckpt is plain_args.use_dist_ckpt is True
 
 
 def test_tensorboard_queue_size_reaches_the_writer(monkeypatch, tmp_path):
