@@ -8,6 +8,7 @@ import errno
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -147,8 +148,9 @@ def test_every_iteration_damaged_is_an_error_naming_the_newest(tmp_path):
     args, _ = _saved(tmp_path, [2, 4])
     for iteration in (2, 4):
         os.truncate(get_checkpoint_name(args.load, iteration), 10)
-    with pytest.raises(CheckpointIntegrityError, match=r"no complete checkpoint to load; the newest, iteration 4 .*"
-                                                       r"iter_0000004/mp_rank_00/model_optim_rng.pt is truncated"):
+    with pytest.raises(CheckpointIntegrityError, match=r"no complete checkpoint to load: --load .*: the newest, "
+                                                       r"iteration 4 .*iter_0000004/mp_rank_00/model_optim_rng.pt "
+                                                       r"is truncated"):
         load_checkpoint(*_fresh())
 
 
@@ -158,8 +160,6 @@ def test_missing_file_and_missing_directory_fall_back(tmp_path, capsys):
     assert load_checkpoint(*_fresh()) == (4, 40)
     assert "iter_0000006/mp_rank_00/model_optim_rng.pt is missing (listed in integrity_manifest.json)" in \
         capsys.readouterr().out
-    import shutil
-
     shutil.rmtree(os.path.join(args.load, "iter_0000006"))
     shutil.rmtree(os.path.join(args.load, "iter_0000004"))
     assert load_checkpoint(*_fresh()) == (2, 20)
@@ -330,10 +330,21 @@ def test_non_persistent_checkpoints_keep_the_newest_and_load_picks_the_newer(tmp
     args.non_persistent_ckpt_type = None
     save_checkpoint(9, model, optimizer, scheduler, 90, non_persistent_ckpt=True)
     assert load_checkpoint(*_fresh()) == (8, 80)
-    # A damaged non-persistent checkpoint is not chosen over the persistent one.
+    # A damaged non-persistent checkpoint (the only one there) gives way to the persistent one, with a warning.
     args.non_persistent_ckpt_type = "global"
-    os.truncate(non_persistent / "iter_0000009" / "mp_rank_00" / "model_optim_rng.pt", 100)
-    with pytest.raises(CheckpointIntegrityError, match="non-persistent checkpoints .*no complete checkpoint"):
+    damaged = non_persistent / "iter_0000009" / "mp_rank_00" / "model_optim_rng.pt"
+    os.truncate(damaged, 100)
+    capsys.readouterr()
+    assert load_checkpoint(*_fresh()) == (8, 80)
+    out = capsys.readouterr().out
+    assert f"WARNING: non-persistent checkpoints {non_persistent}: the newest, iteration 9" in out, out
+    assert f"{damaged} is truncated or damaged" in out and f"loading iteration 8 of --load {args.load} instead" in out
+    # Both damaged: an error naming both.
+    os.truncate(Path(args.load) / "iter_0000008" / "mp_rank_00" / "model_optim_rng.pt", 100)
+    shutil.rmtree(Path(args.load) / "iter_0000004")
+    with pytest.raises(CheckpointIntegrityError, match=f"no complete checkpoint to load: non-persistent checkpoints "
+                                                       f"{non_persistent}: .*iter_0000009.*; --load {args.load}: .*"
+                                                       f"iter_0000008"):
         load_checkpoint(*_fresh())
 
 

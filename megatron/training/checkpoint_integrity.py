@@ -576,9 +576,9 @@ def choose_checkpoint(load_dir, ckpt_step=None, verify=True, non_persistent_dir=
                  "its files are not verified")
         return load_dir, ckpt_step, False
 
-    choices = []
-    for directory, label in ((load_dir, f"{flag} {load_dir}"),
-                             (non_persistent_dir, f"non-persistent checkpoints {non_persistent_dir}")):
+    candidates = []  # (tracker iteration, is non-persistent, directory, label, release)
+    for directory, label, is_np in ((load_dir, f"{flag} {load_dir}", False),
+                                    (non_persistent_dir, f"non-persistent checkpoints {non_persistent_dir}", True)):
         if directory is None:
             continue
         tracker, error = None, None
@@ -591,27 +591,33 @@ def choose_checkpoint(load_dir, ckpt_step=None, verify=True, non_persistent_dir=
                 error = exc
         _first_error_everywhere(error)
         tracker = _broadcast_object(tracker)
-        if tracker is None:
-            continue
-        found, problem = _newest_complete(directory, tracker[0], tracker[1], verify, label, warn)
-        if found is None:
-            raise CheckpointIntegrityError(
-                f"{label}: no complete checkpoint to load; the newest, iteration {tracker[0]} "
-                f"({os.path.join(directory, iteration_dirname(*tracker))}, named by {TRACKER_FILENAME}), is "
-                f"incomplete or corrupt ({problem}) and no older one is complete")
-        choices.append((directory, found[0], found[1]))
-    if not choices:
+        if tracker is not None:
+            candidates.append((tracker[0], is_np, directory, label, tracker[1]))
+    if not candidates:
         return None
-    if len(choices) == 2:
-        persistent, non_persistent = choices
-        if non_persistent[1] >= persistent[1] and not persistent[2]:
-            warn(f"loading non-persistent checkpoint of iteration {non_persistent[1]} from {non_persistent[0]}, "
-                 f"newer than or as new as iteration {persistent[1]} of {flag} {load_dir}")
-            return non_persistent
-        return persistent
-    if choices[0][0] == non_persistent_dir:
-        warn(f"loading non-persistent checkpoint of iteration {choices[0][1]} from {non_persistent_dir}")
-    return choices[0]
+    # The directory whose tracker is newest first (the non-persistent one on a tie, as in Megatron-LM);
+    # the other is verified only if it could still hold a newer complete checkpoint.
+    candidates.sort(key=lambda c: (c[0], c[1]), reverse=True)
+    best, failures = None, []
+    for tracker_iteration, is_np, directory, label, release in candidates:
+        if best is not None and best[1] >= tracker_iteration:
+            break
+        found, problem = _newest_complete(directory, tracker_iteration, release, verify, label, warn)
+        if found is None:
+            failures.append(f"{label}: the newest, iteration {tracker_iteration} "
+                            f"({os.path.join(directory, iteration_dirname(tracker_iteration, release))}, named by "
+                            f"{TRACKER_FILENAME}), is incomplete or corrupt ({problem}) and no older one is complete")
+            continue
+        if best is None or found[0] > best[1]:
+            best = (directory, found[0], found[1], label, is_np)
+    if best is None:
+        raise CheckpointIntegrityError("no complete checkpoint to load: " + "; ".join(failures))
+    directory, iteration, release, label, is_np = best
+    for failure in failures:
+        warn(f"WARNING: {failure}; loading iteration {iteration} of {label} instead")
+    if is_np:
+        warn(f"loading non-persistent checkpoint of iteration {iteration} from {directory}")
+    return directory, iteration, release
 
 
 # ---------------------------------------------------------------------------------------------------
