@@ -211,9 +211,9 @@ def run_distributed(fn, world_size, *args, timeout=300):
                 with open(path, "rb") as f:
                     outcomes[rank] = pickle.load(f)
         errors = [f"rank {r} failed:\n{payload}" for r, (kind, payload) in sorted(outcomes.items()) if kind == "error"]
-        if not errors and len(outcomes) < world_size:
-            errors = [f"rank {r} exited with status {statuses[r]} and no result" for r in range(world_size)
-                      if r not in outcomes]
+        errors += [f"rank {r} exited with status {statuses[r]} and no result (negative: killed by that signal; "
+                   f"{-signal.SIGTERM} when stopped after another rank failed)" for r in range(world_size)
+                   if r not in outcomes]
         if errors:
             raise AssertionError("\n".join(errors) + "\n" + _tails(logs))
         return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
