@@ -89,13 +89,42 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(prometheus_bi
                    MEGATRON_OTEL_PROMETHEUS_PORT=str(metrics_port), MEGATRON_OTEL_RUN_ID=RUN_ID,
                    OTEL_SERVICE_NAME=SERVICE, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                    LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        # The run is held inside its final save (the checkpoint test hook) until Prometheus has scraped the
+        # finished run's series a few times: a fast run can otherwise end between two scrapes.
+        marker, release = tmp_path / "in_final_save", tmp_path / "release"
+        env.update(MEGATRON_TEST_SLEEP_IN_SAVE="300", MEGATRON_TEST_HOOK_ITERATION="12",
+                   MEGATRON_TEST_HOOK_MARKER=str(marker), MEGATRON_TEST_HOOK_RELEASE=str(release))
         argv = [sys.executable, *_pretrain_argv(
-            ["--micro-batch-size", "4", "--train-iters", "12", "--log-interval", "2", "--eval-interval", "6"],
+            ["--micro-batch-size", "4", "--train-iters", "12", "--log-interval", "2", "--eval-interval", "6",
+             "--save", str(tmp_path / "ckpt"), "--save-interval", "12"],
             shared_data, shakespeare_prefix, tmp_path)]
+        scraped = urllib.parse.urlencode(
+            {"query": 'count_over_time({__name__=~"megatron_training_iteration(_ratio)?"}[10m])'})
         start = time.time()
-        run = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
-        end = time.time()
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        with open(tmp_path / "run.log", "w+") as log:
+            run = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                deadline = time.monotonic() + 300
+                while True:
+                    assert run.poll() is None, "the run ended before its final save was held"
+                    assert time.monotonic() < deadline, "Prometheus did not scrape the held run"
+                    if marker.exists():
+                        result = _get(f"{api}/query?{scraped}")["data"]["result"]
+                        if result and float(result[0]["value"][1]) >= 3:
+                            break
+                    time.sleep(0.5)
+            finally:
+                release.touch()
+                try:
+                    run.wait(timeout=300)
+                finally:
+                    if run.poll() is None:
+                        run.kill()
+                        run.wait()
+            end = time.time()
+            log.seek(0)
+            output = log.read()
+        assert run.returncode == 0, output[-3000:]
 
         targets, variables = _dashboard_queries()
         values = {"service_name": SERVICE, "run_id": RUN_ID, "peak_tflops": variables["peak_tflops"]["query"],
