@@ -193,3 +193,18 @@ def tensorboard_scalars(log_dir, tag: str) -> dict:
     events = EventAccumulator(str(log_dir))
     events.Reload()
     return {event.step: event.value for event in events.Scalars(tag)}
+
+
+def load_checkpoint_tool(name):
+    """Import ``tools/checkpoint/<name>.py`` as a module (the tools are scripts, not a package; their
+    directory goes on sys.path so that they import each other as they do when run)."""
+    import importlib.util
+
+    tools = REPO / "tools" / "checkpoint"
+    if str(tools) not in sys.path:
+        sys.path.insert(0, str(tools))
+    spec = importlib.util.spec_from_file_location(f"_tool_{name}", tools / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -4,25 +4,17 @@ relayout there and back gives back every tensor bit for bit; bad input is refuse
 or folder; a failed write leaves nothing behind."""
 import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from pretrain_utils import losses_from_log, run_pretrain
+from pretrain_utils import load_checkpoint_tool, losses_from_log, run_pretrain
 
 REPO = Path(__file__).resolve().parents[1]
-TOOLS = REPO / "tools" / "checkpoint"
 
 
-def _load_tool(name):
-    sys.path.insert(0, str(TOOLS))
-    spec = importlib.util.spec_from_file_location(f"_tool_{name}", TOOLS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+_load_tool = load_checkpoint_tool
 
 
 convert = _load_tool("convert")

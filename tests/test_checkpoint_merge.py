@@ -1,23 +1,13 @@
 """tools/checkpoint/legacy_checkpoint.py: TP shards and PP stages (mp_rank_XX_YYY) merge into one state dict and split back;
 QKV/SwiGLU layouts convert to Hugging Face and back exactly."""
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools" / "checkpoint"
+from pretrain_utils import load_checkpoint_tool
 
-
-def _load_tool(name):
-    sys.path.insert(0, str(TOOLS))
-    spec = importlib.util.spec_from_file_location(f"_tool_{name}", TOOLS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+_load_tool = load_checkpoint_tool
 
 
 legacy = _load_tool("legacy_checkpoint")

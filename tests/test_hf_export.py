@@ -1,35 +1,26 @@
 """tools/checkpoint/export_hf.py and import_hf.py: tiny GPT-2-style and Llama-style models trained by
 pretrain_gpt.py at TP=1 and TP=2 give, once exported, the same logits in `transformers` (fp32, 1e-4)
 as this project's model at the checkpoint's TP; export -> import gives back the same weights."""
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from dist_utils import run_distributed
-from pretrain_utils import run_pretrain, run_python, run_ranks
+from pretrain_utils import load_checkpoint_tool, run_pretrain, run_python, run_ranks
 from tokenizer_files import build_hf_bpe_tokenizer
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 REPO = Path(__file__).resolve().parents[1]
-TOOLS = REPO / "tools" / "checkpoint"
 ARCHITECTURES = ("gpt2", "llama")
 TP_SIZES = (1, 2)
 BATCH, SEQ = 2, 24
 
 
-def _load_tool(name):
-    sys.path.insert(0, str(TOOLS))
-    spec = importlib.util.spec_from_file_location(f"_tool_{name}", TOOLS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+_load_tool = load_checkpoint_tool
 
 
 legacy = _load_tool("legacy_checkpoint")
