@@ -6,8 +6,9 @@ stage is reported and the next one runs; the exit status is 1 if any stage faile
 - ``env``: python/PyTorch/GPU facts, the bf16 dense peak from the GPU's name (or ``--peak-tflops``),
   OpenTelemetry from the carried ``.whl/`` folder when the machine lacks it, the parser's flags.
 - ``gpu_tests``: ``pytest tests/gpu`` (all skipped without CUDA).
-- ``resume``: ``pretrain_gpt.py --bf16`` stopped with ``--save``/``--exit-interval`` and resumed with
-  ``--load`` logs the losses of an uninterrupted run.
+- ``resume``: ``pretrain_gpt.py --bf16`` stopped with ``--save``/``--exit-interval`` (a ``torch_dist``
+  checkpoint written with ``--async-save``) and resumed with ``--load`` logs the losses of an
+  uninterrupted run.
 - ``telemetry``: the same run with ``MEGATRON_OTEL_ENABLED=1`` and the console exporter: the spans
   arrive and the losses do not change.
 - ``mfu``: tokens/s and MFU of a 1.3B GPT (24 layers, hidden 2048, 16 heads, seq 2048, bf16) at the
@@ -420,14 +421,17 @@ class GPUCheck:
         return flags + list(extra)
 
     def stage_resume(self):
-        """Dropout on, so the restored CUDA RNG states matter as much as weights, Adam and data order."""
+        """Dropout on, so the restored CUDA RNG states matter as much as weights, Adam and data order. The
+        checkpoint is torch_dist written with --async-save (host copy on a side CUDA stream, background
+        write, finalised before the exit)."""
         m = small_model(self.dry_run)
         n, half = m["iters"], m["half"]
         full = losses(self.pretrain("resume_full", 1, self._small_flags(m, n))[1])
         self.reference_losses = full
         ckpt = self.work / "ckpt"
         _, first = self.pretrain("resume_first", 1, self._small_flags(
-            m, n, "--save", str(ckpt), "--save-interval", str(half), "--exit-interval", str(half)))
+            m, n, "--save", str(ckpt), "--save-interval", str(half), "--exit-interval", str(half),
+            "--ckpt-format", "torch_dist", "--async-save"))
         if f"exiting program at iteration {half}" not in first:
             raise StageFailed(f"the first run did not stop at iteration {half}")
         _, second = self.pretrain("resume_second", 1, self._small_flags(m, n, "--load", str(ckpt)))
