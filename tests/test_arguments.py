@@ -423,7 +423,6 @@ def test_config_activation_variants_match_reference():
 
 
 def test_config_from_args_real_transformer_config():
-    pytest.importorskip("megatron.core.transformer.transformer_config")
     args = _valid("--group-query-attention", "--num-query-groups", "2", "--normalization", "RMSNorm")
     config = core_transformer_config_from_args(args)
     assert config.num_query_groups == 2 and config.normalization == "RMSNorm"

@@ -2,7 +2,6 @@
 the original does (the losses after loading equal the original run's within 1e-5 relative); a
 relayout there and back gives back every tensor bit for bit; bad input is refused naming the flag
 or folder; a failed write leaves nothing behind."""
-import importlib.util
 import os
 from pathlib import Path
 
@@ -207,10 +206,9 @@ def test_export_hf_reads_any_layout_through_the_converter(original, tmp_path):
                          "1", "--target-pipeline-parallel-size", "2",
                          "--target-num-virtual-stages-per-pipeline-rank", "2"]) == 0
     folders = [("tp2", checkpoint), ("vp", interleaved)]
-    if importlib.util.find_spec("megatron.core.dist_checkpointing") is not None:
-        assert convert.main(["--load-dir", str(checkpoint), "--save-dir", str(tmp_path / "dist"),
-                             "--target-ckpt-format", "torch_dist"]) == 0
-        folders.append(("dist", tmp_path / "dist"))
+    assert convert.main(["--load-dir", str(checkpoint), "--save-dir", str(tmp_path / "dist"),
+                         "--target-ckpt-format", "torch_dist"]) == 0
+    folders.append(("dist", tmp_path / "dist"))
     exported = {}
     for name, folder in folders:
         assert export_hf.main(["--load", str(folder), "--save", str(tmp_path / f"hf_{name}"), "--vocab-size",
@@ -226,7 +224,6 @@ def test_legacy_to_torch_dist_and_back_is_bit_exact(original, tmp_path):
     """torch (TP=2) -> torch_dist -> torch (TP=2): model, Adam moments and step, param groups, scheduler,
     counters and (same layout, one data-parallel rank) RNG states come back bit for bit; the torch_dist
     copy holds global tensors under layout-free keys."""
-    pytest.importorskip("megatron.core.dist_checkpointing.serialization")
     checkpoint, _ = original
     dist_dir, back = tmp_path / "dist", tmp_path / "back"
     assert convert.main(["--load-dir", str(checkpoint), "--ckpt-step", "2", "--save-dir", str(dist_dir),
@@ -289,7 +286,6 @@ def test_tp4_pads_the_vocabulary_as_megatron(original, tmp_path):
 def test_legacy_tp2_to_torch_dist_trains_on_at_pp2(original, shared_data, shakespeare_prefix, tmp_path):
     """A torch (TP=2) checkpoint converted to torch_dist loads at TP=1 x PP=2 (resharded by the training's
     own torch_dist loader, which keeps its seeded RNG at another layout) and trains on like the original."""
-    pytest.importorskip("megatron.training.async_checkpointing")  # the training's torch_dist support
     checkpoint, expected = original
     dist_dir = tmp_path / "dist"
     assert convert.main(["--load-dir", str(checkpoint), "--ckpt-step", "2", "--save-dir", str(dist_dir),
@@ -304,7 +300,6 @@ def test_legacy_tp2_to_torch_dist_trains_on_at_pp2(original, shared_data, shakes
 def test_torch_dist_dp2_distributed_optimizer_to_legacy_pp2(shared_data, shakespeare_prefix, tmp_path):
     """A torch_dist checkpoint written by training (DP=2, distributed optimizer: flat ranges of each
     parameter under global keys) converts to the legacy format at PP=2, which trains on like the original."""
-    pytest.importorskip("megatron.training.async_checkpointing")  # the training's torch_dist support
     flags = FLAGS[:FLAGS.index("--ckpt-format")]
     out = run_pretrain(2, [*flags, "--ckpt-format", "torch_dist", "--use-distributed-optimizer", "--save-interval", "2",
                            "--save", str(tmp_path / "dist")], shared_data, shakespeare_prefix, tmp_path / "run")
