@@ -168,14 +168,9 @@ def _worker(rank, world_size, port, fn, args, queue):
     except BaseException:  # report any failure to the parent, which re-raises it
         queue.put((rank, "error", traceback.format_exc()))
     finally:
-        try:
-            from megatron.core import parallel_state
+        from fork_server import destroy_process_groups
 
-            parallel_state.destroy_model_parallel()
-        except Exception:
-            pass
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_process_groups()
 
 
 def run_distributed(fn, world_size, *args, timeout=300):

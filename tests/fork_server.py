@@ -122,6 +122,21 @@ def _run_script(request, rank) -> int:
         return 1
 
 
+
+def destroy_process_groups():
+    """Tear down what a rank function may have left: Megatron's parallel groups, then the default group."""
+    import torch.distributed as dist
+
+    try:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+    except Exception:
+        pass
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _run_function(request, rank) -> int:
     """``fn(rank, world_size, *args)`` between init_process_group and its destruction (as
     ``dist_utils._worker`` did in a spawned process); pickles ``("ok", value)`` or ``("error", traceback)``
@@ -142,14 +157,7 @@ def _run_function(request, rank) -> int:
         except BaseException:
             outcome, status = ("error", traceback.format_exc()), 1
         finally:
-            try:
-                from megatron.core import parallel_state
-
-                parallel_state.destroy_model_parallel()
-            except Exception:
-                pass
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            destroy_process_groups()
     except BaseException:
         outcome, status = ("error", traceback.format_exc()), 1
     tmp = f"{result_path}.tmp"
