@@ -65,9 +65,10 @@ def test_only_providers_imports_the_sdk():
     pkg = REPO / "megatron" / "core" / "telemetry"
     importing = sorted(p.relative_to(pkg).as_posix() for p in pkg.rglob("*.py")
                        if "from opentelemetry.sdk" in p.read_text() or "import opentelemetry.sdk" in p.read_text())
-    assert importing == ["metric_reader.py", "providers.py"]
-    # the reader module is reached only through providers, which exporting ranks alone import
-    users = sorted(p.relative_to(pkg).as_posix() for p in pkg.rglob("*.py") if "from .metric_reader import" in p.read_text()
-                   and p.name != "metric_reader.py")
-    assert users == ["providers.py"]
+    assert importing == ["console_format.py", "metric_reader.py", "providers.py"]
+    # the reader and the console formatter are reached only through providers, which exporting ranks alone import
+    for module in ("metric_reader", "console_format"):
+        users = sorted(p.relative_to(pkg).as_posix() for p in pkg.rglob("*.py")
+                       if f"from .{module} import" in p.read_text() and p.name != f"{module}.py")
+        assert users == ["providers.py"], module
     assert "opentelemetry" not in (pkg / "config.py").read_text()

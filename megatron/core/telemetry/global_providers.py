@@ -10,7 +10,8 @@ import os
 import threading
 import weakref
 
-__all__ = ["default_tracer", "install_providers", "uninstall_providers", "INSTRUMENTATION_SCOPE"]
+__all__ = ["default_tracer", "context_and_trace_api", "install_providers", "uninstall_providers",
+           "INSTRUMENTATION_SCOPE"]
 
 INSTRUMENTATION_SCOPE = "megatron"
 _LOCK = threading.Lock()
@@ -29,6 +30,23 @@ def default_tracer():
 
         return NOOP_TRACER
     return trace.get_tracer(INSTRUMENTATION_SCOPE)
+
+
+_API = None
+
+
+def context_and_trace_api():
+    """``(opentelemetry.context, opentelemetry.trace)``, or ``False`` when OpenTelemetry is not installed;
+    imported once."""
+    global _API
+    if _API is None:
+        try:
+            from opentelemetry import context, trace
+        except ImportError:
+            _API = False
+        else:
+            _API = (context, trace)
+    return _API
 
 
 class _Live:

@@ -7,7 +7,7 @@ import re
 from typing import Any, Callable, Dict, FrozenSet, Iterable, Mapping, Optional
 
 from . import state as _state
-from .global_providers import default_tracer
+from .global_providers import context_and_trace_api, default_tracer
 
 __all__ = ["managed_span", "span_cm", "trace_fn", "safe_set_span_attributes", "sanitize_attributes",
            "is_span_group_enabled", "REDACTED", "DEFAULT_REDACT_KEYS"]
@@ -113,26 +113,49 @@ _NULL_SPAN_CM = contextlib.nullcontext()
 
 class _LiveSpanCM:
     """Starts ``name`` as the current span on enter; on exit records an exception (unless
-    ``record_exception`` is false), sets an error status, re-raises, and ends the span."""
+    ``record_exception`` is false), sets an error status, re-raises, and ends the span.
 
-    __slots__ = ("_name", "_tracer", "_context", "_attrs", "_links", "_record", "_cm")
+    The same steps as the SDK's ``start_as_current_span`` + ``use_span``, without their two
+    generator-based context managers, which cost about as much as the span itself on a hot path.
+    """
+
+    __slots__ = ("_name", "_tracer", "_context", "_attrs", "_links", "_record", "_span", "_token", "_cm")
 
     def __init__(self, name: str, tracer, context, attrs: Mapping[str, Any], links=None,
                  record_exception: bool = True):
         self._name, self._tracer, self._context, self._attrs, self._links = name, tracer, context, attrs, links
         self._record = record_exception
-        self._cm = None
+        self._span = self._token = self._cm = None
 
     def __enter__(self):
         tracer = self._tracer or _state.TRACER or default_tracer()
-        self._cm = tracer.start_as_current_span(
-            self._name, context=self._context, attributes=sanitize_attributes(self._attrs) or None,
-            links=self._links, record_exception=self._record, set_status_on_exception=True,
-        )
-        return self._cm.__enter__()
+        api = context_and_trace_api()
+        attributes = sanitize_attributes(self._attrs) or None
+        if not api:  # no OpenTelemetry: the fallback tracer's no-op span
+            self._cm = tracer.start_as_current_span(self._name, context=self._context, attributes=attributes,
+                                                    links=self._links, record_exception=self._record)
+            return self._cm.__enter__()
+        context_api, trace_api = api
+        span = tracer.start_span(self._name, context=self._context, attributes=attributes, links=self._links,
+                                 record_exception=self._record, set_status_on_exception=True)
+        self._span = span
+        self._token = context_api.attach(trace_api.set_span_in_context(span))
+        return span
 
     def __exit__(self, exc_type, exc, tb):
-        return self._cm.__exit__(exc_type, exc, tb)
+        if self._cm is not None:
+            return self._cm.__exit__(exc_type, exc, tb)
+        span = self._span
+        context_api, trace_api = context_and_trace_api()
+        try:
+            context_api.detach(self._token)
+            if isinstance(exc, Exception) and span.is_recording():
+                if self._record:
+                    span.record_exception(exc)
+                span.set_status(trace_api.Status(trace_api.StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        finally:
+            span.end()
+        return False
 
 
 def managed_span(group: str, name: str, tracer=None, context=None, **attrs: Any):

@@ -34,10 +34,18 @@ _ERROR_LOG_INTERVAL_S = 60.0
 
 
 # ----------------------------------------------------------------------------------------------- ids
-# Trace and span ids come from the OS: training's random.seed() cannot reach this generator (it would
-# make every data-parallel rank emit the same ids), and a forked child shares no generator state with
-# its parent, so no reseeding at fork is needed.
-_RANDOM = random.SystemRandom()
+# Trace and span ids come from a private generator seeded by the OS: training's random.seed() cannot
+# reach it (that would make every data-parallel rank emit the same ids), and a forked child reseeds it
+# so that it does not repeat its parent's ids. Not the OS generator itself: a system call per id costs
+# more than the rest of starting a span on some virtual machines.
+_RANDOM = random.Random(os.urandom(32))
+
+
+def _reseed_ids() -> None:
+    _RANDOM.seed(os.urandom(32))
+
+
+os.register_at_fork(after_in_child=_reseed_ids)
 
 
 _FORCED = threading.local()
@@ -235,11 +243,15 @@ def _build_exporter(kind: str, signal: str, out):
         if signal == "traces":
             from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
-            return ConsoleSpanExporter(out=out, formatter=lambda s: compact_json_line(s.to_json(indent=None)))
+            from .console_format import SpanLineFormatter
+
+            return ConsoleSpanExporter(out=out, formatter=SpanLineFormatter())
         if signal == "metrics":
             from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
 
-            return ConsoleMetricExporter(out=out, formatter=lambda m: compact_json_line(m.to_json(indent=None)))
+            from .console_format import MetricsLineFormatter
+
+            return ConsoleMetricExporter(out=out, formatter=MetricsLineFormatter())
         from opentelemetry.sdk._logs.export import ConsoleLogRecordExporter
 
         return ConsoleLogRecordExporter(out=out, formatter=lambda r: compact_json_line(r.to_json(indent=None)))
