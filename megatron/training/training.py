@@ -672,3 +672,8 @@ def _shutdown():
     destroy_global_variables()
     if dist.is_initialized():
         dist.barrier()
+        # Release the process groups now, while the interpreter is intact: left to interpreter exit, a
+        # gloo group's threads can be torn down by static destructors and abort the process
+        # ("terminate called without an active exception") after a run that succeeded.
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
