@@ -660,6 +660,9 @@ def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fun
         sys.exit(0)
 
 
+_GLOO_DRAIN_S = 0.25  # see _shutdown
+
+
 def _shutdown():
     from megatron.core import step_timing
     from megatron.training.global_vars import destroy_global_variables
@@ -672,8 +675,11 @@ def _shutdown():
     destroy_global_variables()
     if dist.is_initialized():
         dist.barrier()
-        # Release the process groups now, while the interpreter is intact: left to interpreter exit, a
-        # gloo group's threads can be torn down by static destructors and abort the process
-        # ("terminate called without an active exception") after a run that succeeded.
+        # A gloo worker thread releases a finished collective's tensors after the caller has seen it
+        # complete, and needs the GIL for that. If the interpreter is already finalizing, CPython ends
+        # the thread with pthread_exit and libstdc++ aborts the whole process ("terminate called
+        # without an active exception") after a run that succeeded. So give those threads the GIL
+        # now, then release the groups while the interpreter is intact.
+        time.sleep(_GLOO_DRAIN_S)
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
