@@ -31,6 +31,7 @@ from megatron.core import parallel_state  # noqa: E402
 from megatron.core.collective_device import get_collective_device  # noqa: E402
 from megatron.core.inference.sampling import sample_logits  # noqa: E402
 from megatron.training.arguments import parse_args  # noqa: E402
+from megatron.training.checkpoint_errors import checkpoint_errors_as_user_errors  # noqa: E402
 from megatron.training.checkpointing import (  # noqa: E402
     get_checkpoint_tracker_filename,
     load_checkpoint,
@@ -79,7 +80,8 @@ def add_text_generation_args(parser: argparse.ArgumentParser) -> argparse.Argume
 def _checkpoint_args(load_dir: str) -> argparse.Namespace:
     """The training args saved in the newest checkpoint of ``load_dir`` (its first rank file).
 
-    Raises UserInputError naming --load when there is no tracker or no rank file.
+    Raises UserInputError naming --load when there is no tracker or no rank file; the errors of
+    read_metadata and load_state_dict_file (a malformed tracker, an unsafe or damaged file).
     """
     tracker = get_checkpoint_tracker_filename(load_dir)
     if not os.path.isfile(tracker):
@@ -92,7 +94,8 @@ def _checkpoint_args(load_dir: str) -> argparse.Namespace:
     if not files:
         raise UserInputError(f"--load {load_dir}: neither common.pt (torch_dist) nor mp_rank_*/model_optim_rng.pt "
                              f"(torch) under {folder}")
-    saved = load_state_dict_file(files[0], f"--load {load_dir}").get("args")
+    saved = load_state_dict_file(files[0], f"--load {load_dir}")
+    saved = saved.get("args") if isinstance(saved, dict) else None
     if saved is None:
         raise UserInputError(f"--use-checkpoint-args: {files[0]} holds no training args; give the model flags")
     return saved
@@ -104,7 +107,8 @@ def parse_generation_args(argv=None) -> argparse.Namespace:
     if args.load is None:
         raise UserInputError("--load is required: the checkpoint directory written by pretrain_gpt.py --save")
     if args.use_checkpoint_args:
-        saved = _checkpoint_args(args.load)
+        with checkpoint_errors_as_user_errors():
+            saved = _checkpoint_args(args.load)
         for name in CHECKPOINT_MODEL_ARGS:
             if hasattr(saved, name):
                 setattr(args, name, getattr(saved, name))
@@ -175,7 +179,8 @@ def main(argv=None) -> None:
             raise UserInputError(flag, exit_status=2, same_on_every_rank=True)
     initialize_megatron(parsed_args=args)
     model = get_model(model_provider, wrap_with_ddp=False)
-    load_checkpoint(model, None, None, strict=True)
+    with checkpoint_errors_as_user_errors():
+        load_checkpoint(model, None, None, strict=True)
     model = model[0]
     model.eval()
 

@@ -500,23 +500,44 @@ def _describe_problems(problems, limit=5):
     return shown + (f"; and {len(problems) - limit} more" if len(problems) > limit else "")
 
 
-def _read_tracker(directory):
-    """``(iteration, release)`` from the tracker of ``directory`` (rank 0's view), or None without one."""
-    path = os.path.join(directory, TRACKER_FILENAME)
-    if not os.path.isfile(path):
-        return None
-    with open(path, "r") as f:
-        text = f.read().strip()
+class CheckpointTrackerError(ValueError):
+    """A ``latest_checkpointed_iteration.txt`` that holds neither a positive iteration nor ``release``."""
+
+
+def read_tracker(path):
+    """``(iteration, release)`` from the tracker file ``path``. Raises FileNotFoundError when it is missing,
+    CheckpointTrackerError naming it when it cannot be read or holds neither a positive integer nor
+    ``release`` (empty, garbage, binary, negative)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(4096)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise CheckpointTrackerError(f"checkpoint tracker file {path} cannot be read ({exc.strerror or exc})") from None
+    try:
+        text = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise CheckpointTrackerError(f"invalid checkpoint tracker file {path}: expected an iteration number or "
+                                     f"'release', found binary data {raw[:16]!r}") from None
     if text == "release":
         return 0, True
     try:
         iteration = int(text)
     except ValueError:
-        raise ValueError(f"invalid checkpoint tracker file {path}: expected an iteration number or 'release', "
-                         f"found {text[:80]!r}") from None
+        raise CheckpointTrackerError(f"invalid checkpoint tracker file {path}: expected an iteration number or "
+                                     f"'release', found {text[:80]!r}") from None
     if iteration <= 0:
-        raise ValueError(f"invalid checkpoint tracker file {path}: iteration {iteration} is not positive")
+        raise CheckpointTrackerError(f"invalid checkpoint tracker file {path}: iteration {iteration} is not positive")
     return iteration, False
+
+
+def _read_tracker(directory):
+    """``(iteration, release)`` from the tracker of ``directory`` (rank 0's view), or None without one."""
+    path = os.path.join(directory, TRACKER_FILENAME)
+    if not os.path.isfile(path):
+        return None
+    return read_tracker(path)
 
 
 def _newest_complete(directory, start_iteration, release, verify, label, warn):

@@ -4,7 +4,6 @@ import argparse
 import enum
 import io
 import os
-import pickle
 import random
 import shutil
 import zipfile
@@ -15,6 +14,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.collective_device import get_collective_device
+from megatron.core.dist_checkpointing.safe_loading import UnsafeCheckpointError, refused_by_weights_only
 from megatron.training import checkpoint_integrity
 from megatron.training.global_vars import get_args
 from megatron.training.training_state import TrainingState
@@ -98,21 +98,10 @@ def read_metadata(tracker_filename):
 
     When torch.distributed is initialised the maximum iteration over all ranks is returned
     (a rank reading a stale copy on a non-shared file system prints a warning).
-    Raises FileNotFoundError if the file is missing and ValueError naming the file when it
-    holds neither a positive integer nor ``release``.
+    Raises FileNotFoundError if the file is missing and checkpoint_integrity.CheckpointTrackerError
+    (a ValueError) naming the file when it holds neither a positive integer nor ``release``.
     """
-    with open(tracker_filename, "r") as f:
-        metastring = f.read().strip()
-    release = False
-    try:
-        iteration = int(metastring)
-    except ValueError:
-        if metastring != "release":
-            raise ValueError(f"invalid checkpoint tracker file {tracker_filename}: expected an iteration number "
-                             f"or 'release', found {metastring[:80]!r}") from None
-        iteration, release = 0, True
-    if iteration <= 0 and not release:
-        raise ValueError(f"invalid checkpoint tracker file {tracker_filename}: iteration {iteration} is not positive")
+    iteration, release = checkpoint_integrity.read_tracker(tracker_filename)
 
     if dist.is_initialized():
         iters = torch.tensor([iteration], dtype=torch.long, device=get_collective_device())
@@ -664,24 +653,22 @@ def load_state_dict_file(path, context=None):
     """``torch.load(path, weights_only=True)`` on the CPU, allowing only the globals of _safe_globals.
 
     ``context`` (e.g. ``"iteration 8 of --load DIR"``) is added to error messages after the path.
-    Raises pickle.UnpicklingError naming the file when it holds objects other than tensors and
-    plain data (arbitrary pickled objects are never executed), and CheckpointReadError (a
-    RuntimeError) naming the file and saying what is wrong for any other unreadable file: cannot
-    be opened, empty, truncated, corrupt, or not written by torch.save.
+    Raises UnsafeCheckpointError (a pickle.UnpicklingError) naming the file and the refused global
+    (``module.name``) when it holds objects other than tensors and plain data (arbitrary pickled
+    objects are never executed), and CheckpointReadError (a RuntimeError) naming the file and saying
+    what is wrong for any other unreadable file: cannot be opened, empty, truncated, corrupt, or not
+    written by torch.save.
     """
     where = f"{path} ({context})" if context else f"{path}"
     try:
         with torch.serialization.safe_globals(_safe_globals()):
             return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        if "Unsupported global" in str(exc):
-            raise pickle.UnpicklingError(
-                f"refusing to load checkpoint {where}: it holds objects other than tensors and plain data, "
-                f"which a weights-only load does not execute ({exc})") from exc
-        raise CheckpointReadError(f"cannot read checkpoint file {where}: it {_unreadable_reason(path, exc)}") from exc
     except MemoryError:  # too big for this host, not damaged
         raise
     except Exception as exc:  # torch.load reports damage as EOFError, OSError(EINVAL), KeyError, RuntimeError...
+        refused = refused_by_weights_only(exc)
+        if refused is not None:
+            raise UnsafeCheckpointError(f"checkpoint {where}", refused) from exc
         raise CheckpointReadError(f"cannot read checkpoint file {where}: it {_unreadable_reason(path, exc)}") from exc
 
 
@@ -779,6 +766,30 @@ def check_checkpoint_args(checkpoint_args, vocab_padding=True):
         if saved is not None and current is not None and saved != current:
             raise ValueError(f"{name} value from checkpoint ({saved}) is not equal to the input argument value "
                              f"({current}) (--{name.replace('_', '-')})")
+
+
+def warn_if_vocab_padding_differs(checkpoint_args, checkpoint_dir):
+    """Warn (rank 0) when the checkpoint's padded vocabulary size differs from this run's.
+
+    torch_dist loads the rows both have (the rest keep their initialisation), which changes the
+    softmax over the padding and so the losses slightly; the padding follows the tensor-parallel
+    size and --make-vocab-size-divisible-by, so naming both sizes and that flag says how to match it.
+    """
+    args = get_args()
+    saved, current = getattr(checkpoint_args, "padded_vocab_size", None), getattr(args, "padded_vocab_size", None)
+    if saved is None or current is None or saved == current:
+        return
+    saved_divisor = getattr(checkpoint_args, "make_vocab_size_divisible_by", None)
+    saved_tp = getattr(checkpoint_args, "tensor_model_parallel_size", None)
+    tp = args.tensor_model_parallel_size
+    hint = "so that both pad alike"
+    if saved_divisor and saved_tp and (saved_divisor * saved_tp) % tp == 0:  # same multiple: same padding
+        hint = f"{saved_divisor * saved_tp // tp} to pad as the checkpoint does"
+    print_rank_0(f"WARNING: checkpoint {checkpoint_dir} has a padded vocabulary of {saved} rows (saved with "
+                 f"--make-vocab-size-divisible-by {saved_divisor} at tensor-parallel size {saved_tp}), this run "
+                 f"pads to {current} (--make-vocab-size-divisible-by {args.make_vocab_size_divisible_by} at "
+                 f"tensor-parallel size {tp}); the rows both have are loaded and the losses can differ "
+                 f"slightly: pass --make-vocab-size-divisible-by {hint}")
 
 
 def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", strict=True, train_state=None):
@@ -943,6 +954,7 @@ def _load_torch_dist(args, iteration_dir, iteration, release, context, model, op
                                   f"{COMMON_BASENAME} of a torch_dist checkpoint")
     set_checkpoint_version(common.get("checkpoint_version", 0))
     checkpoint_args = common.get("args")
+    warn_if_vocab_padding_differs(checkpoint_args, iteration_dir)
     if args.finetune or release:
         iteration = 0
     else:

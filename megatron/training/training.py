@@ -24,6 +24,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
 from megatron.core.utils import get_model_config
 from megatron.training import telemetry_hooks as telemetry
+from megatron.training.checkpoint_errors import checkpoint_errors_as_user_errors
 from megatron.training.checkpointing import (
     async_save_pending,
     finalize_async_save,
@@ -206,7 +207,8 @@ def setup_model_and_optimizer(model_provider_func, train_state=None):
     if args.load is not None:
         with telemetry.span("load_checkpoint", "megatron.load_checkpoint"):
             timers("load-checkpoint", log_level=0).start(barrier=True)
-            load_checkpoint(model, optimizer, opt_param_scheduler, train_state=train_state)
+            with checkpoint_errors_as_user_errors():  # a bad checkpoint is one line naming its file
+                load_checkpoint(model, optimizer, opt_param_scheduler, train_state=train_state)
             timers("load-checkpoint").stop(barrier=True)
             timers.log(["load-checkpoint"])
         if train_state.iteration > 0 or args.finetune:

@@ -68,6 +68,7 @@ from legacy_checkpoint import (  # noqa: E402
 )
 from megatron.core.transformer.pipeline_layout import pipeline_layer_counts, pipeline_layer_offset  # noqa: E402
 from megatron.training import checkpoint_integrity, checkpointing  # noqa: E402
+from megatron.training.checkpoint_errors import is_checkpoint_user_error, one_line  # noqa: E402
 from megatron.training.checkpointing import (  # noqa: E402
     CHECKPOINT_BASENAME,
     CHECKPOINT_VERSION,
@@ -1006,8 +1007,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     cli = get_args(argv)
     try:
         summary = convert(cli)
-    except (ConvertError, checkpointing.CheckpointReadError) as error:
-        print(f"error: {error}", file=sys.stderr)
+    except Exception as error:  # a bad flag, or a checkpoint missing, damaged, unsafe or of another model
+        if not isinstance(error, ConvertError) and not is_checkpoint_user_error(error):
+            raise
+        print(f"error: {one_line(error)}", file=sys.stderr)
         return 1
     source, target = summary["from"], summary["to"]
     print(f"converted iteration {summary['iteration']} from {source['format']} TP={source['tp']} PP={source['pp']} "

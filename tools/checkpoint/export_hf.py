@@ -27,6 +27,7 @@ import torch  # noqa: E402
 from convert import ConvertError, read_checkpoint  # noqa: E402
 from hf_conversion import UnsupportedModelError, hf_config, megatron_to_hf  # noqa: E402
 from legacy_checkpoint import CheckpointLayoutError  # noqa: E402
+from megatron.training.checkpoint_errors import is_checkpoint_user_error, one_line  # noqa: E402
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -96,7 +97,8 @@ def export(load_dir: str, save_dir: str, cli) -> dict:
     from safetensors.torch import save_file
 
     try:
-        full = read_checkpoint(load_dir, cli.iteration, with_optimizer=False)
+        full = read_checkpoint(load_dir, cli.iteration, with_optimizer=False,
+                               verify=not getattr(cli, "no_verify_checkpoint", False))
     except ConvertError as error:  # the reader speaks of convert.py's --load-dir; this tool's flag is --load
         raise ConvertError(str(error).replace("--load-dir ", "--load ")) from None
     state, ckpt_args, info = full.model, full.args, full.layout
@@ -140,6 +142,8 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
                         help="dtype of the saved weights (default: the checkpoint's)")
     parser.add_argument("--no-tokenizer", action="store_true", help="do not write tokenizer files")
+    parser.add_argument("--no-verify-checkpoint", action="store_true",
+                        help="do not check the checkpoint's files against its integrity manifest (CRC-32)")
     return parser.parse_args(argv)
 
 
@@ -155,8 +159,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     try:
         summary = export(cli.load, cli.save, cli)
-    except (ExportError, ConvertError, CheckpointLayoutError, UnsupportedModelError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
+    except Exception as error:  # a bad flag, or a checkpoint missing, damaged, unsafe or of another model
+        if not isinstance(error, (ExportError, ConvertError, CheckpointLayoutError, UnsupportedModelError)) and \
+                not is_checkpoint_user_error(error):
+            raise
+        print(f"error: {one_line(error)}", file=sys.stderr)
         return 1
     if summary["tokenizer"] is None and not cli.no_tokenizer:
         print("warning: no tokenizer files written (only GPT2BPETokenizer and HuggingFaceTokenizer are exported)",

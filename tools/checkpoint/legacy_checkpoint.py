@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 import torch  # noqa: E402
 
+from megatron.training.checkpoint_integrity import CheckpointTrackerError, read_tracker  # noqa: E402
 from megatron.training.checkpointing import (  # noqa: E402
     CHECKPOINT_BASENAME,
     CHECKPOINT_VERSION,
@@ -49,8 +50,11 @@ def find_iteration_dir(load_dir: str, iteration: Optional[int] = None) -> str:
         tracker = os.path.join(load_dir, TRACKER_FILENAME)
         if not os.path.isfile(tracker):
             raise CheckpointLayoutError(f"--load {load_dir}: no {TRACKER_FILENAME} (not a checkpoint folder?)")
-        text = open(tracker).read().strip()
-        path = os.path.join(load_dir, "release" if text == "release" else f"iter_{int(text):07d}")
+        try:
+            found, release = read_tracker(tracker)
+        except CheckpointTrackerError as error:
+            raise CheckpointLayoutError(f"--load {load_dir}: {error}") from None
+        path = os.path.join(load_dir, "release" if release else f"iter_{found:07d}")
     if not os.path.isdir(path):
         raise CheckpointLayoutError(f"--load {load_dir}: checkpoint folder {path} does not exist")
     return path

@@ -14,6 +14,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -36,6 +37,7 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 
 from megatron.core.collective_device import get_collective_device
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.safe_loading import SafeFileSystemReader, read_dcp_metadata, weights_only_load
 
 METADATA_FILENAME = ".metadata"
 
@@ -88,12 +90,14 @@ class ShardedSavePlanner(DefaultSavePlanner):
 
 
 class ShardedLoadPlanner(LoadPlanner):
-    """Reads every requested chunk in place into its ``data`` view (see :func:`load`)."""
+    """Reads every requested chunk in place into its ``data`` view (see :func:`load`); pickled object items
+    (DCP BytesStorage) go to ``objects`` (``{key: object}``), loaded weights-only."""
 
     def __init__(self, targets: Dict[Tuple[str, Tuple[int, ...]], torch.Tensor],
                  chunks: List[Tuple[str, ChunkStorageMetadata]]):
         self._targets = targets
         self._chunks = chunks
+        self.objects: Dict[str, object] = {}
 
     def set_up_planner(self, state_dict, metadata: Optional[Metadata] = None, is_coordinator: bool = False) -> None:
         self.metadata = metadata
@@ -111,8 +115,9 @@ class ShardedLoadPlanner(LoadPlanner):
         return central_plan
 
     def load_bytes(self, read_item: ReadItem, value) -> None:
-        raise ValueError(f"checkpoint entry {read_item.storage_index.fqn} holds pickled bytes; the torch_dist "
-                         "format here stores tensors only and does not unpickle checkpoint data")
+        # torch's DefaultLoadPlanner unpickles these with weights_only=False; never here.
+        fqn = read_item.dest_index.fqn
+        self.objects[fqn] = weights_only_load(value, f"checkpoint item {fqn}")
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         target = self._targets[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
@@ -130,8 +135,12 @@ def save(sharded: Sequence[ShardedTensor], checkpoint_dir: str, process_group=No
 
 
 def read_metadata(checkpoint_dir: str) -> Metadata:
-    """DCP's ``.metadata`` of ``checkpoint_dir`` (global shapes, dtypes and stored chunks of every key)."""
-    return dcp.FileSystemReader(checkpoint_dir).read_metadata()
+    """DCP's ``.metadata`` of ``checkpoint_dir`` (global shapes, dtypes and stored chunks of every key), read
+    by the allow-list unpickler of :mod:`safe_loading` (torch's reader would run any code it holds).
+
+    Raises FileNotFoundError, safe_loading.UnsafeCheckpointError / CheckpointFileError naming the file.
+    """
+    return read_dcp_metadata(os.path.join(checkpoint_dir, METADATA_FILENAME))
 
 
 def load(sharded: Sequence[ShardedTensor], checkpoint_dir: str, metadata: Optional[Metadata] = None,
@@ -144,9 +153,17 @@ def load(sharded: Sequence[ShardedTensor], checkpoint_dir: str, metadata: Option
 
     Raises CheckpointMismatchError naming the checkpoint and the keys when keys are missing or a
     global shape differs; the ranks agree on such a failure before reading (every rank raises,
-    the others naming the failing one), so none is left waiting in DCP's collectives.
+    the others naming the failing one), so none is left waiting in DCP's collectives. An unsafe or
+    unreadable ``.metadata`` or data file raises safe_loading.UnsafeCheckpointError / CheckpointFileError
+    (FileNotFoundError for a missing one) naming it, on every rank.
     """
-    metadata = read_metadata(checkpoint_dir) if metadata is None else metadata
+    read_error = None
+    if metadata is None:
+        try:
+            metadata = read_metadata(checkpoint_dir)
+        except Exception as exc:  # agreed on below, so that no rank is left waiting in a collective
+            read_error = exc
+    _agree_or_raise(read_error, process_group, checkpoint_dir)
     stored = metadata.state_dict_metadata
     targets: Dict[Tuple[str, Tuple[int, ...]], torch.Tensor] = {}
     chunks: List[Tuple[str, ChunkStorageMetadata]] = []
@@ -182,9 +199,29 @@ def load(sharded: Sequence[ShardedTensor], checkpoint_dir: str, metadata: Option
             parts.append(f"{len(mismatched)} tensor(s) of another shape, e.g. {', '.join(sorted(mismatched)[:4])}")
         problem = CheckpointMismatchError(f"checkpoint {checkpoint_dir} does not match this model: {'; '.join(parts)}")
     _agree_or_raise(problem, process_group, checkpoint_dir)
-    dcp.load({}, storage_reader=dcp.FileSystemReader(checkpoint_dir), planner=ShardedLoadPlanner(targets, chunks),
-             process_group=process_group)
+    load_with_planner(checkpoint_dir, ShardedLoadPlanner(targets, chunks), metadata, process_group)
     return sorted(set(skipped))
+
+
+def load_with_planner(checkpoint_dir: str, planner: LoadPlanner, metadata: Optional[Metadata] = None,
+                      process_group=None, no_dist: bool = False) -> None:
+    """``dcp.load`` of ``checkpoint_dir`` with ``planner`` through :class:`SafeFileSystemReader` (``metadata``:
+    one already read). A failure on any rank raises on every rank the failing rank's own exception (this
+    rank's if it failed), naming the file, instead of DCP's CheckpointException with every rank's traceback.
+    """
+    try:
+        dcp.load({}, storage_reader=SafeFileSystemReader(checkpoint_dir, metadata), planner=planner,
+                 process_group=process_group, no_dist=no_dist)
+    except CheckpointException as exc:
+        raise _first_failure(exc) from None
+
+
+def _first_failure(exc: CheckpointException) -> BaseException:
+    """This rank's own error out of DCP's gathered failures, else the first rank's (named)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    failures = exc.failures
+    # The errors name the file; another rank's (gathered as an object) reads the same here.
+    return failures[rank if rank in failures else min(failures)][0]
 
 
 def _agree_or_raise(problem: Optional[Exception], process_group, checkpoint_dir: str) -> None:
@@ -194,8 +231,8 @@ def _agree_or_raise(problem: Optional[Exception], process_group, checkpoint_dir:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
         failed = int(flag.item())
         if problem is None and failed:
-            problem = CheckpointMismatchError(f"checkpoint {checkpoint_dir} does not match the model on rank "
-                                              f"{failed - 1} (see its error)")
+            problem = CheckpointMismatchError(f"checkpoint {checkpoint_dir} cannot be loaded: rank {failed - 1} "
+                                              "failed (see its error)")
     if problem is not None:
         raise problem
 
