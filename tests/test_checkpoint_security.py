@@ -389,3 +389,36 @@ def test_other_vocabulary_padding_warns_once_naming_both_sizes(checkpoints, tmp_
     status, out = _run_rank(["pretrain_gpt.py", *MODEL, *TRAIN, "--train-iters", str(ITERATION + 1), "--load", ckpt,
                              "--ckpt-format", "torch_dist", "--override-opt-param-scheduler"])
     assert status == 0 and "padded vocabulary" not in out, out[-3000:]  # the same padding: no warning
+
+
+@pytest.mark.parametrize("basename", ["model_optim_rng.pt", "distrib_optim.pt", "common.pt", "rank_00000.pt"])
+def test_every_torch_file_refuses_a_payload_naming_the_global(tmp_path, basename):
+    """The one reader of every torch-saved checkpoint file (legacy rank files, the distributed-optimizer
+    state, torch_dist's common and RNG files) says "refusing to load", not "is corrupt", for a payload."""
+    from megatron.core.dist_checkpointing.safe_loading import UnsafeCheckpointError
+    from megatron.training.checkpointing import load_state_dict_file
+
+    marker = tmp_path / "PAYLOAD_RAN"
+    path = tmp_path / basename
+    torch.save({"iteration": 3, "weight": torch.ones(2), "payload": [_Payload(marker)]}, path)
+    with pytest.raises(UnsafeCheckpointError, match=rf"^refusing to load checkpoint {path} \(iteration 3\): it holds "
+                                                    r"objects other than tensors and plain data \(posix\.system\)"):
+        load_state_dict_file(str(path), "iteration 3")
+    assert not marker.exists()
+
+
+def test_two_ranks_both_refuse_the_metadata_payload(checkpoints, tmp_path):
+    """Every rank reads ``.metadata``; the ranks agree on the failure, so none waits in a collective: the
+    run ends (non-zero) without running the payload, with no traceback, naming the file."""
+    ckpt = _copy(checkpoints, "torch_dist", tmp_path)
+    marker = tmp_path / "PAYLOAD_RAN"
+    target = _plant("metadata_then_real", ckpt, marker)
+    (_iteration_dir(ckpt) / "integrity_manifest.json").unlink()
+    result = run_ranks(2, ["pretrain_gpt.py", *MODEL, *TRAIN, "--global-batch-size", "4", "--train-iters",
+                           str(ITERATION + 1), "--load", ckpt, "--ckpt-format", "torch_dist", "--no-verify-checkpoint"],
+                       timeout=300)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0 and not marker.exists(), out[-3000:]
+    assert "Traceback" not in out, out[-4000:]
+    lines = [line for line in out.splitlines() if "error: refusing to load" in line]
+    assert lines and all(str(target) in line and "(builtins.eval)" in line for line in lines), out[-3000:]

@@ -2,7 +2,8 @@
 
 ``mapping``: a rank's chunk of a global tensor (:class:`ShardedTensor`) and the tensor-parallel
 layouts; ``model_and_optimizer``: the sharded state of a GPT model and its optimizer under
-layout-independent keys; ``serialization``: save/load of sharded tensors with DCP planners.
+layout-independent keys; ``serialization``: save/load of sharded tensors with DCP planners; ``safe_loading``:
+reads of ``.metadata`` and data files that run no code a crafted checkpoint holds.
 """
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, TPLayout
 from megatron.core.dist_checkpointing.serialization import CheckpointMismatchError, is_dcp_checkpoint, load, save

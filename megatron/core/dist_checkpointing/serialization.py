@@ -4,7 +4,9 @@ Every rank writes its own chunks (``__<rank>_0.distcp`` files) in parallel; chun
 ranks hold (replicated tensors: layer norms, data-parallel replicas) are written once, by the
 rank DCP's de-duplication picks. The coordinator writes ``.metadata``: every key's global shape,
 dtype and the chunks stored. Loading intersects each requested chunk with the stored ones, so any
-parallel layout can read a checkpoint written by any other.
+parallel layout can read a checkpoint written by any other. Every read goes through
+``safe_loading`` (``.metadata`` by an allow-list unpickler, pickled items weights-only), never
+through torch's plain ``pickle.load``.
 """
 from __future__ import annotations
 
@@ -209,6 +211,8 @@ def load_with_planner(checkpoint_dir: str, planner: LoadPlanner, metadata: Optio
     one already read). A failure on any rank raises on every rank the failing rank's own exception (this
     rank's if it failed), naming the file, instead of DCP's CheckpointException with every rank's traceback.
     """
+    if metadata is None:  # read here: inside dcp.load a failure would be logged with a traceback and retried
+        metadata = read_metadata(checkpoint_dir)
     try:
         dcp.load({}, storage_reader=SafeFileSystemReader(checkpoint_dir, metadata), planner=planner,
                  process_group=process_group, no_dist=no_dist)
