@@ -318,12 +318,11 @@ def _damage(kind, ckpt):
         tracker.write_bytes({"tracker_garbage": b"iter_two\n", "tracker_empty": b"", "tracker_negative": b"-3\n",
                              "tracker_binary": b"\xff\xfe\x00\x01"}[kind])
         return tracker
-    if kind == "metadata_damaged":  # a string inside .metadata no longer UTF-8: pickle's UnicodeDecodeError
-        target = iteration_dir / ".metadata"
+    if kind == "metadata_damaged":  # same size, a string no longer UTF-8 (pickle's UnicodeDecodeError); the
+        target = iteration_dir / ".metadata"  # manifest stays: only --no-verify-checkpoint lets it through
         data = target.read_bytes()
         at = data.index(b"embedding")
         target.write_bytes(data[:at] + b"\xff\xfe" + data[at + 2:])
-        manifest.unlink()
         return target
     if kind == "common_truncated":
         target = iteration_dir / "common.pt"
@@ -352,7 +351,7 @@ def test_checkpoint_errors_are_one_line_naming_the_file(checkpoints, tmp_path, l
     ckpt = _copy(checkpoints, "torch_dist", tmp_path)
     named = _damage(kind, ckpt)
     load_dir = named if kind == "missing_dir" else ckpt
-    run, argv = _loader_command(loader, load_dir, "torch_dist", tmp_path, verify=True)
+    run, argv = _loader_command(loader, load_dir, "torch_dist", tmp_path, verify=kind != "metadata_damaged")
     if kind == "missing_dir" and loader == "pretrain_gpt":
         argv.append("--exit-on-missing-checkpoint")
     if kind == "missing_iteration":

@@ -93,12 +93,14 @@ class ShardedSavePlanner(DefaultSavePlanner):
 
 class ShardedLoadPlanner(LoadPlanner):
     """Reads every requested chunk in place into its ``data`` view (see :func:`load`); pickled object items
-    (DCP BytesStorage) go to ``objects`` (``{key: object}``), loaded weights-only."""
+    (DCP BytesStorage) go to ``objects`` (``{key: object}``), loaded weights-only with ``safe_globals``
+    (e.g. numpy's RNG-state types) allowed besides torch's defaults."""
 
     def __init__(self, targets: Dict[Tuple[str, Tuple[int, ...]], torch.Tensor],
-                 chunks: List[Tuple[str, ChunkStorageMetadata]]):
+                 chunks: List[Tuple[str, ChunkStorageMetadata]], safe_globals: Sequence = ()):
         self._targets = targets
         self._chunks = chunks
+        self._safe_globals = list(safe_globals)
         self.objects: Dict[str, object] = {}
 
     def set_up_planner(self, state_dict, metadata: Optional[Metadata] = None, is_coordinator: bool = False) -> None:
@@ -119,7 +121,7 @@ class ShardedLoadPlanner(LoadPlanner):
     def load_bytes(self, read_item: ReadItem, value) -> None:
         # torch's DefaultLoadPlanner unpickles these with weights_only=False; never here.
         fqn = read_item.dest_index.fqn
-        self.objects[fqn] = weights_only_load(value, f"checkpoint item {fqn}")
+        self.objects[fqn] = weights_only_load(value, f"checkpoint item {fqn}", self._safe_globals)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         target = self._targets[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
