@@ -421,3 +421,36 @@ def test_two_ranks_both_refuse_the_metadata_payload(checkpoints, tmp_path):
     assert "Traceback" not in out, out[-4000:]
     lines = [line for line in out.splitlines() if "error: refusing to load" in line]
     assert lines and all(str(target) in line and "(builtins.eval)" in line for line in lines), out[-3000:]
+
+
+class _Calls:
+    """Pickles as a call of ``func(*args)``."""
+
+    def __init__(self, func, *args):
+        self.func, self.args = func, args
+
+    def __reduce__(self):
+        return self.func, self.args
+
+
+@pytest.mark.parametrize("payload,refused", [
+    (_Calls(torch.load, "x"), "torch.serialization.load"),
+    (_Calls(getattr, Path("x"), "touch"), "builtins.getattr"),
+    (_Calls(subprocess.Popen, ["true"]), "subprocess.Popen"),
+    (_Calls(Path.touch, Path("x")), "pathlib.Path.touch"),
+    (_Calls(torch.Size, [2]), None),  # admitted: the call builds a torch.Size
+], ids=["torch.load", "getattr", "Popen", "Path.touch", "torch.Size"])
+def test_metadata_allow_list(tmp_path, payload, refused):
+    """Only the classes DCP writes into .metadata are admitted: a call of anything else is refused before it
+    is made, naming it (a dotted name is refused whole, not looked up step by step)."""
+    from megatron.core.dist_checkpointing import safe_loading
+
+    path = tmp_path / ".metadata"
+    path.write_bytes(pickle.dumps(payload))
+    if refused is None:
+        with pytest.raises(safe_loading.CheckpointFileError, match="holds a Size, not the Metadata"):
+            safe_loading.read_dcp_metadata(str(path))
+        return
+    with pytest.raises(safe_loading.UnsafeCheckpointError) as info:
+        safe_loading.read_dcp_metadata(str(path))
+    assert info.value.refused == refused and str(path) in str(info.value)

@@ -76,8 +76,8 @@ def _resolve(key: str, where: str) -> Any:
     """The object ``key`` (``module.name``) stands for, or raise UnsafeCheckpointError naming ``where``."""
     module, _, name = key.rpartition(".")
     target = METADATA_GLOBALS.get(key)
-    if target is None and module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                                        torch.memory_format)):
+    if target is None and module == "torch" and name.isidentifier() and not name.startswith("_") and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
         return getattr(torch, name)  # TensorProperties pickles its dtype as the global torch.<dtype>
     if target is None:
         raise UnsafeCheckpointError(where, key, "a pickled global that checkpoint metadata never holds")
