@@ -454,3 +454,16 @@ def test_metadata_allow_list(tmp_path, payload, refused):
     with pytest.raises(safe_loading.UnsafeCheckpointError) as info:
         safe_loading.read_dcp_metadata(str(path))
     assert info.value.refused == refused and str(path) in str(info.value)
+
+
+def test_import_hf_names_a_damaged_safetensors_file(tmp_path, capsys):
+    pytest.importorskip("safetensors")
+    pytest.importorskip("transformers")
+    import_hf = load_checkpoint_tool("import_hf")
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text('{"model_type": "gpt2"}')
+    (hf_dir / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
+    assert import_hf.main(["--load", str(hf_dir), "--save", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: cannot read {hf_dir / 'model.safetensors'}: "), err

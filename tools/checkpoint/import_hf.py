@@ -40,16 +40,28 @@ def load_hf_tensors(hf_dir: str) -> Dict[str, torch.Tensor]:
     """All tensors of ``model.safetensors`` or of the shards its index names. Raises HFImportError if none."""
     from safetensors.torch import load_file
 
+    def load(path):
+        try:
+            return load_file(path)
+        except OSError:
+            raise
+        except Exception as error:  # safetensors' SafetensorError for a damaged or non-safetensors file
+            raise HFImportError(f"cannot read {path}: {error}") from None
+
     single = os.path.join(hf_dir, "model.safetensors")
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.isfile(single):
-        return load_file(single)
+        return load(single)
     if os.path.isfile(index):
-        with open(index) as stream:
-            shards = sorted(set(json.load(stream)["weight_map"].values()))
+        try:
+            with open(index) as stream:
+                shards = sorted(set(json.load(stream)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise HFImportError(f"cannot read {index}: not a safetensors index ({type(error).__name__}: "
+                                f"{error})") from None
         tensors: Dict[str, torch.Tensor] = {}
         for shard in shards:
-            tensors.update(load_file(os.path.join(hf_dir, shard)))
+            tensors.update(load(os.path.join(hf_dir, shard)))
         return tensors
     raise HFImportError(f"--load {hf_dir}: no model.safetensors or model.safetensors.index.json")
 
