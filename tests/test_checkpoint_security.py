@@ -13,12 +13,15 @@ import os
 import pickle
 import shutil
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from pretrain_utils import load_checkpoint_tool, run_python, run_ranks
+from dist_utils import fork_ranks, free_port, rank_env, use_torchrun
+from pretrain_utils import REPO, load_checkpoint_tool, run_python, run_ranks
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -142,9 +145,29 @@ def _run_tool(argv):
         return error.returncode, (error.output or "") + (error.stderr or "")
 
 
+def _run_ranks_without_launcher(nproc, argv):
+    """``python argv`` as ``nproc`` ranks with torchrun's environment but no torchrun (whose own failure report
+    is a traceback of the launcher), each run to its end: ``(non-zero if any rank failed, all outputs)``."""
+    port = free_port()
+    envs = [rank_env(dict(os.environ, OMP_NUM_THREADS="1"), rank, nproc, port) for rank in range(nproc)]
+    logs = [Path(tempfile.mkdtemp(prefix="rank_")) / "log" for _ in range(nproc)]
+    if use_torchrun():  # fresh interpreters instead of the fork server
+        procs = []
+        for rank in range(nproc):
+            with open(logs[rank], "w") as log:
+                procs.append(subprocess.Popen([sys.executable, *map(str, argv)], cwd=REPO, env=envs[rank],
+                                              stdout=log, stderr=subprocess.STDOUT))
+        statuses = [proc.wait(timeout=300) for proc in procs]
+    else:
+        statuses = fork_ranks(nproc, argv, envs, REPO, logs, logs, 300, stop_others_on_failure=False)
+    out = "".join(log.read_text(errors="replace") for log in logs)
+    for log in logs:
+        shutil.rmtree(log.parent, ignore_errors=True)
+    return max(abs(status) for status in statuses), out
+
+
 def _run_rank(argv):
-    result = run_ranks(1, argv, timeout=300)
-    return result.returncode, result.stdout + result.stderr
+    return _run_ranks_without_launcher(1, argv)
 
 
 def _loader_command(loader, ckpt, fmt, tmp_path, verify):
@@ -413,14 +436,14 @@ def test_two_ranks_both_refuse_the_metadata_payload(checkpoints, tmp_path):
     marker = tmp_path / "PAYLOAD_RAN"
     target = _plant("metadata_then_real", ckpt, marker)
     (_iteration_dir(ckpt) / "integrity_manifest.json").unlink()
-    result = run_ranks(2, ["pretrain_gpt.py", *MODEL, *TRAIN, "--global-batch-size", "4", "--train-iters",
-                           str(ITERATION + 1), "--load", ckpt, "--ckpt-format", "torch_dist", "--no-verify-checkpoint"],
-                       timeout=300)
-    out = result.stdout + result.stderr
-    assert result.returncode != 0 and not marker.exists(), out[-3000:]
+    status, out = _run_ranks_without_launcher(2, ["pretrain_gpt.py", *MODEL, *TRAIN, "--global-batch-size", "4",
+                                                  "--train-iters", str(ITERATION + 1), "--load", ckpt,
+                                                  "--ckpt-format", "torch_dist", "--no-verify-checkpoint"])
+    assert status != 0 and not marker.exists(), out[-3000:]
     assert "Traceback" not in out, out[-4000:]
-    lines = [line for line in out.splitlines() if "error: refusing to load" in line]
-    assert lines and all(str(target) in line and "(builtins.eval)" in line for line in lines), out[-3000:]
+    lines = [line for line in out.splitlines() if "error: " in line]
+    assert len(lines) == 2 and all(str(target) in line and "(builtins.eval)" in line for line in lines), out[-3000:]
+    assert sorted(line.split(" error: ")[0] for line in lines) == ["[rank 0]", "[rank 1]"], lines
 
 
 class _Calls:
