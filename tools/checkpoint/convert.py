@@ -416,13 +416,15 @@ _OPTIMIZER_PREFIX = "optimizer.state."
 _MAIN_PARAM = "fp32_param"
 _LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 # The order of a layer's state-dict entries in TransformerLayer (others follow, sorted).
-_LAYER_ORDER = ["input_layernorm.weight", "input_layernorm.bias",
-                "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
-                "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias"]
-for _module in _LINEAR_MODULES:
+# A layer's state-dict keys in GPTModel's (and Megatron's local spec's) module order.
+_LAYER_ORDER = ["input_layernorm.weight", "input_layernorm.bias"]
+for _module in ("self_attention.linear_proj", "self_attention.linear_qkv"):
     _LAYER_ORDER += [f"{_module}.weight", f"{_module}.bias", f"{_module}._extra_state"]
-    if _module == "self_attention.linear_proj":
-        _LAYER_ORDER += ["pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias"]
+_LAYER_ORDER += ["self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
+                 "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
+                 "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias"]
+for _module in ("mlp.linear_fc1", "mlp.linear_fc2"):
+    _LAYER_ORDER += [f"{_module}.weight", f"{_module}.bias", f"{_module}._extra_state"]
 
 
 def _model_order(key: str):
@@ -796,8 +798,8 @@ def build_rank_state_dicts(full: FullCheckpoint, target: TargetLayout, keep_rng:
 
 
 def _rank_optimizer(optimizer: OptimizerState, params) -> dict:
-    """One rank's optimizer state dict: groups in the optimizer's order (the default group first, then
-    by first appearance, as ``_get_param_groups`` orders them)."""
+    """One rank's optimizer state dict: groups in the optimizer's order (by first appearance of their
+    params, as ``_get_param_groups`` orders them)."""
     order: List[int] = []
     members: Dict[int, List[int]] = {}
     for position, (_, src, _, _) in enumerate(params):
@@ -806,7 +808,6 @@ def _rank_optimizer(optimizer: OptimizerState, params) -> dict:
             order.append(index)
             members[index] = []
         members[index].append(position)
-    order.sort(key=lambda index: not optimizer.groups[index].get("default_config", False))
     groups = [{**optimizer.groups[index], "params": [params[i][0] for i in members[index]]} for index in order]
     inner = {"state": {name: entry for name, _, entry, _ in params if entry}, "param_groups": groups}
     if optimizer.kind == "fp32":
