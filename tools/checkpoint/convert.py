@@ -67,7 +67,7 @@ from legacy_checkpoint import (  # noqa: E402
     split_tp,
 )
 from megatron.core.transformer.pipeline_layout import pipeline_layer_counts, pipeline_layer_offset  # noqa: E402
-from megatron.training import checkpoint_integrity, checkpointing  # noqa: E402
+from megatron.training import checkpoint_integrity, checkpointing, legacy_optimizer_state  # noqa: E402
 from megatron.training.checkpointing import (  # noqa: E402
     CHECKPOINT_BASENAME,
     CHECKPOINT_VERSION,
@@ -282,7 +282,7 @@ def _read_optimizer(loaded, files, chunks, full: FullCheckpoint, swiglu: bool) -
         offset = pipeline_layer_offset(counts, p, v)
         per_rank = []  # per TP rank: {local key: {state key: tensor}}, {local key: main param}
         for t in range(tp):
-            optimizer = loaded[(t, p)]["optimizer"]
+            optimizer = _named_rank_optimizer(loaded[(t, p)]["optimizer"], chunks[(t, p)], full.args, files[(t, p)])
             inner = optimizer if kind == "fp32" else optimizer["optimizer"]
             if not all(isinstance(name, str) for g in inner["param_groups"] for name in g["params"]):
                 raise ConvertError(f"{files[(t, p)]}: the optimizer state is keyed by position, not by param name "
@@ -425,6 +425,35 @@ _LAYER_ORDER += ["self_attention.q_layernorm.weight", "self_attention.q_layernor
                  "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias"]
 for _module in ("mlp.linear_fc1", "mlp.linear_fc2"):
     _LAYER_ORDER += [f"{_module}.weight", f"{_module}.bias", f"{_module}._extra_state"]
+
+
+def _named_rank_optimizer(optimizer: dict, rank_chunks: List[dict], args, path: str) -> dict:
+    """One rank's optimizer state keyed by param name, from Megatron's positional layout.
+
+    Names come from torch's per-group ``param_names`` when present; otherwise (a Megatron-LM file)
+    from the rank's model state-dict order grouped by ``_group_signature``, which is how the writer
+    discovered its params (see megatron.training.legacy_optimizer_state).
+    """
+    keys, shapes, groups = [], {}, {}
+    for v, chunk in enumerate(rank_chunks):
+        for key, value in chunk.items():
+            if not torch.is_tensor(value) or key.endswith("._extra_state"):
+                continue
+            name = f"model{v}.{key}" if len(rank_chunks) > 1 else key
+            keys.append(name)
+            shapes[name] = value.shape
+            groups.setdefault(_group_signature(key, value.dim(), args), []).append(name)
+    inner = optimizer.get("optimizer", optimizer) if isinstance(optimizer, dict) else None
+    saved_groups = inner.get("param_groups", []) if isinstance(inner, dict) else []
+    if saved_groups and all("param_names" in group for group in saved_groups):
+        groups = {legacy_optimizer_state.group_identity(group) or i: list(group["param_names"])
+                  for i, group in enumerate(saved_groups)}
+    try:
+        return legacy_optimizer_state.to_named_layout(optimizer, list(groups.values()), list(groups.keys()), keys,
+                                                      shapes, path)
+    except legacy_optimizer_state.OptimizerStateMismatch as error:
+        raise ConvertError(f"{error} (convert with --no-save-optim)".replace(
+            "; use --no-load-optim to start the optimizer afresh", "")) from None
 
 
 def _model_order(key: str):
@@ -788,7 +817,8 @@ def build_rank_state_dicts(full: FullCheckpoint, target: TargetLayout, keep_rng:
                         (prefix + local, src, entry, mains[t][local] if mains is not None else None))
     for rank, rank_dict in out.items():
         if optimizer is not None:
-            rank_dict["optimizer"] = _rank_optimizer(optimizer, per_rank_params[rank])
+            rank_dict["optimizer"] = legacy_optimizer_state.to_megatron_layout(
+                _rank_optimizer(optimizer, per_rank_params[rank]))
         if full.scheduler is not None and optimizer is not None:
             rank_dict["opt_param_scheduler"] = full.scheduler
         if keep_rng and full.rng_states is not None:
