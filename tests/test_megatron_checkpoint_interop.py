@@ -187,3 +187,156 @@ def test_legacy_optimizer_state_is_mapped_by_name_when_order_differs(tmp_path, n
     positions = [n for n in state["model"] if n.endswith((".weight", ".bias"))]
     assert positions != _load_reference()["param_names"]  # the order really differs
     assert run_distributed(_load_permuted, 1, tmp_path) == [True]
+
+
+def _save_after_loading(rank, world, load_dir, save_dir):
+    """Load ``load_dir``, save it again with our legacy writer (nothing trained in between)."""
+    from megatron.training.checkpointing import save_checkpoint
+
+    try:
+        args, model, optimizer, scheduler, state = _setup(load_dir, ["--save", str(save_dir), "--save-interval", "3"])
+        save_checkpoint(state.iteration, model, optimizer, scheduler, state.num_floating_point_operations_so_far,
+                        train_state=state)
+        return True
+    finally:
+        _teardown()
+
+
+def _assert_same_structure(ours, theirs):
+    """Our legacy dict against Megatron's: keys, model names/order/shapes/values, optimizer layout
+    (positions, group identities, per-position state) and the args Megatron's loader reads."""
+    assert list(ours) == list(theirs)
+    assert list(ours["model"]) == list(theirs["model"])
+    for key, value in theirs["model"].items():
+        if torch.is_tensor(value):
+            assert torch.equal(ours["model"][key], value), key
+        else:
+            assert ours["model"][key] is None and value is None, key  # linear layers' _extra_state
+    mine, megatron = ours["optimizer"], theirs["optimizer"]
+    assert list(mine) == list(megatron) == ["state", "param_groups"]
+    assert len(mine["param_groups"]) == len(megatron["param_groups"])
+    for g_ours, g_theirs in zip(mine["param_groups"], megatron["param_groups"]):
+        assert g_ours["params"] == g_theirs["params"]
+        # every key Megatron writes, with its value (hyper-parameters restored from the checkpoint)
+        assert {k: g_ours[k] for k in g_theirs if k != "params"} == {k: v for k, v in g_theirs.items() if k != "params"}
+        assert set(g_ours) - set(g_theirs) <= {"param_names", "default_config"}  # torch's optional names
+    assert list(mine["state"]) == list(megatron["state"])
+    for position, entry in megatron["state"].items():
+        assert list(mine["state"][position]) == list(entry)
+        for key, value in entry.items():
+            assert torch.equal(mine["state"][position][key], value), (position, key)
+    assert ours["opt_param_scheduler"] == theirs["opt_param_scheduler"]
+    assert ours["checkpoint_version"] == theirs["checkpoint_version"] == 3.0
+    assert ours["iteration"] == theirs["iteration"]
+    assert isinstance(ours["rng_state"], list) and len(ours["rng_state"]) == 1
+    # cuda_rng_state exists only where CUDA does (the fixture's is an empty CPU stand-in)
+    assert set(theirs["rng_state"][0]) - set(ours["rng_state"][0]) <= {"cuda_rng_state"}
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings", "seq_length",
+                 "padded_vocab_size", "make_vocab_size_divisible_by", "tokenizer_type", "tensor_model_parallel_size",
+                 "pipeline_model_parallel_size", "consumed_train_samples", "attention_backend", "ckpt_format",
+                 "params_dtype", "normalization", "position_embedding_type", "untie_embeddings_and_output_weights"):
+        assert getattr(ours["args"], name) == getattr(theirs["args"], name), name
+    assert type(ours["args"].attention_backend).__qualname__ == "AttnBackend"
+    assert "ckpt_format" not in ours
+
+
+@pytest.mark.timeout(120)
+def test_our_legacy_checkpoint_has_megatrons_layout(tmp_path):
+    """Load the Megatron file, save it with our writer: the same keys, names, order, shapes and values,
+    so Megatron-LM's loader finds everything where it writes it."""
+    from megatron.training.checkpointing import load_state_dict_file
+
+    assert run_distributed(_save_after_loading, 1, LEGACY, tmp_path / "ours") == [True]
+    assert (tmp_path / "ours" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    ours = load_state_dict_file(tmp_path / "ours" / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt")
+    _assert_same_structure(ours, load_state_dict_file(LEGACY_FILE))
+
+
+@pytest.mark.timeout(180)
+def test_training_continues_from_the_megatron_checkpoint(tmp_path):
+    """pretrain_gpt.py --load on the Megatron fixture (same model flags, mock data) trains on from iteration 3."""
+    from pretrain_utils import ANY_LOG_LINE, run_ranks
+
+    result = run_ranks(1, ["pretrain_gpt.py", *MODEL_FLAGS, "--exit-interval", "5", "--load", str(LEGACY),
+                           "--mock-data", "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",
+                           "--distributed-backend", "gloo", "--data-cache-path", str(tmp_path / "cache")],
+                       timeout=150)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "Traceback" not in result.stdout + result.stderr
+    records = {int(m.group("iteration")): float(m.group("loss")) for m in map(ANY_LOG_LINE.match,
+                                                                            result.stdout.splitlines()) if m}
+    assert sorted(records) == [4, 5]  # resumed after iteration 3
+    assert all(torch.isfinite(torch.tensor(loss)) and 5.0 < loss < 8.0 for loss in records.values())
+
+
+MEGATRON_LOADER = r'''
+"""Load our model_optim_rng.pt with the real megatron-core 0.14.0 (model + optimizer) and report what it got."""
+import importlib.util, json, sys
+import torch
+spec = importlib.util.spec_from_file_location("generate", sys.argv[1])
+generate = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(generate)  # megatron-core's model/optimizer of the fixture, CPU shims included
+from megatron.core.safe_globals import register_safe_globals
+
+generate.init_distributed()
+generate.set_seed(generate.SEED)
+model = generate.build_model()
+optimizer, scheduler = generate.build_optimizer(model)
+register_safe_globals()  # what Megatron-LM's loader admits
+state_dict = torch.load(sys.argv[2], map_location="cpu", weights_only=True)
+model.module.load_state_dict(state_dict["model"], strict=True)
+optimizer.load_state_dict(state_dict["optimizer"])
+scheduler.load_state_dict(state_dict["opt_param_scheduler"])
+reference = torch.load(sys.argv[3], weights_only=True)
+model.eval()
+with torch.no_grad():
+    seq = reference["input_ids"].shape[1]
+    mask = torch.tril(torch.ones(seq, seq)).view(1, 1, seq, seq) < 0.5
+    logits = model(reference["input_ids"], reference["position_ids"], mask)
+inner = optimizer.optimizer
+norms = {name: [p.detach().double().norm().item(), inner.state[p]["exp_avg"].double().norm().item(),
+                inner.state[p]["exp_avg_sq"].double().norm().item()] for name, p in model.module.named_parameters()}
+# one more step: a moment on a param of another shape would fail here
+model.train()
+model.zero_grad_buffer()
+optimizer.zero_grad()
+tokens, labels, mask, positions = generate.ltor_batch(torch.Generator().manual_seed(7))
+model(tokens, positions, mask, labels=labels).float().mean().backward()
+model.finish_grad_sync()
+success = optimizer.step()[0]
+torch.save({"logits": logits}, sys.argv[4])
+print("RESULT " + json.dumps({"norms": norms, "step": bool(success), "num_steps": scheduler.num_steps}))
+'''
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not os.environ.get("MCORE_V014_PATH"),
+                    reason="MCORE_V014_PATH (an unpacked megatron-core 0.14.0 wheel) is not set")
+def test_megatron_loads_our_legacy_checkpoint(tmp_path):
+    """The real megatron-core 0.14.0 loads our model_optim_rng.pt (written from a permuted-order checkpoint,
+    so every moment went through the name mapping): its logits equal ours, each Adam moment on its param."""
+    import json
+
+    from megatron.training.checkpointing import load_state_dict_file
+
+    source = tmp_path / "permuted"
+    _permuted_copy(LEGACY_FILE, source, named=False)
+    assert run_distributed(_save_after_loading, 1, source, tmp_path / "ours") == [True]
+    ours = tmp_path / "ours" / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt"
+    script = tmp_path / "megatron_loader.py"
+    script.write_text(MEGATRON_LOADER)
+    env = dict(os.environ, PYTHONPATH=os.environ["MCORE_V014_PATH"], OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, str(script), str(DATA / "generate.py"), str(ours), str(REFERENCE),
+                             str(tmp_path / "logits.pt")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=150)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.split("RESULT ", 1)[1])
+    reference = _load_reference()
+    logits = torch.load(tmp_path / "logits.pt", weights_only=True)["logits"]
+    assert (logits - reference["logits"]).abs().max().item() < 1e-5
+    for i, name in enumerate(reference["param_names"]):
+        expected = (reference["param_norm"][i].item(), reference["exp_avg_norm"][i].item(),
+                    reference["exp_avg_sq_norm"][i].item())
+        assert tuple(report["norms"][name]) == pytest.approx(expected, rel=1e-6, abs=1e-12), name
+    assert report["step"] and report["num_steps"] == 12
+    assert load_state_dict_file(ours)["iteration"] == 3
