@@ -340,3 +340,25 @@ def test_megatron_loads_our_legacy_checkpoint(tmp_path):
         assert tuple(report["norms"][name]) == pytest.approx(expected, rel=1e-6, abs=1e-12), name
     assert report["step"] and report["num_steps"] == 12
     assert load_state_dict_file(ours)["iteration"] == 3
+
+
+@pytest.mark.timeout(120)
+def test_optimizer_state_that_fits_no_param_is_one_line_error(tmp_path):
+    """A legacy file whose optimizer groups do not hold this model's params (a param moved to the other
+    group): pretrain_gpt.py stops with one line naming the file and --no-load-optim, no traceback."""
+    from megatron.training.checkpointing import load_state_dict_file
+    from pretrain_utils import run_ranks
+
+    state = load_state_dict_file(LEGACY_FILE)
+    groups = state["optimizer"]["param_groups"]
+    groups[1]["params"].append(groups[0]["params"].pop())
+    out = tmp_path / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt"
+    out.parent.mkdir(parents=True)
+    torch.save(state, out)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("3")
+    result = run_ranks(1, ["pretrain_gpt.py", *MODEL_FLAGS, "--load", str(tmp_path), "--mock-data",
+                           "--distributed-backend", "gloo", "--num-workers", "0", "--eval-iters", "0"], timeout=100)
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and str(out) in errors[0] and "--no-load-optim" in errors[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr

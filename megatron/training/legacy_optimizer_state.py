@@ -23,11 +23,14 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 import torch
 
+from megatron.training.user_errors import UserInputError
+
 GROUP_IDENTIFIER_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
 
 
-class OptimizerStateMismatch(ValueError):
-    """The optimizer state of a checkpoint does not fit this run's params (count, names or shapes)."""
+class OptimizerStateMismatch(UserInputError):
+    """The optimizer state of a checkpoint does not fit this run's params (count, names or shapes); a
+    ValueError that pretrain_gpt.py prints as one line."""
 
 
 def _inner(optimizer_state: dict) -> Optional[dict]:
@@ -125,7 +128,7 @@ def to_named_layout(optimizer_state: dict, target_groups: Optional[Sequence[Sequ
         where: the checkpoint file, for messages.
     Returns the state with ``state`` keyed by name, groups listing names, in this run's group
     order; ``fp32_from_fp16_params`` (mixed precision) reordered alike.
-    Raises OptimizerStateMismatch (a ValueError, one line naming ``where``) when the groups or a
+    Raises OptimizerStateMismatch (a UserInputError, one line naming ``where``) when the groups or a
     moment's shape do not fit this run's params.
     """
     inner = _inner(optimizer_state)
