@@ -5,7 +5,6 @@ its logits, parameter order and Adam moments are the reference. The reverse dire
 loaded by Megatron's own optimizer and model) runs the real megatron-core in a subprocess when
 MCORE_V014_PATH names an unpacked megatron-core 0.14.0 wheel, and is skipped otherwise.
 """
-import copy
 import os
 import subprocess
 import sys
@@ -15,7 +14,6 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from pretrain_utils import REPO, run_pretrain
 
 DATA = Path(__file__).resolve().parent / "data" / "mcore_v014"
 LEGACY = DATA / "torch"
