@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.collective_device import get_collective_device
+from megatron.core.transformer.enums import AttnBackend, ModelType
 from megatron.training import checkpoint_integrity, legacy_optimizer_state
 from megatron.training.global_vars import get_args
 from megatron.training.training_state import TrainingState
@@ -254,21 +255,14 @@ def _sanitize(value):
 _DROP = object()
 
 
-def _megatron_args_enums():
-    from megatron.core.transformer.enums import AttnBackend, ModelType
-
-    return (AttnBackend, ModelType)
-
-
-_ARGS_ENUMS = _megatron_args_enums()
+# Enums of Megatron-LM's saved args: kept as enums on save, admitted on load.
+_ARGS_ENUMS = (AttnBackend, ModelType)
 
 
 def _sanitized_args(args):
     """A Namespace copy of ``args`` holding only plain values (functions, objects dropped; enums as names,
     but for those of Megatron-LM's args, which keep their types: ``attention_backend`` is saved as
     the AttnBackend member Megatron-LM stores)."""
-    from megatron.core.transformer.enums import AttnBackend
-
     clean = argparse.Namespace()
     for name, value in vars(args).items():
         if name == "attention_backend" and isinstance(value, str) and value in AttnBackend.__members__:
@@ -635,8 +629,6 @@ def _safe_globals():
     Megatron-LM's ``megatron.core.enums.ModelType`` is read as this package's ModelType (same
     values for GPT); AttnBackend has the same import path in both packages.
     """
-    from megatron.core.transformer.enums import AttnBackend, ModelType
-
     try:
         from numpy._core.multiarray import _reconstruct
     except ImportError:  # numpy < 2
