@@ -387,3 +387,29 @@ def test_convert_tool_maps_megatron_optimizer_state_by_name(tmp_path):
                                                                             rel=1e-6), name
             assert entry["exp_avg_sq"].double().norm().item() == pytest.approx(
                 reference["exp_avg_sq_norm"][i].item(), rel=1e-6), name
+
+
+def test_mixed_precision_main_params_follow_their_names():
+    """bf16/fp16 state (``fp32_from_fp16_params`` positional per group): a writer that ordered a group's params
+    differently gets each main param and moment back on its own name, in this run's order."""
+    from megatron.training.legacy_optimizer_state import to_megatron_layout, to_named_layout
+
+    shapes = {"a": torch.Size([2]), "b": torch.Size([3]), "c": torch.Size([4])}
+    mains = {name: torch.full(shape, float(i)) for i, (name, shape) in enumerate(shapes.items())}
+    moments = {name: {"step": torch.tensor(3.0), "exp_avg": mains[name] + 10} for name in shapes}
+    group = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False, "lr": 1e-3}
+    # the writer's order: b before a in group 0
+    written = {"optimizer": {"state": {n: moments[n] for n in ("b", "a", "c")},
+                             "param_groups": [dict(group, params=["b", "a"]), dict(group, wd_mult=0.0, params=["c"])]},
+               "fp32_from_fp16_params": [[mains["b"], mains["a"]], [mains["c"]]]}
+    positional = to_megatron_layout(written)
+    assert positional["optimizer"]["param_groups"][0]["params"] == [0, 1]
+    assert positional["optimizer"]["param_groups"][0]["param_names"] == ["b", "a"]
+    targets = [["a", "b"], ["c"]]
+    identities = [(1.0, 1.0, False, False), (0.0, 1.0, False, False)]
+    named = to_named_layout(positional, targets, identities, ["a", "b", "c"], shapes, "FILE")
+    assert [g["params"] for g in named["optimizer"]["param_groups"]] == [["b", "a"], ["c"]]
+    for name in shapes:
+        assert torch.equal(named["optimizer"]["state"][name]["exp_avg"], mains[name] + 10)
+    assert [[t.tolist() for t in g] for g in named["fp32_from_fp16_params"]] == [
+        [mains["a"].tolist(), mains["b"].tolist()], [mains["c"].tolist()]]
