@@ -146,10 +146,11 @@ def _permuted_copy(src_file, dst_dir, named):
     reference = _load_reference()
     optimizer = state["optimizer"]
     old_names = [n for g in reference["param_groups"] for n in g["names"]]  # writer's positions
-    groups, new_state, position = [], {}, 0
+    groups, new_state, position, new_names = [], {}, 0, []
     for group, ref_group in zip(optimizer["param_groups"], reference["param_groups"]):
         names = sorted(ref_group["names"], key=new_model_keys.index)  # the permuted writer's discovery order
         params = []
+        new_names += names
         for name in names:
             new_state[position] = optimizer["state"][old_names.index(name)]
             params.append(position)
@@ -163,7 +164,7 @@ def _permuted_copy(src_file, dst_dir, named):
     out.parent.mkdir(parents=True)
     torch.save(state, out)
     (Path(dst_dir) / "latest_checkpointed_iteration.txt").write_text("3")
-    return state
+    return state, sum(a != b for a, b in zip(old_names, new_names))  # moments now at another position
 
 
 def _load_permuted(rank, world, load_dir):
@@ -181,9 +182,10 @@ def _load_permuted(rank, world, load_dir):
 def test_legacy_optimizer_state_is_mapped_by_name_when_order_differs(tmp_path, named):
     """A checkpoint whose writer ordered linear_qkv before linear_proj: each Adam moment still lands on
     its own param (by the checkpoint's model order, or by torch's per-group param_names)."""
-    state = _permuted_copy(LEGACY_FILE, tmp_path, named)
+    state, moved = _permuted_copy(LEGACY_FILE, tmp_path, named)
     positions = [n for n in state["model"] if n.endswith((".weight", ".bias"))]
     assert positions != _load_reference()["param_names"]  # the order really differs
+    assert moved == 8  # 8 of the 28 moments sit at another param's position (issue 21's case)
     assert run_distributed(_load_permuted, 1, tmp_path) == [True]
 
 
@@ -318,7 +320,8 @@ def test_megatron_loads_our_legacy_checkpoint(tmp_path):
     from megatron.training.checkpointing import load_state_dict_file
 
     source = tmp_path / "permuted"
-    _permuted_copy(LEGACY_FILE, source, named=False)
+    _, moved = _permuted_copy(LEGACY_FILE, source, named=False)
+    assert moved == 8
     assert run_distributed(_save_after_loading, 1, source, tmp_path / "ours") == [True]
     ours = tmp_path / "ours" / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt"
     script = tmp_path / "megatron_loader.py"
