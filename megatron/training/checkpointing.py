@@ -4,8 +4,10 @@ import argparse
 import enum
 import io
 import os
+import pathlib
 import random
 import shutil
+import types
 import zipfile
 
 import numpy as np
@@ -15,7 +17,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.collective_device import get_collective_device
 from megatron.core.dist_checkpointing.safe_loading import UnsafeCheckpointError, refused_by_weights_only
-from megatron.training import checkpoint_integrity
+from megatron.core.transformer.enums import AttnBackend, ModelType
+from megatron.training import checkpoint_integrity, legacy_optimizer_state
 from megatron.training.global_vars import get_args
 from megatron.training.training_state import TrainingState
 from megatron.training.utils import print_rank_0
@@ -214,9 +217,12 @@ def _as_python_rng_state(value):
 
 
 def _sanitize(value):
-    """``value`` reduced to types torch.load(weights_only=True) accepts, or _DROP."""
+    """``value`` reduced to types torch.load(weights_only=True) accepts, or _DROP.
+
+    Enums Megatron-LM stores in its args (AttnBackend, ModelType) are kept: both loaders admit them.
+    """
     if isinstance(value, enum.Enum):
-        return value.name
+        return value if type(value) in _ARGS_ENUMS else value.name
     if value is None or type(value) in (bool, int, float, str) or isinstance(value, torch.dtype):
         return value
     if isinstance(value, np.generic):
@@ -238,10 +244,18 @@ def _sanitize(value):
 _DROP = object()
 
 
+# Enums of Megatron-LM's saved args: kept as enums on save, admitted on load.
+_ARGS_ENUMS = (AttnBackend, ModelType)
+
+
 def _sanitized_args(args):
-    """A Namespace copy of ``args`` holding only plain values (functions, objects dropped; enums as names)."""
+    """A Namespace copy of ``args`` holding only plain values (functions, objects dropped; enums as names,
+    but for those of Megatron-LM's args, which keep their types: ``attention_backend`` is saved as
+    the AttnBackend member Megatron-LM stores)."""
     clean = argparse.Namespace()
     for name, value in vars(args).items():
+        if name == "attention_backend" and isinstance(value, str) and value in AttnBackend.__members__:
+            value = AttnBackend[value]
         value = _sanitize(value)
         if value is not _DROP:
             setattr(clean, name, value)
@@ -274,7 +288,8 @@ def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, 
             state_dict[f"model{i}"] = chunk.state_dict()
     if not args.no_save_optim:
         if optimizer is not None:
-            state_dict["optimizer"] = optimizer.state_dict()
+            # Megatron's positional layout (plus torch's per-group 'param_names') so Megatron-LM loads it.
+            state_dict["optimizer"] = legacy_optimizer_state.to_megatron_layout(optimizer.state_dict())
         if opt_param_scheduler is not None:
             state_dict["opt_param_scheduler"] = opt_param_scheduler.state_dict()
     if rng_state is not None:
@@ -597,12 +612,18 @@ def _raise_save_failure(error, iteration, final_dir):
 # ---------------------------------------------------------------------------------------------------
 
 def _safe_globals():
-    """Non-tensor types a checkpoint may hold: the args Namespace and numpy's RNG state pieces."""
+    """Non-tensor types a checkpoint may hold: the args Namespace and the plain types and enums
+    Megatron-LM (core_v0.14.0) stores in it, and numpy's RNG state pieces.
+
+    Megatron-LM's ``megatron.core.enums.ModelType`` is read as this package's ModelType (same
+    values for GPT); AttnBackend has the same import path in both packages.
+    """
     try:
         from numpy._core.multiarray import _reconstruct
     except ImportError:  # numpy < 2
         from numpy.core.multiarray import _reconstruct
-    allowed = [argparse.Namespace, _reconstruct, np.ndarray, np.dtype]
+    allowed = [argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, _reconstruct, np.ndarray, np.dtype,
+               AttnBackend, ModelType, (ModelType, "megatron.core.enums.ModelType")]
     uint32_dtype = getattr(getattr(np, "dtypes", None), "UInt32DType", None)
     if uint32_dtype is not None:  # numpy >= 1.25 pickles dtypes through their classes
         allowed.append(uint32_dtype)
@@ -907,7 +928,7 @@ def _load_torch_format(args, checkpoint_name, iteration, release, context, model
     if not release and not args.finetune and not args.no_load_optim:
         try:
             if optimizer is not None:
-                optimizer.load_state_dict(state_dict["optimizer"])
+                optimizer.load_state_dict(_named_optimizer_state(state_dict, model, optimizer, checkpoint_name))
                 if _is_distributed_optimizer(optimizer):
                     _load_distributed_optimizer_state(optimizer, checkpoint_name, context)
             if opt_param_scheduler is not None:
@@ -1036,6 +1057,15 @@ def _load_distributed_optimizer_state(optimizer, checkpoint_name, context):
             raise error
         raise RuntimeError(f"reading the distributed-optimizer state {name} failed on data-parallel rank 0")
     optimizer.load_parameter_state_from_dp_zero(param_state, source=name)
+
+
+def _named_optimizer_state(state_dict, model, optimizer, checkpoint_name):
+    """The checkpoint's optimizer state keyed by param name (Megatron's positional layout mapped by name)."""
+    names = getattr(optimizer, "param_names_by_group", lambda: None)()
+    identities = [legacy_optimizer_state.group_identity(group) for group in getattr(optimizer, "param_groups", [])]
+    return legacy_optimizer_state.to_named_layout(
+        state_dict["optimizer"], names, identities, legacy_optimizer_state.model_keys_in_order(state_dict, len(model)),
+        legacy_optimizer_state.param_shapes_by_name(model), checkpoint_name)
 
 
 def _load_model(model, state_dict, strict, checkpoint_name):

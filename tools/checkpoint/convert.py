@@ -67,7 +67,7 @@ from legacy_checkpoint import (  # noqa: E402
     split_tp,
 )
 from megatron.core.transformer.pipeline_layout import pipeline_layer_counts, pipeline_layer_offset  # noqa: E402
-from megatron.training import checkpoint_integrity, checkpointing  # noqa: E402
+from megatron.training import checkpoint_integrity, checkpointing, legacy_optimizer_state  # noqa: E402
 from megatron.training.checkpoint_errors import is_checkpoint_user_error, one_line  # noqa: E402
 from megatron.training.checkpointing import (  # noqa: E402
     CHECKPOINT_BASENAME,
@@ -283,7 +283,7 @@ def _read_optimizer(loaded, files, chunks, full: FullCheckpoint, swiglu: bool) -
         offset = pipeline_layer_offset(counts, p, v)
         per_rank = []  # per TP rank: {local key: {state key: tensor}}, {local key: main param}
         for t in range(tp):
-            optimizer = loaded[(t, p)]["optimizer"]
+            optimizer = _named_rank_optimizer(loaded[(t, p)]["optimizer"], chunks[(t, p)], full.args, files[(t, p)])
             inner = optimizer if kind == "fp32" else optimizer["optimizer"]
             if not all(isinstance(name, str) for g in inner["param_groups"] for name in g["params"]):
                 raise ConvertError(f"{files[(t, p)]}: the optimizer state is keyed by position, not by param name "
@@ -417,13 +417,44 @@ _OPTIMIZER_PREFIX = "optimizer.state."
 _MAIN_PARAM = "fp32_param"
 _LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 # The order of a layer's state-dict entries in TransformerLayer (others follow, sorted).
-_LAYER_ORDER = ["input_layernorm.weight", "input_layernorm.bias",
-                "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
-                "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias"]
-for _module in _LINEAR_MODULES:
+# A layer's state-dict keys in GPTModel's (and Megatron's local spec's) module order.
+_LAYER_ORDER = ["input_layernorm.weight", "input_layernorm.bias"]
+for _module in ("self_attention.linear_proj", "self_attention.linear_qkv"):
     _LAYER_ORDER += [f"{_module}.weight", f"{_module}.bias", f"{_module}._extra_state"]
-    if _module == "self_attention.linear_proj":
-        _LAYER_ORDER += ["pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias"]
+_LAYER_ORDER += ["self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
+                 "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
+                 "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias"]
+for _module in ("mlp.linear_fc1", "mlp.linear_fc2"):
+    _LAYER_ORDER += [f"{_module}.weight", f"{_module}.bias", f"{_module}._extra_state"]
+
+
+def _named_rank_optimizer(optimizer: dict, rank_chunks: List[dict], args, path: str) -> dict:
+    """One rank's optimizer state keyed by param name, from Megatron's positional layout.
+
+    Names come from torch's per-group ``param_names`` when present; otherwise (a Megatron-LM file)
+    from the rank's model state-dict order grouped by ``_group_signature``, which is how the writer
+    discovered its params (see megatron.training.legacy_optimizer_state).
+    """
+    keys, shapes, groups = [], {}, {}
+    for v, chunk in enumerate(rank_chunks):
+        for key, value in chunk.items():
+            if not torch.is_tensor(value) or key.endswith("._extra_state"):
+                continue
+            name = f"model{v}.{key}" if len(rank_chunks) > 1 else key
+            keys.append(name)
+            shapes[name] = value.shape
+            groups.setdefault(_group_signature(key, value.dim(), args), []).append(name)
+    inner = optimizer.get("optimizer", optimizer) if isinstance(optimizer, dict) else None
+    saved_groups = inner.get("param_groups", []) if isinstance(inner, dict) else []
+    if saved_groups and all("param_names" in group for group in saved_groups):
+        groups = {legacy_optimizer_state.group_identity(group) or i: list(group["param_names"])
+                  for i, group in enumerate(saved_groups)}
+    try:
+        return legacy_optimizer_state.to_named_layout(optimizer, list(groups.values()), list(groups.keys()), keys,
+                                                      shapes, path)
+    except legacy_optimizer_state.OptimizerStateMismatch as error:
+        raise ConvertError(f"{error} (convert with --no-save-optim)".replace(
+            "; use --no-load-optim to start the optimizer afresh", "")) from None
 
 
 def _model_order(key: str):
@@ -787,7 +818,8 @@ def build_rank_state_dicts(full: FullCheckpoint, target: TargetLayout, keep_rng:
                         (prefix + local, src, entry, mains[t][local] if mains is not None else None))
     for rank, rank_dict in out.items():
         if optimizer is not None:
-            rank_dict["optimizer"] = _rank_optimizer(optimizer, per_rank_params[rank])
+            rank_dict["optimizer"] = legacy_optimizer_state.to_megatron_layout(
+                _rank_optimizer(optimizer, per_rank_params[rank]))
         if full.scheduler is not None and optimizer is not None:
             rank_dict["opt_param_scheduler"] = full.scheduler
         if keep_rng and full.rng_states is not None:
@@ -797,8 +829,8 @@ def build_rank_state_dicts(full: FullCheckpoint, target: TargetLayout, keep_rng:
 
 
 def _rank_optimizer(optimizer: OptimizerState, params) -> dict:
-    """One rank's optimizer state dict: groups in the optimizer's order (the default group first, then
-    by first appearance, as ``_get_param_groups`` orders them)."""
+    """One rank's optimizer state dict: groups in the optimizer's order (by first appearance of their
+    params, as ``_get_param_groups`` orders them)."""
     order: List[int] = []
     members: Dict[int, List[int]] = {}
     for position, (_, src, _, _) in enumerate(params):
@@ -807,7 +839,6 @@ def _rank_optimizer(optimizer: OptimizerState, params) -> dict:
             order.append(index)
             members[index] = []
         members[index].append(position)
-    order.sort(key=lambda index: not optimizer.groups[index].get("default_config", False))
     groups = [{**optimizer.groups[index], "params": [params[i][0] for i in members[index]]} for index in order]
     inner = {"state": {name: entry for name, _, entry, _ in params if entry}, "param_groups": groups}
     if optimizer.kind == "fp32":

@@ -58,8 +58,9 @@ def _get_param_groups(model_chunks: List[torch.nn.Module], no_weight_decay_cond:
     """Group trainable params by (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr).
 
     Without ``no_weight_decay_cond``, params with ndim == 1 or a name ending in '.bias' get wd_mult 0.
-    Params matching ``scale_lr_cond`` get ``lr_mult``. The default group (wd_mult 1, lr_mult 1, no
-    decoupled lr) comes first.
+    Params matching ``scale_lr_cond`` get ``lr_mult``. Groups are in the order their first param
+    appears in ``named_parameters()`` (megatron-core 0.14's order: its legacy checkpoints store the
+    optimizer state by position, group after group, so the order must match to load them).
     """
     groups: Dict[Tuple[float, float, bool, bool], List[torch.nn.Parameter]] = {}
     seen = set()
@@ -96,8 +97,6 @@ def _get_param_groups(model_chunks: List[torch.nn.Module], no_weight_decay_cond:
             "min_lr": group_min_lr,
             "default_config": wd_mult == 1.0 and group_lr_mult == 1.0 and not is_decoupled_lr,
         })
-    # Stable sort: the default group first, others keep their discovery order.
-    param_groups.sort(key=lambda g: not g["default_config"])
     return param_groups
 
 

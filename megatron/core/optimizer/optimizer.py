@@ -69,6 +69,10 @@ class MegatronOptimizer(ABC):
             if all(name is not None for names in groups for name in names):
                 self._group_param_names = groups
 
+    def param_names_by_group(self) -> Optional[List[List[str]]]:
+        """The fully qualified param names of each param group (None when built without names)."""
+        return self._group_param_names
+
     def inner_state_dict_by_name(self) -> Dict:
         """The inner optimizer's state dict with params named, not numbered.
 

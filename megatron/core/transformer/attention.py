@@ -125,16 +125,18 @@ class SelfAttention(MegatronModule):
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp)
         self.num_query_groups_per_partition = divide(config.num_query_groups, tp)
 
-        self.linear_qkv = tensor_parallel.ColumnParallelLinear(
-            config.hidden_size, self.query_projection_size + 2 * self.kv_projection_size,
-            config=config, init_method=config.init_method, gather_output=False,
-            bias=config.add_bias_linear or config.add_qkv_bias, skip_bias_add=False,
-        )
+        # Megatron's creation order (core_attention, linear_proj, then linear_qkv, q/k layernorm) fixes
+        # the order of named_parameters(), hence of the optimizer's state in legacy checkpoints.
         self.core_attention = DotProductAttention(config, layer_number, attn_mask_type, "self")
         self.linear_proj = tensor_parallel.RowParallelLinear(
             self.query_projection_size, config.hidden_size, config=config,
             init_method=config.output_layer_init_method, bias=config.add_bias_linear,
             input_is_parallel=True, skip_bias_add=True,
+        )
+        self.linear_qkv = tensor_parallel.ColumnParallelLinear(
+            config.hidden_size, self.query_projection_size + 2 * self.kv_projection_size,
+            config=config, init_method=config.init_method, gather_output=False,
+            bias=config.add_bias_linear or config.add_qkv_bias, skip_bias_add=False,
         )
         if config.qk_layernorm:
             self.q_layernorm = build_norm(config, self.hidden_size_per_attention_head)
