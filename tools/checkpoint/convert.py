@@ -493,6 +493,32 @@ def _read_torch_dist_rng(iteration_dir: str, layout: Optional[dict], context: st
     return states
 
 
+def _per_layer_tensors(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Whole tensors of a torch_dist checkpoint under per-layer names: model ``decoder.layers.<i>.<name>``,
+    optimizer ``optimizer.state.<per-layer name>.<state>`` (Megatron's layer-stacked keys are split, its
+    distributed-optimizer fragments put back into parameter shape); the earlier per-layer layout passes."""
+    from megatron.core.dist_checkpointing import model_and_optimizer as mo
+
+    if mo.is_per_layer_layout(tensors):
+        return tensors
+    model = {key: value for key, value in tensors.items() if not key.startswith(_OPTIMIZER_PREFIX)}
+    out = mo.unstack_layers(model)
+    by_state: Dict[str, Dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        if not key.startswith(_OPTIMIZER_PREFIX):
+            continue
+        state_key, _, name = key[len(_OPTIMIZER_PREFIX):].partition(".")
+        param = model.get(name)
+        if param is not None and value.dim() != param.dim():  # the distributed optimizer's fragments
+            layered = name.startswith(mo.LAYER_PREFIX)
+            value = mo.unflatten_fragments(value, tuple(param.shape[1:] if layered else param.shape), layered)
+        by_state.setdefault(state_key, {})[name] = value
+    for state_key, entries in by_state.items():
+        for name, value in mo.unstack_layers(entries).items():
+            out[f"{_OPTIMIZER_PREFIX}{name}.{state_key}"] = value
+    return out
+
+
 def _read_torch_dist(load_dir, iteration, with_optimizer) -> FullCheckpoint:
     """Read a torch_dist checkpoint (torch.distributed.checkpoint files + ``common.pt``) as one FullCheckpoint,
     with ``megatron.core.dist_checkpointing``'s reader, in one process: every tensor is read whole.
@@ -522,6 +548,7 @@ def _read_torch_dist(load_dir, iteration, with_optimizer) -> FullCheckpoint:
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
         serialization.load([ShardedTensor(key, t, tuple(t.shape), (0,) * t.dim()) for key, t in tensors.items()],
                            iteration_dir)
+    tensors = _per_layer_tensors(tensors)
     release = os.path.basename(iteration_dir) == "release"
     layout = common.get("parallel_layout") or {}
     tp = layout.get("tensor_model_parallel_size", getattr(args, "tensor_model_parallel_size", 1))
@@ -556,7 +583,10 @@ def _read_torch_dist(load_dir, iteration, with_optimizer) -> FullCheckpoint:
                           "--no-load-optim")
         full.scheduler = None
         return full
-    saved_groups = common["optimizer"]["param_groups"]
+    from megatron.core.dist_checkpointing import model_and_optimizer as mo
+
+    saved_groups, saved_steps = mo.saved_groups_and_steps(common["optimizer"], common_name)
+    saved_groups = [dict(group, step=step) for group, step in zip(saved_groups, saved_steps)]
     index_of = {}
     for index, group in enumerate(saved_groups):
         index_of.setdefault(_signature_of_group(group), index)
@@ -567,11 +597,13 @@ def _read_torch_dist(load_dir, iteration, with_optimizer) -> FullCheckpoint:
             continue
         name, _, state_key = key[len(_OPTIMIZER_PREFIX):].rpartition(".")
         if state_key == _MAIN_PARAM:
+            if name in full.model and full.model[name].dtype == torch.float32:
+                continue  # the distributed optimizer's copy of an fp32 param: the param itself
             main_params[name] = value
         else:
             param_state.setdefault(name, {})[state_key] = value
     state = OptimizerState(kind="float16" if main_params else "fp32", param_state={}, groups=[], group_of={},
-                           main_params={} if main_params else None, grad_scaler=common["optimizer"].get("grad_scaler"))
+                           main_params={} if main_params else None, grad_scaler=mo.saved_grad_scaler(common["optimizer"]))
     group_index: Dict[int, int] = {}
     for name, value in full.model.items():
         if not torch.is_tensor(value):
@@ -825,6 +857,140 @@ def write_legacy(full: FullCheckpoint, save_dir: str, target: TargetLayout, keep
     """Write ``full`` at ``target`` in the legacy layout under ``save_dir``, atomically; returns the
     iteration folder. An existing folder of the same iteration is replaced; the tracker moves last."""
     rank_dicts = build_rank_state_dicts(full, target, keep_rng)
+    dirname = checkpoint_integrity.iteration_dirname(full.iteration, full.release)
+    checkpoint_integrity.prepare_save_dir(save_dir)
+    tmp_dir = os.path.join(save_dir, f".{dirname}.tmp-{os.getpid()}")
+    final_dir = os.path.join(save_dir, dirname)
+    try:
+        for (t, p), state_dict in rank_dicts.items():
+            rank_dir = f"mp_rank_{t:02d}" if target.pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
+            checkpointing._write_durably(state_dict, os.path.join(tmp_dir, rank_dir, CHECKPOINT_BASENAME))
+        # The same publish as training's save: manifest, fsync, directory swap, tracker last.
+        checkpoint_integrity.publish_iteration(save_dir, tmp_dir, full.iteration, release=full.release)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return final_dir
+
+
+def _same_layout(full: FullCheckpoint, target: TargetLayout) -> bool:
+    return (full.layout["tp"], full.layout["pp"], full.layout["counts"]) == (target.tp, target.pp, target.counts)
+
+
+def convert(cli: argparse.Namespace) -> dict:
+    """Run a conversion described by the parsed command line; returns a summary.
+
+    Raises ConvertError (bad flag or folder), CheckpointReadError / pickle.UnpicklingError (a
+    damaged or unsafe source file, named).
+    """
+    if cli.target_ckpt_format not in CKPT_FORMATS:
+        raise ConvertError(f"--target-ckpt-format {cli.target_ckpt_format!r}: choose one of {', '.join(CKPT_FORMATS)}")
+    if os.path.abspath(cli.load_dir) == os.path.abspath(cli.save_dir):
+        raise ConvertError(f"--save-dir {cli.save_dir} is the --load-dir: write the converted checkpoint elsewhere")
+    source_format = detect_format(cli.load_dir, cli.ckpt_step) if os.path.isdir(cli.load_dir) else None
+    full = read_checkpoint(cli.load_dir, cli.ckpt_step, with_optimizer=not cli.no_save_optim,
+                           verify=not cli.no_verify_checkpoint)
+    if cli.no_save_optim:
+        full.scheduler = None
+    target = plan_target(full, cli.target_tensor_parallel_size, cli.target_pipeline_parallel_size,
+                         cli.target_num_virtual_stages_per_pipeline_rank, cli.target_decoder_first_pipeline_num_layers,
+                         cli.target_decoder_last_pipeline_num_layers)
+    to_legacy = cli.target_ckpt_format == "torch"
+    # torch_dist loads any vocabulary padding (the rows both sides have); the legacy format needs the target's.
+    if to_legacy and target.tp != full.layout["tp"]:
+        true_vocab = true_vocab_size_of(full.args, cli.true_vocab_size)
+        resize_vocab(full, _padded_vocab_size(true_vocab, full.args, target.tp))
+    # RNG states are per (tensor, pipeline) rank: kept only at the same layout (and, in torch_dist, for one
+    # data-parallel rank, whose global ranks are then known).
+    keep_rng = full.rng_states is not None and _same_layout(full, target) and (
+        to_legacy or int(getattr(full.args, "data_parallel_size", 1) or 1) == 1)
+    if full.rng_states is not None and not keep_rng:
+        full.notes.append("the RNG states belong to the source's (tensor, pipeline) ranks and were not converted: "
+                          + ("load the result with --no-load-rng" if to_legacy else
+                             "a load keeps the seeded RNG (with a warning)"))
+    try:
+        if cli.target_ckpt_format == "torch":
+            written = write_legacy(full, cli.save_dir, target, keep_rng)
+        else:
+            written = write_torch_dist(full, cli.save_dir, target, keep_rng)
+    except ValueError as error:
+        raise ConvertError(f"--target-tensor-parallel-size {target.tp}: {error}") from None
+    return {"from": dict(full.layout, format=source_format),
+            "to": {"tp": target.tp, "pp": target.pp, "vp": target.vp, "counts": target.counts,
+                   "format": cli.target_ckpt_format},
+            "iteration": "release" if full.release else full.iteration, "written": written,
+            "optimizer": full.optimizer is not None, "rng": keep_rng,
+            "notes": full.notes}
+
+
+def _torch_dist_common(full: FullCheckpoint, target: "TargetLayout", keep_rng: bool) -> dict:
+    """``common.pt`` of the converted torch_dist checkpoint (the format of
+    ``megatron.training.checkpointing._torch_dist_common_state``)."""
+    args = _target_args(full, target)
+    counters = {"iteration": full.iteration, "num_floating_point_operations_so_far":
+                int(full.num_floating_point_operations_so_far or 0)}
+    for name in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
+        counters[name] = int(getattr(args, name, 0) or 0)
+    common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "ckpt_format": "torch_dist",
+              "iteration": full.iteration, "train_state": counters,
+              "num_floating_point_operations_so_far": counters["num_floating_point_operations_so_far"],
+              # With RNG files: the layout they belong to; without: None, which no run's layout equals, so a
+              # load keeps its seeded RNG (with a warning) instead of looking for them.
+              "parallel_layout": _torch_dist_layout(target.tp, target.pp, target.vp) if keep_rng else None}
+    optimizer = full.optimizer
+    if optimizer is not None:
+        params = [(name, name, optimizer.param_state[name], None) for name in full.model
+                  if name in optimizer.param_state]
+        groups = _rank_optimizer(OptimizerState("fp32", optimizer.param_state, optimizer.groups, optimizer.group_of),
+                                 params)["param_groups"]
+        saved_groups = []
+        for group in groups:
+            steps = [float(optimizer.param_state[name]["step"]) for name in group["params"]
+                     if torch.is_tensor(optimizer.param_state[name].get("step"))]
+            saved_groups.append({**{k: v for k, v in group.items() if k != "params"},
+                                 "step": max(steps) if steps else None})
+        common["optimizer"] = {"param_groups": saved_groups}
+        if optimizer.grad_scaler is not None:
+            common["optimizer"]["grad_scaler"] = optimizer.grad_scaler
+        if full.scheduler is not None:
+            common["opt_param_scheduler"] = full.scheduler
+    return common
+
+
+def write_torch_dist(full: FullCheckpoint, save_dir: str, target: "TargetLayout", keep_rng: bool = False) -> str:
+    """Write ``full`` as a torch_dist checkpoint (whole tensors, written by this one process with
+    ``megatron.core.dist_checkpointing``), atomically; returns the iteration folder. It loads at any
+    TP/PP/DP layout; ``target`` sets the layout recorded in the saved args and, with ``keep_rng``, the
+    one the RNG files ``rng/rank_XXXXX.pt`` are written for (one data-parallel rank)."""
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    def sharded(key, tensor):
+        tensor = tensor.contiguous()
+        return ShardedTensor(key, tensor, tuple(tensor.shape), (0,) * tensor.dim())
+
+    from megatron.core.dist_checkpointing import model_and_optimizer as mo
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    model = {key: value for key, value in full.model.items() if torch.is_tensor(value)}
+    items = [sharded(key, value) for key, value in mo.stack_layers(model).items()]
+    num_layers = full.args.num_layers
+    for key in full.model:  # the layers' _extra_state objects Megatron's loader expects
+        match = _LAYER_KEY.match(key)
+        if match is not None and key.endswith("._extra_state"):
+            items.append(ShardedObject(f"{mo.LAYER_PREFIX}{match.group(2)}/shard_{match.group(1)}_{num_layers}",
+                                       mo.extra_state_bytes(None)))
+    if full.optimizer is not None:
+        by_state: Dict[str, Dict[str, torch.Tensor]] = {}
+        for name, entry in full.optimizer.param_state.items():
+            for state_key, value in entry.items():
+                if torch.is_tensor(value) and tuple(value.shape) == tuple(full.model[name].shape):
+                    by_state.setdefault(state_key, {})[name] = value
+        if full.optimizer.main_params:
+            by_state[_MAIN_PARAM] = dict(full.optimizer.main_params)
+        for state_key, entries in by_state.items():
+            for key, value in mo.stack_layers(entries).items():
+                items.append(sharded(f"{_OPTIMIZER_PREFIX}{state_key}.{key}", value))
     dirname = checkpoint_integrity.iteration_dirname(full.iteration, full.release)
     checkpoint_integrity.prepare_save_dir(save_dir)
     tmp_dir = os.path.join(save_dir, f".{dirname}.tmp-{os.getpid()}")
