@@ -505,6 +505,22 @@ def saved_groups_and_steps(state: Dict, source: str) -> Tuple[List[Dict], List[O
     return groups, [g.get("step") for g in groups]
 
 
+_GROUP_SIGNATURE = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+
+
+def _group_order(groups: List[Dict], saved: List[Dict]) -> List[int]:
+    """For each of ``groups``, the index of the saved group with the same (wd_mult, lr_mult,
+    is_expert_parallel, is_decoupled_lr) when those identify the groups uniquely on both sides;
+    else the positions (the writer's groups in the same order)."""
+    def signature(group):
+        return tuple(group.get(k) for k in _GROUP_SIGNATURE)
+
+    ours, theirs = [signature(g) for g in groups], [signature(g) for g in saved]
+    if len(set(ours)) == len(ours) and sorted(ours, key=repr) == sorted(theirs, key=repr):
+        return [theirs.index(sig) for sig in ours]
+    return list(range(len(saved)))
+
+
 def saved_grad_scaler(state: Dict) -> Optional[Dict]:
     """The grad scaler's state dict in any form :func:`optimizer_common_state` writes (None without one)."""
     return state.get("grad_scaler")
@@ -523,6 +539,8 @@ def load_optimizer_common_state(optimizer, state: Dict, source: str) -> None:
                          f"optimizer has {len(inner.param_groups)} (a different model or weight-decay rule)")
     known = [s for s in steps if s is not None]
     fallback = max(known) if known else None
+    order = _group_order(inner.param_groups, saved_groups)
+    saved_groups, steps = [saved_groups[i] for i in order], [steps[i] for i in order]
     for group, saved, step in zip(inner.param_groups, saved_groups, steps):
         for key, value in saved.items():
             if key not in ("params", "step"):
