@@ -69,7 +69,7 @@ def _load_and_evaluate(rank, world, iteration_dir):
     with torch.no_grad():
         logits = model(reference["input_ids"], reference["position_ids"], mask)
     inner = optimizer.optimizer
-    moments = {name: (inner.state[p]["exp_avg"].double().norm().item(), inner.state[p]["exp_avg_sq"].double().norm().item())
+    moments = {name: tuple(inner.state[p][key].double().norm().item() for key in ("exp_avg", "exp_avg_sq"))
                for name, p in model.named_parameters()}
     steps = {float(state["step"]) for state in inner.state.values()}
     return logits, moments, steps
@@ -145,7 +145,7 @@ def test_our_save_has_megatrons_keys_shapes_dtypes_and_files(our_checkpoints):
             continue
         layered = key.startswith("decoder.layers.")
         param = shape[1:] if layered else shape
-        flat = (*shape[:1], *([1] * len(param)), math.prod(param)) if layered else (*([1] * len(param)), math.prod(param))
+        flat = (*shape[:1 if layered else 0], *([1] * len(param)), math.prod(param))
         for state in ("exp_avg", "exp_avg_sq", "fp32_param"):
             expected[f"optimizer.state.{state}.{key}"] = (flat, dtype)
     assert distopt == expected

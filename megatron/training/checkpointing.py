@@ -441,12 +441,14 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     it as ``distrib_optim.pt`` (see DistributedOptimizer.get_parameter_state_dp_zero);
     ``model_optim_rng.pt`` then holds only its param groups and scaler. Reloads at the same TP/PP only.
 
-    ``torch_dist``: ``<save>/iter_{iteration:07d}/`` holds torch.distributed.checkpoint files
-    (``.metadata``, ``__<rank>_0.distcp``) with every model and optimizer tensor under a
-    layout-independent key with its global shape (megatron.core.dist_checkpointing), each rank
-    writing its own chunks; ``common.pt`` (rank 0: args, training state, scheduler, optimizer
-    hyper-parameters and step, grad scaler, the parallel layout) and ``rng/rank_XXXXX.pt`` (each
-    rank's RNG states). Reloads at any TP/PP/DP layout, with or without the distributed optimizer.
+    ``torch_dist``: ``<save>/iter_{iteration:07d}/`` holds Megatron-LM core_v0.14's layout
+    (docs/megatron-checkpoints.md): torch.distributed.checkpoint files (``.metadata``,
+    ``__<rank>_0.distcp``) with every model and optimizer tensor under Megatron's key (layer
+    tensors stacked over the layers) with its global shape (megatron.core.dist_checkpointing), each
+    rank writing its own chunks, and ``metadata.json``; ``common.pt`` (rank 0: args, training state,
+    scheduler, optimizer hyper-parameters and step, grad scaler, the parallel layout) and
+    ``rng/rank_XXXXX.pt`` (each rank's RNG states). Reloads at any TP/PP/DP layout, with or without
+    the distributed optimizer; Megatron-LM loads it too, and this loads Megatron-LM's.
     With ``--async-save`` the call returns once the state is staged in host memory; the files are
     written in the background and published by :func:`finalize_async_save`.
 

@@ -603,7 +603,8 @@ def _read_torch_dist(load_dir, iteration, with_optimizer) -> FullCheckpoint:
         else:
             param_state.setdefault(name, {})[state_key] = value
     state = OptimizerState(kind="float16" if main_params else "fp32", param_state={}, groups=[], group_of={},
-                           main_params={} if main_params else None, grad_scaler=mo.saved_grad_scaler(common["optimizer"]))
+                           main_params={} if main_params else None,
+                           grad_scaler=mo.saved_grad_scaler(common["optimizer"]))
     group_index: Dict[int, int] = {}
     for name, value in full.model.items():
         if not torch.is_tensor(value):
