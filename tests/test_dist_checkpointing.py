@@ -244,11 +244,12 @@ def test_async_save_spans_show_the_blocking_background_and_finalize_parts(shared
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "3"
 
 
-def test_bf16_distributed_optimizer_resume_restores_the_fp32_main_params_bit_exactly(shared_data, shakespeare_prefix,
-                                                                                    tmp_path):
-    """The fp32 main copies of bf16 params (flat ranges per DP rank) are saved and restored: rebuilt from
-    the bf16 weights instead, the resumed losses would drift from the uninterrupted run's."""
-    flags = [*LAYOUTS["dp2-distopt"], "--bf16"]
+@pytest.mark.parametrize("layout", ["dp2-distopt", "dp2"])
+def test_bf16_resume_restores_the_fp32_main_params_bit_exactly(layout, shared_data, shakespeare_prefix, tmp_path):
+    """The fp32 main copies of bf16 params (distributed optimizer: flat ranges per DP rank in Megatron's
+    fragment form; else parameter-shaped, with the fp16 wrapper's common state) are saved and restored:
+    rebuilt from the bf16 weights instead, the resumed losses would drift from the uninterrupted run's."""
+    flags = [*LAYOUTS.get(layout, []), "--bf16"]
     reference = _run(flags, tmp_path, "bf16", shared_data, shakespeare_prefix)
     _keep_only_iteration(reference["ckpt"], SAVE_AT)
     resumed = _run(flags, tmp_path, "resumed", shared_data, shakespeare_prefix, load=reference["ckpt"], save=False)

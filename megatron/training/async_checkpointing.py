@@ -14,6 +14,7 @@ rename and the tracker) happens on the training thread in ``checkpointing.finali
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import time
@@ -24,7 +25,7 @@ import torch.distributed as dist
 
 from megatron.core.dist_checkpointing import model_and_optimizer as mo
 from megatron.core.dist_checkpointing import serialization
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
 # Host copies reused across async saves: {(key, global offset): tensor}. A buffer is rewritten only
 # by the next save, which starts after the previous one was finalized.
@@ -42,7 +43,7 @@ def _writer_group():
 
 def sharded_state_to_save(args, model, optimizer) -> List[ShardedTensor]:
     """This rank's chunks of the model and (unless --no-save-optim) the optimizer state."""
-    sharded = mo.model_sharded_state(model)
+    sharded = mo.model_sharded_state(model, with_objects=True)
     if optimizer is not None and not args.no_save_optim:
         sharded += mo.optimizer_sharded_state(model, optimizer)
     return sharded
@@ -65,6 +66,8 @@ def start_torch_dist_save(args, tmp_dir, model, optimizer, common, rng_state, as
     Returns None once written (synchronous), or the started :class:`AsyncTorchDistWriter`.
     """
     sharded = sharded_state_to_save(args, model, optimizer)
+    if rng_state is not None:  # for Megatron-LM's loader; this project restores from rng/rank_XXXXX.pt
+        sharded.append(mo.rng_state_object(rng_state))
     _write_small_files(tmp_dir, common, rng_state)
     if not asynchronous:
         serialization.save(sharded, tmp_dir)
@@ -88,6 +91,9 @@ def _stage(sharded: List[ShardedTensor], ready=None) -> List[ShardedTensor]:
             stream.wait_event(ready)
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         for item in sharded:
+            if isinstance(item, ShardedObject):
+                staged.append(item)  # bytes: already a copy
+                continue
             if item.replica or item.data.numel() == 0:
                 continue
             slot = (item.key, item.global_offset)
@@ -96,8 +102,7 @@ def _stage(sharded: List[ShardedTensor], ready=None) -> List[ShardedTensor]:
                 buffer = torch.empty(item.data.shape, dtype=item.data.dtype, device="cpu", pin_memory=pin)
                 _HOST_BUFFERS[slot] = buffer
             buffer.copy_(item.data, non_blocking=pin)
-            staged.append(ShardedTensor(item.key, buffer, item.global_shape, item.global_offset,
-                                        item.allow_shape_mismatch))
+            staged.append(dataclasses.replace(item, data=buffer))
     if stream is not None:
         stream.synchronize()
     return staged
@@ -121,8 +126,9 @@ def _files_written_by(checkpoint_dir, group) -> List[str]:
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     names = [name for name in os.listdir(checkpoint_dir)
              if name.startswith(f"__{rank}_") and name.endswith(".distcp")]
-    if rank == 0 and os.path.isfile(os.path.join(checkpoint_dir, ".metadata")):
-        names.append(".metadata")
+    if rank == 0:
+        names += [name for name in (".metadata", serialization.MEGATRON_METADATA_FILENAME)
+                  if os.path.isfile(os.path.join(checkpoint_dir, name))]
     return sorted(names)
 
 

@@ -445,12 +445,14 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     it as ``distrib_optim.pt`` (see DistributedOptimizer.get_parameter_state_dp_zero);
     ``model_optim_rng.pt`` then holds only its param groups and scaler. Reloads at the same TP/PP only.
 
-    ``torch_dist``: ``<save>/iter_{iteration:07d}/`` holds torch.distributed.checkpoint files
-    (``.metadata``, ``__<rank>_0.distcp``) with every model and optimizer tensor under a
-    layout-independent key with its global shape (megatron.core.dist_checkpointing), each rank
-    writing its own chunks; ``common.pt`` (rank 0: args, training state, scheduler, optimizer
-    hyper-parameters and step, grad scaler, the parallel layout) and ``rng/rank_XXXXX.pt`` (each
-    rank's RNG states). Reloads at any TP/PP/DP layout, with or without the distributed optimizer.
+    ``torch_dist``: ``<save>/iter_{iteration:07d}/`` holds Megatron-LM core_v0.14's layout
+    (docs/megatron-checkpoints.md): torch.distributed.checkpoint files (``.metadata``,
+    ``__<rank>_0.distcp``) with every model and optimizer tensor under Megatron's key (layer
+    tensors stacked over the layers) with its global shape (megatron.core.dist_checkpointing), each
+    rank writing its own chunks, and ``metadata.json``; ``common.pt`` (rank 0: args, training state,
+    scheduler, optimizer hyper-parameters and step, grad scaler, the parallel layout) and
+    ``rng/rank_XXXXX.pt`` (each rank's RNG states). Reloads at any TP/PP/DP layout, with or without
+    the distributed optimizer; Megatron-LM loads it too, and this loads Megatron-LM's.
     With ``--async-save`` the call returns once the state is staged in host memory; the files are
     written in the background and published by :func:`finalize_async_save`.
 
@@ -970,7 +972,7 @@ def _load_torch_dist(args, iteration_dir, iteration, release, context, model, op
     if not os.path.isfile(common_name):
         raise FileNotFoundError(f"torch_dist checkpoint {iteration_dir} ({context}) has no {COMMON_BASENAME}")
     common = load_state_dict_file(common_name, context)
-    if not isinstance(common, dict) or common.get("ckpt_format") != "torch_dist":
+    if not isinstance(common, dict) or common.get("ckpt_format", "torch_dist") != "torch_dist":
         raise CheckpointReadError(f"cannot read checkpoint file {common_name} ({context}): it is not the "
                                   f"{COMMON_BASENAME} of a torch_dist checkpoint")
     set_checkpoint_version(common.get("checkpoint_version", 0))
@@ -979,10 +981,18 @@ def _load_torch_dist(args, iteration_dir, iteration, release, context, model, op
     if args.finetune or release:
         iteration = 0
     else:
+        if "iteration" not in common:
+            raise CheckpointReadError(f"checkpoint {common_name} ({context}) has no 'iteration' entry; load it with "
+                                      "--finetune to start from iteration 0")
         iteration = common["iteration"]
         if checkpoint_args is not None:
             check_checkpoint_args(checkpoint_args, vocab_padding=False)
-        restored.load_state_dict(common.get("train_state", {}))
+        if "train_state" in common:
+            restored.load_state_dict(common["train_state"])
+        else:  # written by Megatron-LM: the sample counters are in the saved args
+            for name in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
+                setattr(restored, name, getattr(checkpoint_args, name, 0) or 0)
+            restored.num_floating_point_operations_so_far = common.get("num_floating_point_operations_so_far", 0)
     restored.iteration = iteration
     if args.finetune:
         restored.num_floating_point_operations_so_far = 0
@@ -991,18 +1001,30 @@ def _load_torch_dist(args, iteration_dir, iteration, release, context, model, op
     if load_optim and "optimizer" not in common:
         raise RuntimeError(f"unable to load optimizer state from checkpoint {iteration_dir} (saved with "
                            "--no-save-optim); specify --no-load-optim or --finetune to skip it")
-    sharded = mo.model_sharded_state(model)
+    metadata = serialization.read_metadata(iteration_dir)
+    legacy = mo.is_per_layer_layout(metadata.state_dict_metadata)
+    if legacy:
+        print_rank_0(f"NOTE: checkpoint {iteration_dir} has this project's earlier per-layer torch_dist layout; it "
+                     "loads, and checkpoints saved from now on have Megatron-LM's layer-stacked layout")
+    sharded = mo.model_sharded_state(model, legacy=legacy)
+    finishers = []
     if load_optim:
         mo.ensure_optimizer_state(optimizer)
-        sharded += mo.optimizer_sharded_state(model, optimizer)
+        reads, finishers = mo.optimizer_load_plan(model, optimizer, metadata.state_dict_metadata, legacy)
+        sharded += reads
 
     def allow_missing(key):
-        # fp32 main copies exist only in checkpoints of fp16/bf16 runs; strict=False tolerates model keys.
-        return key.endswith(".fp32_param") or (not strict and not key.startswith("optimizer."))
+        # fp32 main copies exist only in checkpoints of fp16/bf16 runs (or with the distributed
+        # optimizer); strict=False tolerates model keys.
+        return (key.startswith(mo.OPTIMIZER_PREFIX + mo.MAIN_PARAM + ".") or key.endswith("." + mo.MAIN_PARAM)
+                or (not strict and not key.startswith(mo.OPTIMIZER_PREFIX)))
 
-    skipped = serialization.load(sharded, iteration_dir, allow_missing=allow_missing)
-    if optimizer is not None and hasattr(optimizer, "reload_model_params") and (
-            not load_optim or any(key.endswith(".fp32_param") for key in skipped)):
+    skipped = serialization.load(sharded, iteration_dir, metadata=metadata, allow_missing=allow_missing)
+    for finish in finishers:
+        finish()
+    main_param_skipped = any(key.startswith(mo.OPTIMIZER_PREFIX + mo.MAIN_PARAM + ".") or key.endswith(
+        "." + mo.MAIN_PARAM) for key in skipped)
+    if optimizer is not None and hasattr(optimizer, "reload_model_params") and (not load_optim or main_param_skipped):
         # fp32 main params not in the checkpoint start from the loaded (low-precision) weights.
         optimizer.reload_model_params()
     if load_optim:
@@ -1019,6 +1041,10 @@ def _load_torch_dist(args, iteration_dir, iteration, release, context, model, op
 
 
 def _load_torch_dist_rng(args, iteration_dir, common, context):
+    if "parallel_layout" not in common and not os.path.isdir(os.path.join(iteration_dir, RNG_DIRNAME)):
+        print_rank_0(f"WARNING: checkpoint {iteration_dir} was written by Megatron-LM (its RNG states are pickled "
+                     "objects, which this loader does not unpickle): the RNG states are not restored")
+        return
     saved_layout, layout = common.get("parallel_layout"), _parallel_layout(args)
     if saved_layout != layout:
         print_rank_0(f"WARNING: checkpoint {iteration_dir} was saved with the parallel layout {saved_layout}, this run "

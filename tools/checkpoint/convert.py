@@ -525,6 +525,32 @@ def _read_torch_dist_rng(iteration_dir: str, layout: Optional[dict], context: st
     return states
 
 
+def _per_layer_tensors(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Whole tensors of a torch_dist checkpoint under per-layer names: model ``decoder.layers.<i>.<name>``,
+    optimizer ``optimizer.state.<per-layer name>.<state>`` (Megatron's layer-stacked keys are split, its
+    distributed-optimizer fragments put back into parameter shape); the earlier per-layer layout passes."""
+    from megatron.core.dist_checkpointing import model_and_optimizer as mo
+
+    if mo.is_per_layer_layout(tensors):
+        return tensors
+    model = {key: value for key, value in tensors.items() if not key.startswith(_OPTIMIZER_PREFIX)}
+    out = mo.unstack_layers(model)
+    by_state: Dict[str, Dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        if not key.startswith(_OPTIMIZER_PREFIX):
+            continue
+        state_key, _, name = key[len(_OPTIMIZER_PREFIX):].partition(".")
+        param = model.get(name)
+        if param is not None and value.dim() != param.dim():  # the distributed optimizer's fragments
+            layered = name.startswith(mo.LAYER_PREFIX)
+            value = mo.unflatten_fragments(value, tuple(param.shape[1:] if layered else param.shape), layered)
+        by_state.setdefault(state_key, {})[name] = value
+    for state_key, entries in by_state.items():
+        for name, value in mo.unstack_layers(entries).items():
+            out[f"{_OPTIMIZER_PREFIX}{name}.{state_key}"] = value
+    return out
+
+
 def _read_torch_dist(load_dir, iteration, with_optimizer) -> FullCheckpoint:
     """Read a torch_dist checkpoint (torch.distributed.checkpoint files + ``common.pt``) as one FullCheckpoint,
     with ``megatron.core.dist_checkpointing``'s reader, in one process: every tensor is read whole.
@@ -554,6 +580,7 @@ def _read_torch_dist(load_dir, iteration, with_optimizer) -> FullCheckpoint:
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
         serialization.load([ShardedTensor(key, t, tuple(t.shape), (0,) * t.dim()) for key, t in tensors.items()],
                            iteration_dir)
+    tensors = _per_layer_tensors(tensors)
     release = os.path.basename(iteration_dir) == "release"
     layout = common.get("parallel_layout") or {}
     tp = layout.get("tensor_model_parallel_size", getattr(args, "tensor_model_parallel_size", 1))
@@ -588,7 +615,10 @@ def _read_torch_dist(load_dir, iteration, with_optimizer) -> FullCheckpoint:
                           "--no-load-optim")
         full.scheduler = None
         return full
-    saved_groups = common["optimizer"]["param_groups"]
+    from megatron.core.dist_checkpointing import model_and_optimizer as mo
+
+    saved_groups, saved_steps = mo.saved_groups_and_steps(common["optimizer"], common_name)
+    saved_groups = [dict(group, step=step) for group, step in zip(saved_groups, saved_steps)]
     index_of = {}
     for index, group in enumerate(saved_groups):
         index_of.setdefault(_signature_of_group(group), index)
@@ -599,11 +629,14 @@ def _read_torch_dist(load_dir, iteration, with_optimizer) -> FullCheckpoint:
             continue
         name, _, state_key = key[len(_OPTIMIZER_PREFIX):].rpartition(".")
         if state_key == _MAIN_PARAM:
+            if name in full.model and full.model[name].dtype == torch.float32:
+                continue  # the distributed optimizer's copy of an fp32 param: the param itself
             main_params[name] = value
         else:
             param_state.setdefault(name, {})[state_key] = value
     state = OptimizerState(kind="float16" if main_params else "fp32", param_state={}, groups=[], group_of={},
-                           main_params={} if main_params else None, grad_scaler=common["optimizer"].get("grad_scaler"))
+                           main_params={} if main_params else None,
+                           grad_scaler=mo.saved_grad_scaler(common["optimizer"]))
     group_index: Dict[int, int] = {}
     for name, value in full.model.items():
         if not torch.is_tensor(value):
@@ -969,14 +1002,28 @@ def write_torch_dist(full: FullCheckpoint, save_dir: str, target: "TargetLayout"
         tensor = tensor.contiguous()
         return ShardedTensor(key, tensor, tuple(tensor.shape), (0,) * tensor.dim())
 
-    items = [sharded(key, value) for key, value in full.model.items() if torch.is_tensor(value)]
+    from megatron.core.dist_checkpointing import model_and_optimizer as mo
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    model = {key: value for key, value in full.model.items() if torch.is_tensor(value)}
+    items = [sharded(key, value) for key, value in mo.stack_layers(model).items()]
+    num_layers = full.args.num_layers
+    for key in full.model:  # the layers' _extra_state objects Megatron's loader expects
+        match = _LAYER_KEY.match(key)
+        if match is not None and key.endswith("._extra_state"):
+            items.append(ShardedObject(f"{mo.LAYER_PREFIX}{match.group(2)}/shard_{match.group(1)}_{num_layers}",
+                                       mo.extra_state_bytes(None)))
     if full.optimizer is not None:
+        by_state: Dict[str, Dict[str, torch.Tensor]] = {}
         for name, entry in full.optimizer.param_state.items():
             for state_key, value in entry.items():
                 if torch.is_tensor(value) and tuple(value.shape) == tuple(full.model[name].shape):
-                    items.append(sharded(f"{_OPTIMIZER_PREFIX}{name}.{state_key}", value))
-        for name, value in (full.optimizer.main_params or {}).items():
-            items.append(sharded(f"{_OPTIMIZER_PREFIX}{name}.{_MAIN_PARAM}", value))
+                    by_state.setdefault(state_key, {})[name] = value
+        if full.optimizer.main_params:
+            by_state[_MAIN_PARAM] = dict(full.optimizer.main_params)
+        for state_key, entries in by_state.items():
+            for key, value in mo.stack_layers(entries).items():
+                items.append(sharded(f"{_OPTIMIZER_PREFIX}{state_key}.{key}", value))
     dirname = checkpoint_integrity.iteration_dirname(full.iteration, full.release)
     checkpoint_integrity.prepare_save_dir(save_dir)
     tmp_dir = os.path.join(save_dir, f".{dirname}.tmp-{os.getpid()}")

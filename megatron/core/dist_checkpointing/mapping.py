@@ -28,6 +28,8 @@ class ShardedTensor:
             rows both have and leaves the others as they are.
         replica: a copy of a tensor that another rank saves (the last pipeline stage's tied output
             weight): loaded, never saved (two differently cut copies would overlap in the checkpoint).
+        orig_global_shape: for a flattened tensor (Megatron's distributed-optimizer form), the shape
+            of the parameter it flattens; recorded in ``.metadata`` (``mcore_data``) for Megatron's loader.
     """
 
     key: str
@@ -36,6 +38,7 @@ class ShardedTensor:
     global_offset: Tuple[int, ...]
     allow_shape_mismatch: bool = False
     replica: bool = False
+    orig_global_shape: Optional[Tuple[int, ...]] = None
 
     def __post_init__(self):
         self.global_shape = tuple(int(v) for v in self.global_shape)
@@ -47,6 +50,20 @@ class ShardedTensor:
             if offset < 0 or offset + length > size:
                 raise ValueError(f"sharded tensor {self.key}: chunk [{offset}, {offset + length}) of dimension {dim} "
                                  f"lies outside the global size {size}")
+
+
+@dataclasses.dataclass
+class ShardedObject:
+    """A serialized non-tensor entry (Megatron's ``ShardedObject``), written as bytes under ``key``.
+
+    ``key`` is the full stored key (``<name>/shard_<offsets>_<global shape>``, dot-joined); ``data``
+    the bytes (``torch.save`` output). Written for Megatron's loader; this project never unpickles
+    them.
+    """
+
+    key: str
+    data: bytes
+    replica: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,29 +1,43 @@
-"""The sharded state of a GPT model and its optimizer, keyed by global names that do not depend on the layout.
+"""The sharded state of a GPT model and its optimizer under Megatron-LM core_v0.14's torch_dist keys.
 
-Keys:
-  * model tensors: the module's state-dict names with the pipeline stage's local layer index
-    replaced by the global one (``decoder.layers.<layer_number - 1>.``), also for interleaved
-    virtual stages; the last stage's tied output weight is a replica of ``embedding.word_embeddings.weight``;
-  * optimizer tensors: ``optimizer.state.<model key>.<name>`` with ``name`` ``exp_avg`` /
-    ``exp_avg_sq`` (Adam), ``momentum_buffer`` (SGD) and ``fp32_param`` (the fp32 main copy of an
-    fp16/bf16 parameter), each sharded like its parameter, whether the optimizer is distributed
-    (a flat range of the parameter per data-parallel rank) or not (the whole local parameter).
+Keys (the layout ``megatron.core`` 0.14 writes for a local-spec GPT, docs/megatron-checkpoints.md):
+  * model tensors: the module's state-dict names; a transformer layer's tensors are stacked over
+    the layers under one key with a leading layer axis of size ``num_layers``
+    (``decoder.layers.self_attention.linear_qkv.weight`` of global shape ``[num_layers, 3h, h]``),
+    each pipeline stage (and interleaved chunk) writing the slices of its global layer indices;
+    the layer norms take the local spec's checkpoint names
+    (``input_layernorm.*`` -> ``self_attention.linear_qkv.layer_norm_*``, ``pre_mlp_layernorm.*`` ->
+    ``mlp.linear_fc1.layer_norm_*``); a layer's linear ``_extra_state`` is a pickled object under
+    ``decoder.layers.<module>._extra_state/shard_<layer>_<num_layers>``; the last stage's tied output
+    weight is a replica of ``embedding.word_embeddings.weight``;
+  * optimizer tensors: ``optimizer.state.<name>.<model key>`` with ``name`` ``exp_avg`` /
+    ``exp_avg_sq`` (Adam), ``momentum_buffer`` (SGD), ``fp32_param`` (the fp32 main copy).
+    Without the distributed optimizer they have their parameter's (stacked) shape. With it they are
+    Megatron's ``fully_sharded_model_space`` form: per parameter, the tensor-parallel fragments of
+    the global tensor, each flattened, ``[num_layers?, *fragments per dimension, fragment numel]``,
+    every data-parallel rank writing the flat range it owns (``mcore_data`` in ``.metadata`` holds
+    the original shape).
 
-Tensor-parallel parameters carry their global shape and offsets (``partition_dim`` and
-``partition_stride`` attributes); the vocabulary dimension of the embedding and output weights
-may differ between layouts (padding to a multiple of ``--make-vocab-size-divisible-by`` x TP), so
-those keys allow a shape mismatch in dimension 0. Scalars (Adam's step, hyper-parameters, the grad
-scaler) are not sharded: see :func:`optimizer_common_state`.
+Loading reshards: model tensors and plain optimizer tensors are global; a flattened optimizer tensor
+saved at the same tensor-parallel fragmentation is read in place, at another one (or another
+vocabulary padding) its fragments are read whole and reassembled. Checkpoints of this project's
+earlier per-layer layout (``decoder.layers.<i>.<name>``, ``optimizer.state.<key>.<name>``) load too.
+Scalars (Adam's step, hyper-parameters, the grad scaler) are not sharded: see
+:func:`optimizer_common_state`.
 """
 from __future__ import annotations
 
+import dataclasses
+import io
+import itertools
 import re
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import (
+    ShardedObject,
     ShardedTensor,
     TPLayout,
     sharded_tensors_of_flat_range,
@@ -31,7 +45,37 @@ from megatron.core.dist_checkpointing.mapping import (
 )
 
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+OPTIMIZER_PREFIX = "optimizer.state."
+LAYER_PREFIX = "decoder.layers."
+MAIN_PARAM = "fp32_param"
+DISTRIB_OPTIM_SHARDING_TYPE = "fully_sharded_model_space"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+# Local-spec layer norms under the names Megatron's checkpoints give them (fused-norm style).
+_NORM_NAMES = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+               ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
+
+
+def checkpoint_layer_name(name: str) -> str:
+    """A layer-relative module state-dict name -> its checkpoint name (``input_layernorm.weight`` ->
+    ``self_attention.linear_qkv.layer_norm_weight``); other names are unchanged."""
+    for module_prefix, ckpt_prefix in _NORM_NAMES:
+        if name.startswith(module_prefix):
+            return ckpt_prefix + name[len(module_prefix):]
+    return name
+
+
+def module_layer_name(name: str) -> str:
+    """Inverse of :func:`checkpoint_layer_name`."""
+    for module_prefix, ckpt_prefix in _NORM_NAMES:
+        if name.startswith(ckpt_prefix):
+            return module_prefix + name[len(ckpt_prefix):]
+    return name
+
+
+def is_per_layer_layout(keys) -> bool:
+    """Whether checkpoint ``keys`` use this project's earlier per-layer layout (``decoder.layers.<i>.``)."""
+    return any(_LAYER.match(key) or (key.startswith(OPTIMIZER_PREFIX) and _LAYER.match(key[len(OPTIMIZER_PREFIX):]))
+               for key in keys)
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -48,19 +92,42 @@ def _layer_numbers(chunk: torch.nn.Module) -> Dict[int, int]:
     return {index: int(getattr(layer, "layer_number", index + 1)) - 1 for index, layer in enumerate(layers)}
 
 
-def global_key(chunk: torch.nn.Module, name: str, numbers: Optional[Dict[int, int]] = None) -> Tuple[str, bool]:
-    """``(layout-independent key, is a replica saved elsewhere)`` of state-dict entry ``name`` of the
-    (unwrapped) model chunk ``chunk``."""
+def _num_layers(chunk: torch.nn.Module) -> int:
+    config = getattr(chunk, "config", None) or getattr(getattr(chunk, "decoder", None), "config", None)
+    return int(config.num_layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class EntryKey:
+    """Where a model state-dict entry lives in the checkpoint.
+
+    ``key``: the checkpoint key (layer entries: without layer index); ``layer``: 0-based global
+    layer index (None outside the decoder layers); ``num_layers``: size of the stacked layer axis;
+    ``replica``: a copy another rank saves; ``legacy``: the earlier per-layer layout's key.
+    """
+
+    key: str
+    layer: Optional[int]
+    num_layers: int
+    replica: bool
+    legacy: str
+
+
+def entry_key(chunk: torch.nn.Module, name: str, numbers: Optional[Dict[int, int]] = None) -> EntryKey:
+    """The :class:`EntryKey` of state-dict entry ``name`` of the (unwrapped) model chunk ``chunk``."""
     numbers = _layer_numbers(chunk) if numbers is None else numbers
     match = _LAYER.match(name)
     if match is not None:
-        name = f"decoder.layers.{numbers[int(match.group(1))]}." + name[match.end():]
+        layer, rest = numbers[int(match.group(1))], name[match.end():]
+        return EntryKey(LAYER_PREFIX + checkpoint_layer_name(rest), layer, _num_layers(chunk), False,
+                        f"{LAYER_PREFIX}{layer}.{rest}")
     if (name == "output_layer.weight" and getattr(chunk, "share_embeddings_and_output_weights", False)
             and not getattr(chunk, "pre_process", True)):
         # Tied weights over pipeline stages: the last stage holds a synchronized copy of the first
         # stage's embedding, which the first stage saves.
-        return "embedding.word_embeddings.weight", True
-    return name, False
+        name = "embedding.word_embeddings.weight"
+        return EntryKey(name, None, 0, True, name)
+    return EntryKey(name, None, 0, False, name)
 
 
 def _layout(tensor: torch.Tensor) -> TPLayout:
@@ -72,32 +139,83 @@ def _layout(tensor: torch.Tensor) -> TPLayout:
     return TPLayout(tuple(tensor.shape), None, 1, tp_rank, tp_size)
 
 
-def param_keys_and_layouts(model_chunks) -> Dict[torch.Tensor, Tuple[str, TPLayout, bool, bool]]:
-    """{parameter: (global key, tensor-parallel layout, allow vocabulary shape mismatch, replica)} over all chunks."""
+@dataclasses.dataclass(frozen=True)
+class ParamInfo:
+    """A parameter's :class:`EntryKey`, tensor-parallel layout and whether its dimension 0 is the padded vocabulary."""
+
+    entry: EntryKey
+    layout: TPLayout
+    vocab: bool
+
+
+def param_keys_and_layouts(model_chunks) -> Dict[torch.Tensor, ParamInfo]:
+    """{parameter: :class:`ParamInfo`} over all chunks."""
     out = {}
     for chunk in model_chunks:
         chunk = _unwrap(chunk)
         numbers = _layer_numbers(chunk)
         for name, param in chunk.named_parameters():
-            key, replica = global_key(chunk, name, numbers)
-            out.setdefault(param, (key, _layout(param), key in VOCAB_KEYS, replica))
+            entry = entry_key(chunk, name, numbers)
+            out.setdefault(param, ParamInfo(entry, _layout(param), entry.key in VOCAB_KEYS))
     return out
 
 
-def model_sharded_state(model_chunks) -> List[ShardedTensor]:
-    """Every tensor of the state dicts of ``model_chunks`` (wrapped or not) as sharded tensors (views)."""
+def _stack(items: List[ShardedTensor], entry: EntryKey, legacy: bool = False) -> List[ShardedTensor]:
+    """Give layer entries their leading layer axis (a view: ``data.unsqueeze(0)``)."""
+    if entry.layer is None or legacy:
+        return items
+    return [ShardedTensor(item.key, item.data.unsqueeze(0), (entry.num_layers, *item.global_shape),
+                          (entry.layer, *item.global_offset), item.allow_shape_mismatch, item.replica)
+            for item in items]
+
+
+def _model_key(entry: EntryKey, legacy: bool) -> str:
+    return entry.legacy if legacy else entry.key
+
+
+def extra_state_bytes(value) -> bytes:
+    """Megatron's serialized ``_extra_state`` object: ``torch.save([value])``."""
+    buffer = io.BytesIO()
+    torch.save([value], buffer)
+    return buffer.getvalue()
+
+
+def rng_state_object(rng_state) -> ShardedObject:
+    """This rank's RNG states (``get_rng_state()``'s list) as Megatron's ``rng_state`` ShardedObject:
+    key ``rng_state/shard_<pp rank>.<tp rank>_<pp size>.<tp size>``, written by data-parallel rank 0."""
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    return ShardedObject(f"rng_state/shard_{pp_rank}.{tp_rank}_{pp_size}.{tp_size}", extra_state_bytes(rng_state),
+                         replica=parallel_state.get_data_parallel_rank() != 0)
+
+
+def model_sharded_state(model_chunks, legacy: bool = False, with_objects: bool = False) -> List:
+    """Every tensor of the state dicts of ``model_chunks`` (wrapped or not) as sharded tensors (views).
+
+    ``legacy``: the earlier per-layer keys; ``with_objects``: also the layers' ``_extra_state``
+    entries as :class:`ShardedObject` (saved for Megatron's loader, never read back).
+    """
     out = []
     for chunk in model_chunks:
         chunk = _unwrap(chunk)
         numbers = _layer_numbers(chunk)
         for name, tensor in chunk.state_dict(keep_vars=True).items():
+            entry = entry_key(chunk, name, numbers)
+            if name.endswith("._extra_state"):
+                if with_objects and entry.layer is not None and not legacy:
+                    out.append(ShardedObject(f"{entry.key}/shard_{entry.layer}_{entry.num_layers}",
+                                             extra_state_bytes(tensor)))
+                continue
             if tensor is None:
                 continue
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"model state {name!r} is a {type(tensor).__name__}, not a tensor: the torch_dist "
                                 "format stores tensors only")
-            key, replica = global_key(chunk, name, numbers)
-            out.extend(sharded_tensors_of_local(key, tensor.detach(), _layout(tensor), key in VOCAB_KEYS, replica))
+            items = sharded_tensors_of_local(_model_key(entry, legacy), tensor.detach(), _layout(tensor),
+                                             entry.key in VOCAB_KEYS, entry.replica)
+            out.extend(_stack(items, entry, legacy))
     return out
 
 
@@ -127,6 +245,198 @@ def _state_tensors(state: Dict, like: torch.Tensor) -> Dict[str, torch.Tensor]:
             if name != "step" and isinstance(value, torch.Tensor) and value.shape == like.shape}
 
 
+@dataclasses.dataclass
+class _Target:
+    """One optimizer tensor of one parameter on this rank.
+
+    ``tensor``: the whole tensor-parallel-local state (``start`` None) or the flat range
+    ``[start, start + numel)`` of the flattened local parameter (distributed optimizer);
+    ``load``: False for a tensor saved for Megatron's readers only (the distributed optimizer's
+    ``fp32_param`` of an fp32 parameter, which is the parameter itself).
+    """
+
+    name: str
+    info: ParamInfo
+    tensor: torch.Tensor
+    start: Optional[int]
+    load: bool = True
+
+
+def _optimizer_targets(model_chunks, optimizer) -> List[_Target]:
+    info = param_keys_and_layouts(model_chunks)
+    inner = optimizer.optimizer
+    out = []
+    if _is_distributed(optimizer):
+        for piece in optimizer.pieces():
+            tensors = _state_tensors(inner.state.get(piece.main_param, {}), piece.main_param)
+            for name, tensor in sorted(tensors.items()):
+                out.append(_Target(name, info[piece.model_param], tensor, piece.param_start))
+            main = piece.main_param.detach()  # fp32 params: the param itself (a view of its buffer)
+            out.append(_Target(MAIN_PARAM, info[piece.model_param], main, piece.param_start, load=piece.is_copy))
+        return out
+    for main_param, model_param in _model_params_of_main(optimizer).items():
+        if model_param not in info:
+            raise KeyError("an optimizer parameter does not belong to the model chunks being saved")
+        tensors = dict(_state_tensors(inner.state.get(main_param, {}), main_param))
+        if main_param is not model_param:
+            tensors[MAIN_PARAM] = main_param.detach()
+        for name, tensor in sorted(tensors.items()):
+            out.append(_Target(name, info[model_param], tensor.detach(), None))
+    return out
+
+
+def optimizer_key(name: str, entry: EntryKey, legacy: bool = False) -> str:
+    """``optimizer.state.<name>.<model key>`` (legacy: ``optimizer.state.<per-layer key>.<name>``)."""
+    return f"{OPTIMIZER_PREFIX}{entry.legacy}.{name}" if legacy else f"{OPTIMIZER_PREFIX}{name}.{entry.key}"
+
+
+def _plain(target: _Target, key: str, stack: bool = True) -> List[ShardedTensor]:
+    """``target`` as chunks of the parameter-shaped global tensor (stacked over layers when ``stack``)."""
+    layout, info = target.info.layout, target.info
+    if target.start is None:
+        layout = TPLayout(tuple(target.tensor.shape), layout.partition_dim, layout.stride, layout.tp_rank,
+                          layout.tp_size)
+        items = sharded_tensors_of_local(key, target.tensor, layout, info.vocab, info.entry.replica)
+    else:
+        items = sharded_tensors_of_flat_range(key, target.tensor, layout.local_shape, target.start, layout,
+                                              info.vocab, info.entry.replica)
+    return _stack(items, info.entry) if stack else items
+
+
+def _fragments(info: ParamInfo) -> Tuple[Tuple[int, ...], int, List[Tuple[Tuple[int, ...], int]]]:
+    """Megatron's tensor-parallel fragments of a parameter: (fragments per dimension, numel of one
+    fragment, [(this rank's fragment index, its start in the flattened local parameter)])."""
+    layout = info.layout
+    shape, dim = layout.local_shape, layout.partition_dim
+    numel = 1
+    for size in shape:
+        numel *= size
+    counts = [1] * len(shape)
+    if dim is None:
+        return tuple(counts), numel, [((0,) * len(shape), 0)]
+    if layout.stride > 1 and any(size != 1 for size in shape[:dim]):
+        raise ValueError(f"{info.entry.key}: a strided tensor-parallel split along dimension {dim} is not contiguous "
+                         "in the flattened parameter")
+    counts[dim] = layout.stride * layout.tp_size
+    piece = numel // layout.stride
+    pieces = []
+    for j in range(layout.stride):
+        index = [0] * len(shape)
+        index[dim] = j * layout.tp_size + layout.tp_rank
+        pieces.append((tuple(index), j * piece))
+    return tuple(counts), piece, pieces
+
+
+def flattened_shape(info: ParamInfo) -> Tuple[int, ...]:
+    """Global shape of a parameter's distributed-optimizer tensors: ``[num_layers?, *fragments, fragment numel]``."""
+    counts, piece, _ = _fragments(info)
+    layers = (info.entry.num_layers,) if info.entry.layer is not None else ()
+    return (*layers, *counts, piece)
+
+
+def _flattened(target: _Target, key: str) -> List[ShardedTensor]:
+    """``target`` in Megatron's ``fully_sharded_model_space`` form (views of ``target.tensor``)."""
+    info = target.info
+    counts, piece, pieces = _fragments(info)
+    flat = target.tensor.view(-1)
+    start = 0 if target.start is None else target.start
+    end = start + flat.numel()
+    layer = info.entry.layer
+    shape = flattened_shape(info)
+    prefix = (layer,) if layer is not None else ()
+    out = []
+    for index, piece_start in pieces:
+        lo, hi = max(start, piece_start), min(end, piece_start + piece)
+        if lo >= hi:
+            continue
+        data = flat[lo - start:hi - start].view(*([1] * (len(shape) - 1)), hi - lo)
+        out.append(ShardedTensor(key, data, shape, (*prefix, *index, lo - piece_start), replica=info.entry.replica,
+                                 orig_global_shape=_plain_shape(info)))
+    return out
+
+
+def _plain_shape(info: ParamInfo, legacy: bool = False) -> Tuple[int, ...]:
+    shape = info.layout.global_shape
+    return shape if info.entry.layer is None or legacy else (info.entry.num_layers, *shape)
+
+
+def _reassembled(target: _Target, key: str, saved_shape: Sequence[int], dtype: torch.dtype):
+    """Read a flattened optimizer tensor saved at another fragmentation (or vocabulary padding):
+    ``(reads of its whole fragments of this target's layer, a function copying this target's part
+    from them)``. Raises ValueError when the saved shape is not a fragmentation of the parameter."""
+    info = target.info
+    layered = info.entry.layer is not None
+    counts, piece = tuple(saved_shape[1 if layered else 0:-1]), int(saved_shape[-1])
+    ours = info.layout.global_shape
+    if len(counts) != len(ours) or any(size % count for size, count in zip(ours[1:], counts[1:])):
+        raise ValueError(f"{key}: checkpoint shape {list(saved_shape)} is no fragmentation of {list(ours)}")
+    piece_shape = [size // count for size, count in zip(ours, counts)]
+    rest = 1
+    for size in piece_shape[1:]:
+        rest *= size
+    piece_shape[0] = piece // rest  # the saved number of rows (vocabulary padding may differ)
+    whole = [size * count for size, count in zip(piece_shape, counts)]
+    full = torch.empty(whole, dtype=dtype)
+    reads, copies = [], []
+    for index in itertools.product(*(range(count) for count in counts)):
+        buffer = torch.empty(piece, dtype=dtype)
+        offset = ((info.entry.layer,) if layered else ()) + tuple(index) + (0,)
+        reads.append(ShardedTensor(key, buffer.view(*([1] * (len(saved_shape) - 1)), piece), tuple(saved_shape),
+                                   offset))
+        copies.append((tuple(slice(i * p, (i + 1) * p) for i, p in zip(index, piece_shape)), buffer))
+
+    def finish():
+        for region, buffer in copies:
+            full[region] = buffer.view(piece_shape)
+        for item in _plain(target, key, stack=False):
+            rows = min(item.data.shape[0], whole[0] - item.global_offset[0])
+            if rows <= 0:
+                continue  # padding rows this checkpoint does not have
+            box = tuple(slice(o, o + (rows if d == 0 else s))
+                        for d, (o, s) in enumerate(zip(item.global_offset, item.data.shape)))
+            item.data.narrow(0, 0, rows).copy_(full[box])
+    return reads, finish
+
+
+def optimizer_sharded_state(model_chunks, optimizer) -> List[ShardedTensor]:
+    """The optimizer's per-parameter tensors to save, as sharded tensors (views of the live state)."""
+    out = []
+    distributed = _is_distributed(optimizer)
+    for target in _optimizer_targets(model_chunks, optimizer):
+        key = optimizer_key(target.name, target.info.entry)
+        out.extend(_flattened(target, key) if distributed else _plain(target, key))
+    return out
+
+
+def optimizer_load_plan(model_chunks, optimizer, stored: Dict, legacy: bool = False
+                        ) -> Tuple[List[ShardedTensor], List[Callable[[], None]]]:
+    """What to read for the optimizer from a checkpoint whose ``.metadata`` entries are ``stored``:
+    ``(sharded tensors to read in place, functions to call after the read)``.
+
+    Each tensor is read in whichever form the checkpoint holds (parameter-shaped, or Megatron's
+    flattened fragments, at this or another fragmentation); ``legacy``: this project's earlier
+    per-layer keys. A missing or otherwise shaped key is requested as parameter-shaped, so the
+    read reports it.
+    """
+    reads, after = [], []
+    for target in _optimizer_targets(model_chunks, optimizer):
+        if not target.load:
+            continue
+        key = optimizer_key(target.name, target.info.entry, legacy)
+        md = stored.get(key)
+        saved = tuple(getattr(md, "size", ()) or ())
+        plain = _plain_shape(target.info, legacy)
+        if md is None or legacy or len(saved) == len(plain):
+            reads.extend(_plain(target, key, stack=not legacy))
+        elif saved == flattened_shape(target.info):
+            reads.extend(_flattened(target, key))
+        else:
+            more, finish = _reassembled(target, key, saved, md.properties.dtype)
+            reads.extend(more)
+            after.append(finish)
+    return reads, after
+
+
 def ensure_optimizer_state(optimizer) -> None:
     """Allocate the optimizer's per-parameter state (zeros) where none exists yet, so a load can fill it.
 
@@ -142,35 +452,6 @@ def ensure_optimizer_state(optimizer) -> None:
                     inner.state[param]["momentum_buffer"] = torch.zeros_like(param.detach())
 
 
-def optimizer_sharded_state(model_chunks, optimizer) -> List[ShardedTensor]:
-    """The optimizer's per-parameter tensors as sharded tensors (views of the live state)."""
-    info = param_keys_and_layouts(model_chunks)
-    inner = optimizer.optimizer
-    out = []
-    if _is_distributed(optimizer):
-        for piece in optimizer.pieces():
-            key, layout, mismatch, replica = info[piece.model_param]
-            shape = tuple(piece.model_param.shape)
-            tensors = dict(_state_tensors(inner.state.get(piece.main_param, {}), piece.main_param))
-            if piece.is_copy:
-                tensors["fp32_param"] = piece.main_param.detach()
-            for name, tensor in sorted(tensors.items()):
-                out.extend(sharded_tensors_of_flat_range(f"optimizer.state.{key}.{name}", tensor, shape,
-                                                         piece.param_start, layout, mismatch, replica))
-        return out
-    for main_param, model_param in _model_params_of_main(optimizer).items():
-        if model_param not in info:
-            raise KeyError("an optimizer parameter does not belong to the model chunks being saved")
-        key, layout, mismatch, replica = info[model_param]
-        tensors = dict(_state_tensors(inner.state.get(main_param, {}), main_param))
-        if main_param is not model_param:
-            tensors["fp32_param"] = main_param.detach()
-        for name, tensor in sorted(tensors.items()):
-            layout_of_main = TPLayout(tuple(tensor.shape), layout.partition_dim, layout.stride, layout.tp_rank,
-                                      layout.tp_size)
-            out.extend(sharded_tensors_of_local(f"optimizer.state.{key}.{name}", tensor.detach(), layout_of_main,
-                                                mismatch, replica))
-    return out
 
 
 def _group_steps(optimizer) -> List[Optional[float]]:
@@ -184,21 +465,65 @@ def _group_steps(optimizer) -> List[Optional[float]]:
 
 
 def optimizer_common_state(optimizer) -> Dict:
-    """The optimizer's unsharded state: hyper-parameters and Adam's step per param group, the grad scaler.
+    """The optimizer's unsharded state as Megatron core_v0.14 puts it into ``common.pt``.
 
-    ``{'param_groups': [{hyper-parameters..., 'step': float or None}], 'grad_scaler'?: {...}}``;
-    the same on every rank, so rank 0 writes it.
+    Param groups without ``params``; Adam's step as ``state.common_step`` (plain optimizer),
+    ``optimizer.state.common_step`` (fp16/bf16 wrapper, beside ``grad_scaler``) or as each group's
+    ``step`` (distributed optimizer, with ``param_state_sharding_type``). The same on every rank.
     """
-    groups = []
-    for group, step in zip(optimizer.optimizer.param_groups, _group_steps(optimizer)):
-        saved = {k: v for k, v in group.items() if k != "params" and not isinstance(v, torch.Tensor)}
-        saved["step"] = step
-        groups.append(saved)
-    state = {"param_groups": groups}
+    steps = _group_steps(optimizer)
+    known = [s for s in steps if s is not None]
+    groups = [{k: v for k, v in group.items() if k != "params" and not isinstance(v, torch.Tensor)}
+              for group in optimizer.optimizer.param_groups]
     scaler = getattr(optimizer, "grad_scaler", None)
-    if scaler is not None:
-        state["grad_scaler"] = scaler.state_dict()
-    return state
+    if _is_distributed(optimizer):
+        for group, step in zip(groups, steps):
+            group["step"] = step if step is not None else (max(known) if known else None)
+        state = {"optimizer": {"param_groups": groups}, "param_state_sharding_type": DISTRIB_OPTIM_SHARDING_TYPE}
+        if scaler is not None:
+            state["grad_scaler"] = scaler.state_dict()
+        return state
+    inner = {"state": {"common_step": torch.tensor(max(known) if known else 0.0)}, "param_groups": groups}
+    if hasattr(optimizer, "fp32_from_float16_groups"):
+        return {"optimizer": inner, "grad_scaler": None if scaler is None else scaler.state_dict()}
+    return inner
+
+
+def saved_groups_and_steps(state: Dict, source: str) -> Tuple[List[Dict], List[Optional[float]]]:
+    """(param groups, Adam's step per group) of any form :func:`optimizer_common_state` writes (and
+    this project's earlier ``{'param_groups': [..., 'step']}``)."""
+    if "param_state_sharding_type" in state:
+        groups = state["optimizer"]["param_groups"]
+        return groups, [g.get("step") for g in groups]
+    inner = state["optimizer"] if isinstance(state.get("optimizer"), dict) else state
+    if "param_groups" not in inner:
+        raise ValueError(f"{source}: the checkpoint's optimizer state has no param_groups")
+    groups = inner["param_groups"]
+    common = (inner.get("state") or {}).get("common_step")
+    if common is not None:
+        return groups, [float(common)] * len(groups)
+    return groups, [g.get("step") for g in groups]
+
+
+_GROUP_SIGNATURE = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+
+
+def _group_order(groups: List[Dict], saved: List[Dict]) -> List[int]:
+    """For each of ``groups``, the index of the saved group with the same (wd_mult, lr_mult,
+    is_expert_parallel, is_decoupled_lr) when those identify the groups uniquely on both sides;
+    else the positions (the writer's groups in the same order)."""
+    def signature(group):
+        return tuple(group.get(k) for k in _GROUP_SIGNATURE)
+
+    ours, theirs = [signature(g) for g in groups], [signature(g) for g in saved]
+    if len(set(ours)) == len(ours) and sorted(ours, key=repr) == sorted(theirs, key=repr):
+        return [theirs.index(sig) for sig in ours]
+    return list(range(len(saved)))
+
+
+def saved_grad_scaler(state: Dict) -> Optional[Dict]:
+    """The grad scaler's state dict in any form :func:`optimizer_common_state` writes (None without one)."""
+    return state.get("grad_scaler")
 
 
 def load_optimizer_common_state(optimizer, state: Dict, source: str) -> None:
@@ -208,17 +533,18 @@ def load_optimizer_common_state(optimizer, state: Dict, source: str) -> None:
     naming ``source`` when the number of param groups differs.
     """
     inner = optimizer.optimizer
-    saved_groups = state["param_groups"]
+    saved_groups, steps = saved_groups_and_steps(state, source)
     if len(saved_groups) != len(inner.param_groups):
         raise ValueError(f"{source}: the checkpoint's optimizer has {len(saved_groups)} param groups, this "
                          f"optimizer has {len(inner.param_groups)} (a different model or weight-decay rule)")
-    known = [g.get("step") for g in saved_groups if g.get("step") is not None]
+    known = [s for s in steps if s is not None]
     fallback = max(known) if known else None
-    for group, saved in zip(inner.param_groups, saved_groups):
+    order = _group_order(inner.param_groups, saved_groups)
+    saved_groups, steps = [saved_groups[i] for i in order], [steps[i] for i in order]
+    for group, saved, step in zip(inner.param_groups, saved_groups, steps):
         for key, value in saved.items():
             if key not in ("params", "step"):
                 group[key] = value
-        step = saved.get("step", fallback)
         step = fallback if step is None else step
         if step is None:
             continue
@@ -227,5 +553,63 @@ def load_optimizer_common_state(optimizer, state: Dict, source: str) -> None:
             if entry and any(isinstance(v, torch.Tensor) and k != "step" for k, v in entry.items()):
                 entry["step"] = torch.tensor(float(step), dtype=torch.float32)
     scaler = getattr(optimizer, "grad_scaler", None)
-    if scaler is not None and "grad_scaler" in state:
-        scaler.load_state_dict(state["grad_scaler"])
+    if scaler is not None and saved_grad_scaler(state) is not None:
+        scaler.load_state_dict(saved_grad_scaler(state))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Whole tensors (one process, e.g. tools/checkpoint/convert.py)
+# ---------------------------------------------------------------------------------------------------
+
+def stack_layers(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Whole per-layer state-dict tensors (``decoder.layers.<i>.<name>``) -> checkpoint keys and tensors,
+    each layer entry stacked over all layers (``[num_layers, ...]``). Raises ValueError when a layer
+    entry is missing from some layer."""
+    out, layered = {}, {}
+    for name, tensor in tensors.items():
+        match = _LAYER.match(name)
+        if match is None:
+            out[name] = tensor
+        else:
+            layered.setdefault(LAYER_PREFIX + checkpoint_layer_name(name[match.end():]), {})[int(match.group(1))] = \
+                tensor
+    num_layers = max((max(by_layer) + 1 for by_layer in layered.values()), default=0)
+    for key, by_layer in layered.items():
+        if sorted(by_layer) != list(range(num_layers)):
+            raise ValueError(f"{key}: present in layers {sorted(by_layer)} of {num_layers}")
+        out[key] = torch.stack([by_layer[i] for i in range(num_layers)])
+    return out
+
+
+def unstack_layers(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Inverse of :func:`stack_layers` (per-layer names pass through unchanged)."""
+    out = {}
+    for key, tensor in tensors.items():
+        if key.startswith(LAYER_PREFIX) and not _LAYER.match(key):
+            rest = module_layer_name(key[len(LAYER_PREFIX):])
+            for i in range(tensor.shape[0]):
+                out[f"{LAYER_PREFIX}{i}.{rest}"] = tensor[i]
+        else:
+            out[key] = tensor
+    return out
+
+
+def unflatten_fragments(saved: torch.Tensor, param_shape: Sequence[int], layered: bool) -> torch.Tensor:
+    """A whole distributed-optimizer tensor ``[num_layers?, *fragments, fragment numel]`` -> the
+    parameter-shaped tensor (``[num_layers?, *param_shape]``, rows as saved: the vocabulary padding
+    may differ from ``param_shape[0]``)."""
+    lead = 1 if layered else 0
+    counts, piece = tuple(saved.shape[lead:-1]), saved.shape[-1]
+    piece_shape = [size // count for size, count in zip(param_shape, counts)]
+    rest = 1
+    for size in piece_shape[1:]:
+        rest *= size
+    piece_shape[0] = piece // rest
+    whole = [size * count for size, count in zip(piece_shape, counts)]
+    layers = saved.shape[0] if layered else 1
+    out = torch.empty((layers, *whole), dtype=saved.dtype)
+    flat = saved.reshape(layers, *counts, piece)
+    for index in itertools.product(*(range(count) for count in counts)):
+        region = tuple(slice(i * p, (i + 1) * p) for i, p in zip(index, piece_shape))
+        out[(slice(None), *region)] = flat[(slice(None), *index)].reshape(layers, *piece_shape)
+    return out if layered else out[0]

@@ -10,6 +10,9 @@ through torch's plain ``pickle.load``.
 """
 from __future__ import annotations
 
+import dataclasses
+import io
+import json
 import os
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -38,10 +41,14 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed._shard._utils import narrow_tensor_by_index
 
 from megatron.core.collective_device import get_collective_device
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.safe_loading import SafeFileSystemReader, read_dcp_metadata, weights_only_load
 
 METADATA_FILENAME = ".metadata"
+# Megatron core_v0.14's description of a torch_dist checkpoint, which its loader reads first.
+MEGATRON_METADATA_FILENAME = "metadata.json"
+MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                     "common_backend_version": 1}
 
 
 class CheckpointMismatchError(ValueError):
@@ -52,7 +59,7 @@ def _index(sharded: Sequence[ShardedTensor], for_save: bool = False) -> Dict[Tup
                                                                                ShardedTensor]:
     out = {}
     for item in sharded:
-        if item.data.numel() == 0 or (for_save and item.replica):
+        if isinstance(item, ShardedObject) or item.data.numel() == 0 or (for_save and item.replica):
             continue
         slot = (item.key, item.global_offset)
         if slot in out:
@@ -64,9 +71,16 @@ def _index(sharded: Sequence[ShardedTensor], for_save: bool = False) -> Dict[Tup
 class ShardedSavePlanner(DefaultSavePlanner):
     """Writes the given sharded tensors at their global offsets; DCP's global step de-duplicates replicas."""
 
-    def __init__(self, sharded: Sequence[ShardedTensor]):
+    def __init__(self, sharded: Sequence):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._items = _index(sharded, for_save=True)
+        self._objects = {item.key: item for item in sharded if isinstance(item, ShardedObject) and not item.replica}
+        # Megatron's loader looks up the parameter shape of every flattened tensor in metadata.mcore_data.
+        self._mcore_data = {}
+        for item in sharded:
+            if isinstance(item, ShardedTensor):
+                self._mcore_data.setdefault(item.key, {} if item.orig_global_shape is None else
+                                            {"nd_reformulated_orig_global_shape": tuple(item.orig_global_shape)})
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
         self.state_dict = state_dict
@@ -84,10 +98,25 @@ class ShardedSavePlanner(DefaultSavePlanner):
                     size=torch.Size(item.global_shape),
                 ),
             ))
-        self.plan = SavePlan(items)
+        for key in self._objects:
+            items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
+        self.plan = SavePlan(items, planner_data=self._mcore_data)
         return self.plan
 
-    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+    def create_global_plan(self, all_plans: List[SavePlan]):
+        global_plan, metadata = super().create_global_plan(all_plans)
+        mcore_data = {}
+        for plan in all_plans:
+            mcore_data.update(plan.planner_data or {})
+        global_plan = [dataclasses.replace(plan, planner_data=None) for plan in global_plan]
+        metadata = dataclasses.replace(metadata, planner_data=None)
+        metadata.mcore_data = mcore_data
+        self.metadata = metadata
+        return global_plan, metadata
+
+    def resolve_data(self, write_item: WriteItem):
+        if write_item.type == WriteItemType.BYTE_IO:
+            return io.BytesIO(self._objects[write_item.index.fqn].data)
         return self._items[(write_item.index.fqn, tuple(write_item.index.offset))].data.detach()
 
 
@@ -131,11 +160,24 @@ class ShardedLoadPlanner(LoadPlanner):
         pass  # read in place into the view returned by resolve_tensor
 
 
-def save(sharded: Sequence[ShardedTensor], checkpoint_dir: str, process_group=None, thread_count: int = 1) -> None:
-    """Write ``sharded`` (this rank's chunks) into ``checkpoint_dir``; every rank of ``process_group`` calls it."""
+def save(sharded: Sequence, checkpoint_dir: str, process_group=None, thread_count: int = 1) -> None:
+    """Write ``sharded`` (this rank's :class:`ShardedTensor` chunks and :class:`ShardedObject` entries)
+    into ``checkpoint_dir``; every rank of ``process_group`` calls it. The coordinator also writes
+    Megatron's ``metadata.json``."""
     planner = ShardedSavePlanner(sharded)
     writer = dcp.FileSystemWriter(checkpoint_dir, thread_count=thread_count, sync_files=True, overwrite=True)
     dcp.save({}, storage_writer=writer, planner=planner, process_group=process_group)
+    if not dist.is_initialized() or dist.get_rank(process_group) == 0:
+        write_megatron_metadata(checkpoint_dir)
+
+
+def write_megatron_metadata(checkpoint_dir: str) -> None:
+    """Write ``metadata.json`` (Megatron core_v0.14's backend description) into ``checkpoint_dir``, fsynced."""
+    name = os.path.join(checkpoint_dir, MEGATRON_METADATA_FILENAME)
+    with open(name, "w") as f:
+        json.dump(MEGATRON_METADATA, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def read_metadata(checkpoint_dir: str) -> Metadata:
