@@ -448,22 +448,29 @@ class GPUCheck:
         checkpoint is torch_dist written with --async-save (host copy on a side CUDA stream, background
         write, finalised before the exit)."""
         m = small_model(self.dry_run)
-        n, half = m["iters"], m["half"]
-        full = losses(self.pretrain("resume_full", 1, self._small_flags(m, n))[1])
+        full = losses(self.pretrain("resume_full", 1, self._small_flags(m, m["iters"]))[1])
         self.reference_losses = full
-        ckpt = self.work / "ckpt"
-        _, first = self.pretrain("resume_first", 1, self._small_flags(
+        self._stop_and_resume("resume", 1, m, full, dropout=True)
+
+    def _stop_and_resume(self, prefix, nproc, m, full, dropout):
+        """Train ``m`` on ``nproc`` ranks to its ``half`` iteration with a torch_dist ``--async-save``
+        checkpoint and exit, resume it to ``iters``; the resumed losses must be those of ``full``.
+        Figures ``{prefix}_iterations_compared`` and ``{prefix}_max_rel_diff``."""
+        n, half = m["iters"], m["half"]
+        ckpt = self.work / f"ckpt_{prefix}"
+        _, first = self.pretrain(f"{prefix}_first", nproc, self._small_flags(
             m, n, "--save", str(ckpt), "--save-interval", str(half), "--exit-interval", str(half),
-            "--ckpt-format", "torch_dist", "--async-save"))
+            "--ckpt-format", "torch_dist", "--async-save", dropout=dropout))
         if f"exiting program at iteration {half}" not in first:
             raise StageFailed(f"the first run did not stop at iteration {half}")
-        _, second = self.pretrain("resume_second", 1, self._small_flags(m, n, "--load", str(ckpt)))
+        _, second = self.pretrain(f"{prefix}_second", nproc, self._small_flags(m, n, "--load", str(ckpt),
+                                                                               dropout=dropout))
         resumed = losses(second)
         if sorted(resumed) != list(range(half + 1, n + 1)):
             raise StageFailed(f"resumed run logged iterations {sorted(resumed)}, expected {half + 1}..{n}")
         diff = max_relative_difference(resumed, full)
-        self.figure("resume_iterations_compared", len(resumed), "iterations")
-        self.figure("resume_max_rel_diff", float(f"{diff:.3g}"), "relative")
+        self.figure(f"{prefix}_iterations_compared", len(resumed), "iterations")
+        self.figure(f"{prefix}_max_rel_diff", float(f"{diff:.3g}"), "relative")
         if diff > RESUME_RTOL[self.device]:
             raise StageFailed(f"resumed losses {resumed} differ from the uninterrupted {full} by {diff:.3g} "
                               f"(tolerance {RESUME_RTOL[self.device]})")
@@ -665,27 +672,9 @@ class GPUCheck:
         if not self.dry_run and self.gpus < 2:
             raise StageSkipped(f"a 2-GPU --async-save needs 2 GPUs; this machine has {self.gpus}")
         m = small_model(self.dry_run)
-        n, half = m["iters"], m["half"]
         full_out = self.parallel_runs.get("dp2") or self.pretrain(
-            "async_save_2gpu_full", 2, self._small_flags(m, n, dropout=False))[1]
-        full = losses(full_out)
-        ckpt = self.work / "ckpt_2gpu"
-        _, first = self.pretrain("async_save_2gpu_first", 2, self._small_flags(
-            m, n, "--save", str(ckpt), "--save-interval", str(half), "--exit-interval", str(half),
-            "--ckpt-format", "torch_dist", "--async-save", dropout=False))
-        if f"exiting program at iteration {half}" not in first:
-            raise StageFailed(f"the first run did not stop at iteration {half}")
-        _, second = self.pretrain("async_save_2gpu_second", 2, self._small_flags(
-            m, n, "--load", str(ckpt), dropout=False))
-        resumed = losses(second)
-        if sorted(resumed) != list(range(half + 1, n + 1)):
-            raise StageFailed(f"resumed run logged iterations {sorted(resumed)}, expected {half + 1}..{n}")
-        diff = max_relative_difference(resumed, full)
-        self.figure("async_save_2gpu_iterations_compared", len(resumed), "iterations")
-        self.figure("async_save_2gpu_max_rel_diff", float(f"{diff:.3g}"), "relative")
-        if diff > RESUME_RTOL[self.device]:
-            raise StageFailed(f"losses resumed from the 2-GPU --async-save checkpoint {resumed} differ from the "
-                              f"uninterrupted {full} by {diff:.3g} (tolerance {RESUME_RTOL[self.device]})")
+            "async_save_2gpu_full", 2, self._small_flags(m, m["iters"], dropout=False))[1]
+        self._stop_and_resume("async_save_2gpu", 2, m, losses(full_out), dropout=False)
 
     def stage_mfu_compile(self):
         if "--compile-transformer-layers" not in self.flags:

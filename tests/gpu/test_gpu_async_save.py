@@ -6,6 +6,7 @@ where a staging thread that never set its device waited on an idle stream of cud
 """
 import pytest
 import torch
+import torch.distributed as dist
 
 from gpu_utils import requires_cuda
 
@@ -24,11 +25,14 @@ def _save_while_busy(device: int, tmp_path):
         x = torch.tanh(x @ weight)
     state.copy_(x)
     sharded = [ShardedTensor("state", state, state.shape, (0, 0))]
-    writer = async_checkpointing.AsyncTorchDistWriter(sharded, str(tmp_path), None, {}, iteration=1)
+    # The writer's DCP collectives go over gloo, as in training (an NCCL group of another test's
+    # fixture is bound to cuda:0).
+    group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+    writer = async_checkpointing.AsyncTorchDistWriter(sharded, str(tmp_path), group, {}, iteration=1)
     assert writer.wait() is None
     expected = state.cpu()  # the training stream's result, read after everything it queued
     loaded = torch.full_like(expected, float("nan"))
-    serialization.load([ShardedTensor("state", loaded, loaded.shape, (0, 0))], str(tmp_path))
+    serialization.load([ShardedTensor("state", loaded, loaded.shape, (0, 0))], str(tmp_path), process_group=group)
     return loaded, expected
 
 
