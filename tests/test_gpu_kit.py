@@ -20,11 +20,15 @@ DRY_RUN_FIGURES = {
     "resume": ["resume_iterations_compared", "resume_max_rel_diff"],
     "telemetry": ["telemetry_spans", "telemetry_train_step_spans", "telemetry_max_rel_loss_diff"],
     "mfu": ["mfu_model_params", "mfu_micro_batch_size", "mfu_global_batch_size", "mfu_step_time_ms",
-            "mfu_tokens_per_sec", "mfu_tflops_per_gpu", "mfu"],
-    "parallel": ["parallel_iterations_compared", "tp2_max_rel_loss_diff", "dp2_max_rel_loss_diff"],
+            "mfu_tokens_per_sec", "mfu_tflops_per_gpu", "mfu", "mfu_theoretical_activation_mb",
+            "mfu_theoretical_total_mb"],
+    "profile": ["profile_table_rows", "profile_table_bytes"],
+    "parallel": ["parallel_iterations_compared", "tp2_fp32_max_rel_loss_diff", "tp2_bf16_max_rel_loss_diff",
+                 "dp2_bf16_max_rel_loss_diff"],
     "parallel_pp": ["parallel_pp_iterations_compared", "pp2_max_rel_loss_diff"],
     "dp_distopt": ["dp_distopt_max_rel_loss_diff", "dp_distopt_weight_and_optimizer_mb", "dp_distopt_step_time_ms",
                    "dp_distopt_step_time_ratio_to_dp2"],
+    "async_save_2gpu": ["async_save_2gpu_iterations_compared", "async_save_2gpu_max_rel_diff"],
 }
 
 
@@ -42,8 +46,11 @@ def test_dry_run_passes_every_stage_and_reports_every_figure(tmp_path):
             assert name in figures and figures[name]["value"] is not None, (stage, name)
             value, unit = figures[name]["value"], figures[name]["unit"]
             assert f"\n{name}: {value} {unit}\n" in result.stdout  # one printed line per figure
-    # The compile measurement is not run on the CPU; it says why.
-    assert stages["mfu_compile"]["status"] == "skipped" and stages["mfu_compile"]["detail"]
+    # The measurements run first: the MFU stage right after env.
+    assert list(stages)[:4] == ["env", "mfu", "mfu_fused", "profile"]
+    # The cuDNN and compile measurements are not run on the CPU; they say why.
+    for stage in ("mfu_fused", "mfu_compile"):
+        assert stages[stage]["status"] == "skipped" and stages[stage]["detail"]
     # What was measured is what the checks claim.
     assert figures["gpu_tests_passed"]["value"] == 0 and figures["gpu_tests_skipped"]["value"] >= 7
     assert figures["resume_max_rel_diff"]["value"] == 0.0  # the CPU resumes exactly
@@ -51,10 +58,33 @@ def test_dry_run_passes_every_stage_and_reports_every_figure(tmp_path):
     assert figures["telemetry_train_step_spans"]["value"] == iterations
     assert figures["resume_iterations_compared"]["value"] == iterations - gpu_check.small_model(dry_run=True)["half"]
     assert figures["mfu_tokens_per_sec"]["value"] > 0 and figures["peak_bf16_tflops"]["value"] == 1.0
-    assert figures["tp2_max_rel_loss_diff"]["value"] <= gpu_check.PARALLEL_RTOL
-    assert figures["dp_distopt_max_rel_loss_diff"]["value"] <= gpu_check.PARALLEL_RTOL
+    assert figures["tp2_fp32_max_rel_loss_diff"]["value"] <= 1e-5
+    assert figures["tp2_bf16_max_rel_loss_diff"]["value"] <= 2e-3
+    assert figures["dp_distopt_max_rel_loss_diff"]["value"] <= 2e-3
+    # Resumed from the 2-rank --async-save checkpoint: exactly the uninterrupted run on the CPU.
+    assert figures["async_save_2gpu_max_rel_diff"]["value"] == 0.0
+    assert figures["async_save_2gpu_iterations_compared"]["value"] == iterations - gpu_check.small_model(True)["half"]
+    # The memory report's activation estimate arrives; the profiler's table is one small file of 25 rows.
+    assert figures["mfu_theoretical_activation_mb"]["value"] > 0
+    assert figures["profile_table_rows"]["value"] == 25
+    assert (out / "kernels.txt").stat().st_size == figures["profile_table_bytes"]["value"] < 16_000
     assert figures["dp_distopt_weight_and_optimizer_mb"]["value"] > 0
     assert "training ..." in (out / "gpu_check.log").read_text()  # every run's output is kept
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_tp2_check_compares_models_of_the_same_padded_vocabulary(dry_run):
+    from types import SimpleNamespace
+
+    from megatron.core.tokenizers.null_tokenizer import NullTokenizer
+    from megatron.training.tokenizer import _vocab_size_with_padding
+
+    ids = NullTokenizer(gpu_check.small_model(dry_run)["vocab"]).vocab_size
+    padded = {tp: _vocab_size_with_padding(ids, SimpleNamespace(make_vocab_size_divisible_by=128,
+                                                                 tensor_model_parallel_size=tp, rank=1))
+              for tp in (1, 2)}
+    assert padded[1] == padded[2], padded
+    assert gpu_check.PARALLEL_RTOL == {"fp32": 1e-5, "bf16": 2e-3}
 
 
 def test_without_cuda_and_without_dry_run_it_stops_at_env(tmp_path):

@@ -40,7 +40,8 @@ def _assert_memory_report(out, bytes_per_param):
     (line,) = [line for line in out.splitlines() if line.startswith("Theoretical memory footprints:")]
     count = int(re.search(r"number of parameters on \(tensor, pipeline\) model parallel rank \(0, 0\): (\d+)",
                           out).group(1))
-    reported = float(re.fullmatch(r"Theoretical memory footprints: weight and optimizer=(\d+\.\d\d) MB", line).group(1))
+    reported = float(re.fullmatch(r"Theoretical memory footprints: weight and optimizer=(\d+\.\d\d) MB, "
+                                  r"activation=\d+\.\d\d MB, total=\d+\.\d\d MB", line).group(1))
     assert reported == pytest.approx(bytes_per_param * count / 2 ** 20, abs=0.006)
 
 

@@ -3,6 +3,7 @@ fake backend), Megatron's bytes per parameter, and the printed line."""
 import re
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
@@ -13,7 +14,9 @@ from megatron.training import global_vars
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.theoretical_memory_usage import (
     NUM_BYTES_IN_MEGABYTE,
+    activation_memory_per_layer,
     bytes_per_parameter,
+    compute_activation_memory,
     compute_weight_and_optimizer_memory,
     gpt_parameter_shapes,
     num_parameters_in_model,
@@ -132,15 +135,18 @@ def test_report_line_is_megatrons(monkeypatch, capsys):
     capsys.readouterr()
     footprint = report_theoretical_memory(args, num_microbatches=1)
     out = capsys.readouterr().out
-    match = re.fullmatch(r"Theoretical memory footprints: weight and optimizer=(\d+\.\d\d) MB\n", out)
+    match = re.fullmatch(r"Theoretical memory footprints: weight and optimizer=(\d+\.\d\d) MB, "
+                         r"activation=(\d+\.\d\d) MB, total=(\d+\.\d\d) MB\n\n", out)
     assert match, out
     n = num_parameters_on_rank(args)
     assert float(match.group(1)) == pytest.approx(18 * n / NUM_BYTES_IN_MEGABYTE, abs=0.005)
     assert footprint.weight_and_optimizer_bytes == 18 * n
     assert (footprint.weight_bytes, footprint.gradient_bytes, footprint.optimizer_bytes) == (2 * n, 4 * n, 12 * n)
+    assert float(match.group(2)) == pytest.approx(footprint.activation_bytes / NUM_BYTES_IN_MEGABYTE, abs=0.005)
+    assert float(match.group(3)) == pytest.approx(float(match.group(1)) + float(match.group(2)), abs=0.011)
 
 
-def test_report_adds_activation_with_sequence_parallel_selective(monkeypatch, capsys):
+def test_report_activation_with_sequence_parallel_selective_is_megatrons(monkeypatch, capsys):
     args = make_args("--bf16", "--tensor-model-parallel-size", "2", "--sequence-parallel",
                      "--recompute-granularity", "selective", world_size=2, monkeypatch=monkeypatch)
     capsys.readouterr()
@@ -150,10 +156,97 @@ def test_report_adds_activation_with_sequence_parallel_selective(monkeypatch, ca
                          r"activation=(\d+\.\d\d) MB, total=(\d+\.\d\d) MB\n\n", out)
     assert match, out
     s, b, h, f, v = 32, 2, 64, 256, args.padded_vocab_size
-    # Korthikanti et al. Table 2 (selective recompute, SP): s*b*h*(18 + 4f/h) per layer, over TP.
-    expected = (4 * s * b * h * (18 + 4 * f / h) + 8 * s * b + s * b * h + 4 * s * b * h * (1 + v / h)) / 2
+    # Korthikanti et al. Table 2 (selective recompute, SP): s*b*h*(18 + 4f/h) per layer over TP, as
+    # Megatron-LM prints it; the input ids (8sb) are whole on each TP rank, the embedding dropout mask
+    # (sbh), the output layer's inputs (4sbh) and fp32 logits (4sbV) split over TP; the embedding output
+    # (2sbh) stays whole because the first layer's shard is a view of it.
+    expected = (4 * s * b * h * (18 + 4 * f / h) / 2 + 8 * s * b + s * b * h / 2 + 2 * s * b * h / 2
+                + 4 * s * b * h / 2 + 4 * s * b * v / 2)
     assert footprint.activation_bytes == pytest.approx(expected)
-    assert float(match.group(3)) == pytest.approx(float(match.group(1)) + float(match.group(2)), abs=0.011)
+
+
+# GPT-3 XL as the GPU kit runs it (bench/gpu_check.py mfu_model): bf16, dropout 0, flash attention.
+GPT3_XL = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048",
+           "--max-position-embeddings", "2048", "--micro-batch-size", "16", "--bf16", "--hidden-dropout", "0",
+           "--attention-dropout", "0"]
+
+
+def test_activation_of_the_kit_model_by_hand(monkeypatch):
+    args = make_args(*GPT3_XL, monkeypatch=monkeypatch, vocab=50257)
+    s, b, h, a, layers = 2048, 16, 2048, 16, 24
+    assert args.padded_vocab_size == 50304
+    sbh = s * b * h  # 67,108,864
+    # Per layer: norm/qkv/fc1 inputs 4 x 2sbh, Q/K/V 6sbh, linear_proj input 2sbh, GeLU input and output
+    # 2 x 8sbh = 32 sbh (the paper's 34 sbh less its two dropout masks), plus the fp32 log-sum-exp 4asb.
+    per_layer = 32 * sbh + 4 * a * s * b
+    assert per_layer == 2_149_580_800  # 2050.0 MiB
+    output = 4 * sbh + 4 * s * b * 50304  # final norm and output layer inputs, fp32 logits
+    assert compute_activation_memory(args, 2) == layers * per_layer + 8 * s * b + output == 58_452_082_688
+    weights = compute_weight_and_optimizer_memory(args).weight_and_optimizer_bytes
+    assert round(weights / 2 ** 30, 1) == 22.1 and round(58_452_082_688 / 2 ** 30, 1) == 54.4  # 76.5 GiB together
+    # With dropout the masks come back (the paper's 34 sbh); the unfused kernel adds 5as^2b per layer
+    # (softmax output, dropout mask, dropout output); selective recompute drops the attention core.
+    dropout = make_args(*GPT3_XL, "--hidden-dropout", "0.1", "--attention-dropout", "0.1", monkeypatch=monkeypatch)
+    assert activation_memory_per_layer(dropout) == 34 * sbh + 4 * a * s * b
+    unfused = make_args(*GPT3_XL, "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+                        "--attention-backend", "unfused", monkeypatch=monkeypatch)
+    assert activation_memory_per_layer(unfused) == 34 * sbh + 5 * a * s * s * b
+    assert activation_memory_per_layer(unfused, recompute=True) == 34 * sbh
+    # TP=2 without sequence parallelism: sbh(10 + 24/t + 5as/(ht)) (the paper's eq. 2).
+    tp2 = make_args(*GPT3_XL, "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--attention-backend",
+                    "unfused", "--tensor-model-parallel-size", "2", world_size=2, monkeypatch=monkeypatch)
+    assert activation_memory_per_layer(tp2) == sbh * (10 + 24 / 2 + 5 * a * s / (h * 2))
+
+
+def test_full_recompute_keeps_layer_inputs(monkeypatch):
+    base = make_args(*GPT3_XL, monkeypatch=monkeypatch)
+    full = make_args(*GPT3_XL, "--recompute-granularity", "full", "--recompute-method", "uniform",
+                     "--recompute-num-layers", "1", monkeypatch=monkeypatch)
+    s, b, h = 2048, 16, 2048
+    layer = activation_memory_per_layer(base)
+    outside = compute_activation_memory(base, 1) - 24 * layer
+    # 24 checkpointed inputs (2sbh each) and one layer recomputed whole during the backward.
+    assert compute_activation_memory(full, 1) == pytest.approx(outside + 24 * 2 * s * b * h + layer)
+
+
+def _saved_activation_bytes(args):
+    """Bytes autograd keeps from one forward (loss included) of the GPT model of ``args`` on this rank.
+
+    Every tensor saved for the backward is counted once per storage; parameters are not activations.
+    """
+    global_vars.set_args(args)
+    model = pretrain_gpt.model_provider()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    s, b = args.seq_length, args.micro_batch_size
+    tokens = torch.randint(0, 1000, (b, s))
+    positions = torch.arange(s).unsqueeze(0).expand(b, s)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(tokens, positions, None, labels=tokens)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("tp,flags", [(1, []), (2, []), (2, ["--sequence-parallel"]),
+                                      (1, ["--recompute-granularity", "selective"])],
+                         ids=["tp1", "tp2", "tp2-sp", "selective"])
+def test_activation_estimate_matches_what_autograd_keeps(tp, flags, fake_world, monkeypatch):
+    """The estimate against the bytes autograd holds after a real forward on the CPU (bf16, dropout 0,
+    PyTorch's flash kernel; TP over the fake backend, which has the shapes of real collectives)."""
+    args = make_args("--bf16", "--hidden-dropout", "0", "--attention-dropout", "0", "--seq-length", "128",
+                     "--max-position-embeddings", "128", "--hidden-size", "128", "--num-layers", "2",
+                     "--tensor-model-parallel-size", str(tp), *flags, world_size=tp, monkeypatch=monkeypatch)
+    fake_world(tp, 0, tp=tp)
+    measured = _saved_activation_bytes(args)
+    estimate = compute_activation_memory(args, 1)
+    # What the formula leaves out: the norms' mean and rstd (sb each) and position ids.
+    assert abs(measured - estimate) <= 0.01 * measured, (measured, estimate)
 
 
 def test_most_loaded_stage_is_reported(monkeypatch):

@@ -76,17 +76,27 @@ def start_torch_dist_save(args, tmp_dir, model, optimizer, common, rng_state, as
                                 iteration=common["iteration"])
 
 
-def _stage(sharded: List[ShardedTensor], ready=None) -> List[ShardedTensor]:
-    """Copies of ``sharded`` in the reused host buffers (pinned when CUDA is available).
+def staging_device() -> Optional[int]:
+    """The CUDA device whose tensors a save copies: the calling (training) thread's current device, or
+    None without CUDA. Recorded when the save is scheduled, because a new thread's current device is
+    always 0 (CUDA keeps the current device per thread), whatever ``LOCAL_RANK`` the process serves."""
+    return torch.cuda.current_device() if torch.cuda.is_available() else None
 
-    With CUDA the copies run on a side stream that first waits for ``ready`` (an event recorded on
-    the training stream when the save started), so they overlap the next forward/backward.
+
+def _stage(sharded: List[ShardedTensor], ready=None, device: Optional[int] = None) -> List[ShardedTensor]:
+    """Copies of ``sharded`` in the reused host buffers (pinned when ``device`` is a CUDA device).
+
+    With a ``device`` the copies run on a side stream of that device that first waits for ``ready``
+    (an event recorded on the training stream when the save started), so they overlap the next
+    forward/backward; the call returns once an event recorded on that same stream after the last
+    copy has completed, so the host buffers hold the data before anything reads them. The caller's
+    thread must have ``device`` as its current device (``AsyncTorchDistWriter`` sets it).
     """
     staged = []
-    pin = torch.cuda.is_available()
+    pin = device is not None
     stream = None
     if pin:
-        stream = torch.cuda.Stream()
+        stream = torch.cuda.Stream(device=device)
         if ready is not None:
             stream.wait_event(ready)
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
@@ -104,7 +114,9 @@ def _stage(sharded: List[ShardedTensor], ready=None) -> List[ShardedTensor]:
             buffer.copy_(item.data, non_blocking=pin)
             staged.append(dataclasses.replace(item, data=buffer))
     if stream is not None:
-        stream.synchronize()
+        copied = torch.cuda.Event()
+        copied.record(stream)
+        copied.synchronize()
     return staged
 
 
@@ -155,11 +167,12 @@ class AsyncTorchDistWriter:
         self._group = process_group
         self._attributes = dict(attributes, **{"megatron.iteration": iteration})
         self._context = _current_context()
-        # The state to copy is what the training stream has computed up to now.
+        # The state to copy is what the training stream of this rank's GPU has computed up to now.
+        self._device = staging_device()
         self._ready = None
-        if torch.cuda.is_available():
+        if self._device is not None:
             self._ready = torch.cuda.Event()
-            self._ready.record()
+            self._ready.record(torch.cuda.current_stream(self._device))
         self._staged = threading.Event()
         self._done = threading.Event()
         self._error: Optional[BaseException] = None
@@ -173,11 +186,15 @@ class AsyncTorchDistWriter:
         from megatron.core.telemetry import managed_span
 
         try:
+            if self._device is not None:
+                # Before any CUDA call of this thread: else its stream, its event and a CUDA context
+                # would be on GPU 0 while the tensors live on this rank's GPU.
+                torch.cuda.set_device(self._device)
             with managed_span("checkpoint", "megatron.save_checkpoint.background", context=self._context,
                               **self._attributes):
                 start = time.perf_counter()
                 try:
-                    staged = _stage(self._sharded, self._ready)
+                    staged = _stage(self._sharded, self._ready, self._device)
                 finally:
                     self._sharded = None  # the live tensors are no longer referenced
                     self.staging_seconds = time.perf_counter() - start

@@ -1,4 +1,4 @@
-"""Megatron's theoretical memory report: weight, gradient and optimizer bytes per rank from the command line."""
+"""Megatron's theoretical memory report: weight, gradient, optimizer and activation bytes per rank from the command line."""
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -217,38 +217,128 @@ def compute_weight_and_optimizer_memory(args, pp_rank: Optional[int] = None) -> 
                            optimizer_bytes=n * per.optimizer)
 
 
-def compute_activation_memory(args, num_microbatches: Optional[int]) -> float:
-    """Activation bytes on the first pipeline stage with sequence parallelism and selective recompute.
+# Attention kernels that never materialise the [s, s] scores: they keep their output and a row
+# log-sum-exp (fp32) for the backward. ``auto`` picks one of them on a GPU (and on the CPU without dropout).
+_FLASH_LIKE_BACKENDS = ("flash", "fused", "auto")
+
+
+def _activation_bytes_per_element(args) -> int:
+    return 2 if (args.fp16 or args.bf16) else 4
+
+
+def activation_memory_per_layer(args, recompute: bool = False) -> float:
+    """Bytes one transformer layer keeps for its backward, for one micro-batch on one TP rank.
 
     Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"),
-    Table 2: ``s*b*h*(18 + 4*f/h)`` bytes per layer with selective recompute (34 s*b*h for f = 4h),
-    divided by TP under sequence parallelism, plus the embedding input (8 s*b bytes) and its dropout
-    mask (s*b*h) for each of PP in-flight microbatches and, without PP, the output layer and loss
-    inputs (4 s*b*h*(1 + V/h)). Non-interleaved PP keeps at most min(PP, microbatches) in flight.
+    section 4.1, with f = ffn_hidden_size, a = heads, 2-byte activations and 1-byte dropout masks:
+
+    - kept whole on every TP rank unless ``--sequence-parallel`` splits them (then / TP): the
+      inputs of both norms and of linear_qkv and linear_fc1 (4 x 2sbh) and the two hidden-dropout
+      masks (2 x sbh, only when ``--hidden-dropout`` > 0): the paper's 10 sbh;
+    - split over TP: Q, K, V (2sb(q + 2kv), 6 sbh for multi-head attention), linear_proj's
+      input (2sbh), the activation's input and linear_fc2's input (2sbf each, 8 sbh each at
+      f = 4h; SwiGLU keeps both halves of linear_fc1's output, 2sb * 2f, and their product, 2sbf):
+      the paper's 24 sbh;
+    - the core attention: with ``--attention-backend unfused``/``local`` the paper's 5 a s^2 b
+      (softmax output, dropout mask and dropout output; PyTorch's math kernel keeps fp32 copies,
+      so this is a lower bound there); with flash/fused/auto kernels no [s, s] term, only the
+      fp32 log-sum-exp (4 a s b; linear_proj's input is a view of their output, counted above).
+
+    Together 34 sbh + 5 a s^2 b for f = 4h with dropout (the paper's eq. 1), 34 sbh with
+    flash attention. ``recompute`` (``--recompute-granularity selective``) drops the core
+    attention term. fp32 training (no --bf16/--fp16) doubles every 2-byte term.
+    """
+    s, b, h = args.seq_length, args.micro_batch_size, args.hidden_size
+    tp = args.tensor_model_parallel_size
+    e = _activation_bytes_per_element(args)
+    mask = 1 if args.hidden_dropout > 0 else 0
+    q = args.kv_channels * args.num_attention_heads
+    kv = args.kv_channels * _query_groups(args)
+    f = args.ffn_hidden_size
+    mlp_inner = e * s * b * (3 * f if args.swiglu else 2 * f)  # activation input(s) + output
+    whole = 4 * e * s * b * h + 2 * mask * s * b * h
+    split = e * s * b * (q + 2 * kv) + e * s * b * q + mlp_inner
+    if not recompute:
+        a = args.num_attention_heads
+        backend = str(getattr(args, "attention_backend", "auto")).rsplit(".", 1)[-1]
+        if backend in _FLASH_LIKE_BACKENDS:
+            split += 4 * a * s * b
+        else:
+            dropout = 1 if args.attention_dropout > 0 else 0
+            # softmax output, and with dropout its mask (1 byte) and output
+            split += a * s * s * b * (e + dropout * (1 + e))
+    if args.sequence_parallel:
+        return (whole + split) / tp
+    return whole + split / tp
+
+
+def _layers_activation_memory(args, num_layers: int) -> float:
+    """Bytes the transformer layers of one stage keep for one micro-batch, with activation recompute.
+
+    Full recompute keeps each checkpointed unit's input (2sbh, / TP under sequence parallelism) and,
+    in the backward, one unit recomputed whole; ``block`` checkpoints only the first
+    ``--recompute-num-layers`` layers, ``uniform`` every unit of that many layers.
+    """
+    granularity = getattr(args, "recompute_granularity", None)
+    if granularity == "selective":
+        return num_layers * activation_memory_per_layer(args, recompute=True)
+    full_layer = activation_memory_per_layer(args)
+    if granularity != "full":
+        return num_layers * full_layer
+    unit_input = _activation_bytes_per_element(args) * args.seq_length * args.micro_batch_size * args.hidden_size
+    if args.sequence_parallel:
+        unit_input /= args.tensor_model_parallel_size
+    n = min(max(getattr(args, "recompute_num_layers", None) or 1, 1), num_layers)
+    if getattr(args, "recompute_method", None) == "block":
+        return n * unit_input + (num_layers - n) * full_layer + (full_layer if n else 0)
+    return -(-num_layers // n) * unit_input + n * full_layer
+
+
+def compute_activation_memory(args, num_microbatches: Optional[int]) -> float:
+    """Activation bytes on the first pipeline stage (the one with the most micro-batches in flight).
+
+    Per micro-batch: the layers of the stage (:func:`activation_memory_per_layer`, with
+    ``--recompute-granularity``), the input ids (8sb), the embedding dropout mask (sbh, with
+    dropout) and, under sequence parallelism, the whole embedding output (the first layer's shard
+    is a view of it). Non-interleaved 1F1B keeps min(PP, micro-batches) in flight on the first stage; the
+    interleaved schedule holds ``1 + (PP - 1) / (PP * VP)`` times more. Without PP the stage also
+    holds the output side: the final norm's and output layer's inputs (4sbh with 2-byte
+    activations) and the fp32 logits the loss keeps (4sbV / TP). With ``--sequence-parallel`` and
+    selective recompute this is Megatron-LM's own estimate (Korthikanti et al. Table 2,
+    ``sbh(18 + 4f/h)`` per layer over TP).
     """
     s, b, h = args.seq_length, args.micro_batch_size, args.hidden_size
     pp, tp = args.pipeline_model_parallel_size, args.tensor_model_parallel_size
-    per_layer = s * b * h * (18 + 4 * args.ffn_hidden_size / h)
-    total = per_layer * args.num_layers + 8 * s * b * pp + s * b * h * pp
+    layers = _layers_activation_memory(args, num_layers_on_pipeline_stage(args, 0))
+    e = _activation_bytes_per_element(args)
+    embedding = 8 * s * b + (s * b * h if args.hidden_dropout > 0 else 0)
+    if args.sequence_parallel:
+        # The first layer's norm keeps its shard as a view of the whole embedding output, which so
+        # stays alive: (1 - 1/TP) of it beyond the layers' count.
+        embedding = 8 * s * b + (s * b * h / tp if args.hidden_dropout > 0 else 0) + e * s * b * h * (1 - 1 / tp)
+    total = (layers + embedding) * pp
     vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
     if vp is not None:
         total *= 1 + (pp - 1) / (pp * vp)  # interleaved schedule holds more microbatches in flight
     elif pp > 1 and num_microbatches is not None:
         total *= min(1.0, num_microbatches / pp)
     if pp == 1:
-        total += s * b * h * 4 * (1 + args.padded_vocab_size / h)
-    return total / tp
+        total += 2 * e * s * b * h / (tp if args.sequence_parallel else 1) + 4 * s * b * args.padded_vocab_size / tp
+    return total
 
 
 def report_theoretical_memory(args, num_microbatches: Optional[int] = None, verbose: bool = False) -> MemoryFootprint:
     """Print Megatron's "Theoretical memory footprints" line (call on one rank) and return the footprint.
 
-    The line is ``Theoretical memory footprints: weight and optimizer=X MB`` and, with
-    ``--sequence-parallel`` and ``--recompute-granularity selective`` (the only case the activation
-    formula covers), ``, activation=Y MB, total=Z MB``. ``verbose`` adds the parameter counts and the
-    weight / gradient / optimizer split.
+    The line is ``Theoretical memory footprints: weight and optimizer=X MB, activation=Y MB, total=Z MB``.
+    Megatron-LM prints the activation part only with ``--sequence-parallel`` and selective recompute;
+    here it is estimated for every layout (:func:`compute_activation_memory`), since without it the
+    figure misses most of the peak (for GPT-3 XL at micro-batch 16, seq 2048: about 60 of 85 GB).
+    ``verbose`` adds the parameter counts, the weight / gradient / optimizer split and the
+    activation bytes per layer.
     """
     footprint = compute_weight_and_optimizer_memory(args)
+    footprint.activation_bytes = compute_activation_memory(args, num_microbatches)
     if verbose:
         per = bytes_per_parameter(args)
         print(f"Total number of parameters in billions: {footprint.num_parameters / 10 ** 9:.2f}", flush=True)
@@ -259,11 +349,10 @@ def report_theoretical_memory(args, num_microbatches: Optional[int] = None, verb
               f"total={per.total:.4g}; per rank: weight={footprint.weight_bytes / NUM_BYTES_IN_MEGABYTE:.2f} MB, "
               f"gradient={footprint.gradient_bytes / NUM_BYTES_IN_MEGABYTE:.2f} MB, "
               f"optimizer={footprint.optimizer_bytes / NUM_BYTES_IN_MEGABYTE:.2f} MB", flush=True)
+        per_layer = activation_memory_per_layer(args, recompute=args.recompute_granularity == "selective")
+        print(f"Theoretical activation memory per layer and micro-batch: {per_layer / NUM_BYTES_IN_MEGABYTE:.2f} MB",
+              flush=True)
     weight_and_optimizer = footprint.weight_and_optimizer_bytes / NUM_BYTES_IN_MEGABYTE
-    if not (args.sequence_parallel and args.recompute_granularity == "selective"):
-        print(f"Theoretical memory footprints: weight and optimizer={weight_and_optimizer:.2f} MB", flush=True)
-        return footprint
-    footprint.activation_bytes = compute_activation_memory(args, num_microbatches)
     activation = footprint.activation_bytes / NUM_BYTES_IN_MEGABYTE
     print(f"Theoretical memory footprints: weight and optimizer={weight_and_optimizer:.2f} MB, "
           f"activation={activation:.2f} MB, total={weight_and_optimizer + activation:.2f} MB\n", flush=True)
