@@ -32,6 +32,16 @@ def _copy_param_attributes(destination: torch.Tensor, source: torch.Tensor):
             setattr(destination, name, getattr(source, name))
 
 
+def multi_tensor_copy(destinations: List[torch.Tensor], sources: List[torch.Tensor]) -> None:
+    """``destinations[i].copy_(sources[i])`` for all i (casting dtypes) in one ``torch._foreach_copy_`` call.
+
+    On CUDA that is a handful of multi-tensor kernel launches for the whole model instead of one per
+    param; same values as the per-param copies. Raises RuntimeError if the lists' shapes differ.
+    """
+    if destinations:
+        torch._foreach_copy_(destinations, sources)
+
+
 def _zero_grad_group_helper(group: List[torch.nn.Parameter], set_to_none: bool):
     for param in group:
         if param.grad is None:
@@ -416,15 +426,19 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
         return bool(found_inf.item() > 0)
 
+    def _model_and_main_data(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        model = [p.data for group in self.float16_groups for p in group]
+        main = [p.data for group in self.fp32_from_float16_groups for p in group]
+        return model, main
+
     def _copy_main_params_to_model_params(self):
-        for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
-            for model_param, main_param in zip(model_group, main_group):
-                model_param.data.copy_(main_param.data)
+        # One multi-tensor launch (with the fp32 -> fp16/bf16 cast) instead of one copy per param.
+        model, main = self._model_and_main_data()
+        multi_tensor_copy(model, main)
 
     def _copy_model_params_to_main_params(self):
-        for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
-            for model_param, main_param in zip(model_group, main_group):
-                main_param.data.copy_(model_param.data)
+        model, main = self._model_and_main_data()
+        multi_tensor_copy(main, model)
 
     def reload_model_params(self):
         """Copy the (freshly loaded) model params into the fp32 main params."""
