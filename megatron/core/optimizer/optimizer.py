@@ -73,6 +73,9 @@ class MegatronOptimizer(ABC):
         self.optimizer = optimizer
         self.config = config
         self.init_state_fn = init_state_fn
+        # Called with the global grad norm (None when not computed: no clipping, or an fp16 overflow)
+        # before the inner step; may raise to stop the update (the training loop's deferred NaN check).
+        self.grad_norm_check: Optional[Callable[[Optional[float]], None]] = None
         self._group_param_names: Optional[List[List[str]]] = None
         if param_names is not None:
             groups = [[param_names.get(p) for p in group["params"]] for group in optimizer.param_groups]
@@ -245,6 +248,7 @@ class MegatronOptimizer(ABC):
                 timer.stop()
             self.grad_scaler.update(found_inf)
             if found_inf:
+                self._check_grad_norm(None)
                 return False, None, None
         grad_norm, num_zeros = self._clip_count_and_step()
         timer = self._start_timer("optimizer-copy-main-to-model-params")
@@ -253,11 +257,17 @@ class MegatronOptimizer(ABC):
             timer.stop()
         return True, grad_norm, num_zeros
 
+    def _check_grad_norm(self, grad_norm: Optional[float]):
+        if self.grad_norm_check is not None:
+            self.grad_norm_check(grad_norm)
+
     def _clip_count_and_step(self) -> Tuple[float, Optional[int]]:
         timer = self._start_timer("optimizer-clip-main-grad")
-        grad_norm = self.clip_grad_norm(self.config.clip_grad) if self.config.clip_grad > 0.0 else 0.0
+        grad_norm = self.clip_grad_norm(self.config.clip_grad) if self.config.clip_grad > 0.0 else None
         if timer is not None:
             timer.stop()
+        self._check_grad_norm(grad_norm)
+        grad_norm = 0.0 if grad_norm is None else grad_norm
         timer = self._start_timer("optimizer-count-zeros")
         num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
         if timer is not None:
