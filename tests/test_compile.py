@@ -162,16 +162,8 @@ def test_compile_flag_flows_from_args_to_config():
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture
 def pretrain_model():
-    import torch.distributed as dist
-
-    from dist_utils import free_port
-    from megatron.core import parallel_state
+    from dist_utils import single_rank_process_group
     from megatron.training.global_vars import set_args
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
 
     def build(extra=()):
         import pretrain_gpt
@@ -188,9 +180,8 @@ def pretrain_model():
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
         return get_model(pretrain_gpt.model_provider)[0]
 
-    yield build
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    with single_rank_process_group():
+        yield build
 
 
 @pytest.mark.timeout(120)

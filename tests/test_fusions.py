@@ -81,22 +81,22 @@ def compile_on_cpu(monkeypatch):
     torch._dynamo.reset()
 
 
+def _forward_backward(fn, tensors, *consts):
+    """fn(*tensors, *consts) and the grads of ``tensors`` (None entries pass through) for a fixed output grad."""
+    leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in tensors]
+    out = fn(*leaves, *consts)
+    out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+    return out.detach(), [t.grad for t in leaves if t is not None]
+
+
 @pytest.mark.parametrize("activation, gated", [(F.gelu, False), (F.silu, True)], ids=["gelu", "swiglu"])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_compiled_bias_activation_equals_unfused(activation, gated, with_bias, compile_on_cpu):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(S, B, 64, generator=g) * 3
     bias = torch.randn(64, generator=g) if with_bias else None
-    inputs = (x, bias)
-
-    def run(fn):
-        leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in inputs]
-        out = fn(*leaves, activation, gated)
-        out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
-        return out.detach(), [t.grad for t in leaves if t is not None]
-
-    ref_out, ref_grads = run(fused_bias_activation.bias_activation)
-    out, grads = run(fused_bias_activation.bias_activation_fused)
+    ref_out, ref_grads = _forward_backward(fused_bias_activation.bias_activation, (x, bias), activation, gated)
+    out, grads = _forward_backward(fused_bias_activation.bias_activation_fused, (x, bias), activation, gated)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1, "the fused path did not compile"
     torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-6)
     for got, want in zip(grads, ref_grads):
@@ -110,14 +110,9 @@ def test_compiled_bias_dropout_add_equals_unfused_without_dropout(training, comp
     g = torch.Generator().manual_seed(0)
     x, bias, residual = torch.randn(S, B, H, generator=g), torch.randn(H, generator=g), torch.randn(S, B, H, generator=g)
 
-    def run(fn):
-        leaves = [t.clone().requires_grad_() for t in (x, bias, residual)]
-        out = fn(*leaves, 0.0 if training else 0.1, training)
-        out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
-        return out.detach(), [t.grad for t in leaves]
-
-    ref_out, ref_grads = run(fused_bias_dropout.bias_dropout_add)
-    out, grads = run(fused_bias_dropout.bias_dropout_add_fused)
+    consts = (0.0 if training else 0.1, training)
+    ref_out, ref_grads = _forward_backward(fused_bias_dropout.bias_dropout_add, (x, bias, residual), *consts)
+    out, grads = _forward_backward(fused_bias_dropout.bias_dropout_add_fused, (x, bias, residual), *consts)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1, "the fused path did not compile"
     torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-6)
     for got, want in zip(grads, ref_grads):

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import free_port
+from dist_utils import single_rank_process_group
 from pretrain_utils import _pretrain_argv, run_ranks
 
 
@@ -44,15 +44,8 @@ def test_at_most_two_device_reads_per_iteration(nproc, flags, shared_data, shake
 
 @pytest.fixture
 def single_rank():
-    from megatron.core import parallel_state
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    with single_rank_process_group():
+        yield
 
 
 class _Net(torch.nn.Module):

@@ -1,6 +1,5 @@
 """The optimizer's step traffic: fused AdamW chosen for CUDA params (foreach elsewhere), and the fp32 main params
 copied back to fp16/bf16 model params in one multi-tensor call, equal to per-param copies."""
-import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
