@@ -13,6 +13,8 @@ S, B, F_SIZE = 128, 4, 512
 
 
 def _cuda_kernels(fn):
+    """CUDA kernels one call of ``fn`` launches (after a warm-up call that compiles it)."""
+    fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
