@@ -120,24 +120,14 @@ def test_timers_log_without_an_active_timer_gathers_nothing(single_rank, monkeyp
 def test_rope_angles_are_built_once_per_device():
     """The frequencies reach the device once: a later forward of the same length dispatches no op at all
     (already so before issue 22's change; kept as a guard)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    from op_recorder import OpRecorder
     from megatron.core.transformer.rotary_pos_embedding import RotaryEmbedding
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
 
     rope = RotaryEmbedding(16)
     device = torch.device("meta")  # stands in for CUDA: a copy to it is a dispatched op, as there
-    with Ops() as first:
+    with OpRecorder() as first:
         rope(8, device=device)
-    with Ops() as second:
+    with OpRecorder() as second:
         angles = rope(8, device=device)
     assert "aten._to_copy.default" in first.ops and second.ops == []
     assert angles.device == device and angles.shape == (8, 1, 1, 16)

@@ -1,19 +1,9 @@
 """The optimizer's step traffic: fused AdamW chosen for CUDA params (foreach elsewhere), and the fp32 main params
 copied back to fp16/bf16 model params in one multi-tensor call, equal to per-param copies."""
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron.core.optimizer import Float16OptimizerWithFloat16Params, OptimizerConfig, get_megatron_optimizer
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
+from op_recorder import OpRecorder
 
 
 def _model(dtype=torch.bfloat16, layers=6):
@@ -59,7 +49,7 @@ def test_main_params_reach_the_model_in_one_multi_tensor_copy():
     assert isinstance(opt, Float16OptimizerWithFloat16Params)
     _set_grads(model)
     _set_grads(reference)
-    with _Ops() as record:
+    with OpRecorder() as record:
         opt._copy_model_grads_to_main_grads()
         opt.optimizer.step()
         opt._copy_main_params_to_model_params()
