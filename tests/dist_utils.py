@@ -1,6 +1,7 @@
 """Run a test function in several gloo processes on CPU and collect each rank's return value; start
 the ranks of a script from the preloaded fork server (``fork_server.py``) instead of fresh interpreters."""
 import atexit
+import contextlib
 import os
 import pickle
 import signal
@@ -18,6 +19,26 @@ TESTS = Path(__file__).resolve().parent
 # The environment before any test changed it: the fork server imports torch in it (OMP_NUM_THREADS=1 as
 # every launch here sets), and each launch then passes its own environment to its ranks.
 _SERVER_ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+@contextlib.contextmanager
+def single_rank_process_group():
+    """A one-rank gloo default group with Megatron's parallel groups on it, in this process, for the
+    body; pytest.skip if a group already exists here. Destroys both on exit."""
+    import pytest
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
 
 
 def free_port() -> int:

@@ -154,3 +154,66 @@ def test_compile_flag_flows_from_args_to_config():
     off = core_transformer_config_from_args(validate_args(parse_args(args=common)))
     on = core_transformer_config_from_args(validate_args(parse_args(args=common + ["--compile-transformer-layers"])))
     assert off.compile_transformer_layers is False and on.compile_transformer_layers is True
+
+
+# ---------------------------------------------------------------------------------------------
+# The real training path: pretrain_gpt.model_provider wrapped by training.get_model (DDP, and
+# gradient-accumulation fusion on, Megatron's default), in one gloo process.
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def pretrain_model():
+    from dist_utils import single_rank_process_group
+    from megatron.training.global_vars import set_args
+
+    def build(extra=()):
+        import pretrain_gpt
+        from megatron.training.training import get_model
+
+        args = validate_args(parse_args(args=[
+            "--num-layers", "2", "--hidden-size", str(H), "--num-attention-heads", str(HEADS),
+            "--seq-length", str(S), "--max-position-embeddings", str(S), "--micro-batch-size", str(B),
+            "--train-iters", "1", "--lr", "1e-3", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--use-cpu-initialization", *extra]))
+        args.padded_vocab_size = V
+        set_args(args)
+        torch.manual_seed(0)
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+        return get_model(pretrain_gpt.model_provider)[0]
+
+    with single_rank_process_group():
+        yield build
+
+
+@pytest.mark.timeout(120)
+def test_pretrain_model_with_ddp_and_wgrad_fusion_compiles_without_breaks(pretrain_model):
+    """Each fused linear used to set ``grad_added_to_main_grad`` inside its backward: 13 breaks at 2 layers."""
+    ddp = pretrain_model()
+    assert type(ddp).__name__ == "DistributedDataParallel"
+    assert ddp.module.decoder.layers[0].mlp.linear_fc1.gradient_accumulation_fusion
+    ids, pos, labels = _batch()
+    explanation = torch._dynamo.explain(ddp)(ids, pos, None, labels=labels)
+    assert explanation.graph_break_count == 0, _break_summary(explanation)
+    assert explanation.graph_count == 1
+
+
+@pytest.mark.timeout(120)
+def test_compiled_pretrain_model_accumulates_the_same_main_grads(pretrain_model):
+    """aot_eager compiles forward and backward of the DDP model; its main_grads over two micro-batches
+    (fused wgrad into the buffer, the tied embedding's lookup grad through the DDP hook) equal eager."""
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        ddp = pretrain_model()
+        run = torch.compile(ddp, backend="aot_eager", fullgraph=True) if compiled else ddp
+        ddp.zero_grad_buffer()
+        for seed in (1, 2):
+            ids, pos, labels = _batch(seed)
+            with ddp.no_sync():
+                run(ids, pos, None, labels=labels).mean().backward()
+        ddp.finish_grad_sync()
+        results.append({name: p.main_grad.clone() for name, p in ddp.module.named_parameters()})
+    eager, compiled = results
+    assert eager.keys() == compiled.keys()
+    for name, grad in eager.items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(compiled[name], grad, rtol=1e-5, atol=1e-6, msg=name)

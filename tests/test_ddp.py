@@ -3,9 +3,8 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from dist_utils import free_port, run_distributed
+from dist_utils import run_distributed, single_rank_process_group
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.model_parallel_config import ModelParallelConfig
@@ -181,13 +180,8 @@ def test_dp2_matches_single_process_and_finalize_reductions():
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture
 def single_rank():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    with single_rank_process_group():
+        yield
 
 
 class Sizes(torch.nn.Module):

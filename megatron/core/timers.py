@@ -167,9 +167,17 @@ class Timers:
 
     def get_all_timers_string(self, names: List[str], normalizer: float = 1.0, reset: bool = True,
                               barrier: bool = False) -> Optional[str]:
-        """Collective over all ranks: the report string, or None when no named timer ran."""
+        """Collective over all ranks: the report string, or None when no named timer ran.
+
+        When none of ``names`` exists on this rank (all of them above ``--timing-log-level``, the
+        usual case of the per-iteration log line at level 0) there is nothing to gather: None at
+        once, without the all-gather and its host read. Every rank has the same timers for the same
+        names at a given log level, so all of them skip (or gather) together.
+        """
         if normalizer <= 0:
             raise ValueError(f"normalizer must be positive, got {normalizer}")
+        if not any(name in self._timers for name in names):
+            return None
         times = self._gather_ms(names, reset, barrier) / normalizer
         lines = []
         for i, name in enumerate(names):

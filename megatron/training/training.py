@@ -178,6 +178,24 @@ def _no_weight_decay_cond(args):
     return no_wd
 
 
+def _grad_nan_check(model):
+    """The optimizer's ``grad_norm_check`` under ``--check-for-nan-in-loss-and-grad``.
+
+    A NaN or Inf in any rank's local grads reaches the reduced grads and so the global grad norm;
+    a finite norm (already read to the host for clipping) proves every local grad finite, and
+    the step costs no further host read. Otherwise (no clipping, a non-finite norm, an fp16
+    overflow) each chunk reads its buckets' local norms once and the rank whose grads were not
+    finite raises, before the inner optimizer step.
+    """
+    def check(grad_norm):
+        if grad_norm is not None and math.isfinite(grad_norm):
+            return
+        for chunk in model:
+            chunk.check_for_nan_in_grad()
+
+    return check
+
+
 def setup_model_and_optimizer(model_provider_func, train_state=None):
     """Model chunks, optimizer and scheduler; loads ``--load`` when given. Returns the three.
 
@@ -199,6 +217,10 @@ def setup_model_and_optimizer(model_provider_func, train_state=None):
                                                no_weight_decay_cond=_no_weight_decay_cond(args))
             opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
             config.grad_scale_func = optimizer.scale_loss
+            if args.check_for_nan_in_loss_and_grad:
+                for chunk in model:
+                    chunk.defer_nan_check = True
+                optimizer.grad_norm_check = _grad_nan_check(model)
         config.finalize_model_grads_func = finalize_model_grads
         if not args.overlap_grad_reduce:
             # Several chunks (interleaving): one per chunk, as Megatron-LM passes them to the schedule.

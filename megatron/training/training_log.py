@@ -114,6 +114,32 @@ class LogAccumulator:
         for key, value in loss_dict.items():  # device tensors: no host sync until the log line
             self.losses[key] = self.losses.get(key, 0.0) + value
 
+    def read(self, loss_scale) -> tuple:
+        """``(loss totals {key: float}, float(loss_scale), nan count)`` with one device-to-host read.
+
+        The device values (loss totals, loss scale, per-iteration NaN flags) are stacked and read
+        together; host values pass through. Leaves the accumulator unchanged.
+        """
+        entries = [("loss", key, value) for key, value in self.losses.items()]
+        entries.append(("scale", None, loss_scale))
+        entries += [("nan", None, flag) for flag in self._nan_flags]
+        on_device = [value for _, _, value in entries if isinstance(value, torch.Tensor)]
+        read_back = iter([])
+        if on_device:
+            device = on_device[0].device
+            read_back = iter(torch.stack([v.detach().reshape(()).to(device, torch.float64) for v in on_device])
+                             .tolist())
+        losses, scale, nan = {}, 1.0, 0
+        for kind, key, value in entries:
+            value = next(read_back) if isinstance(value, torch.Tensor) else value
+            if kind == "loss":
+                losses[key] = float(value)
+            elif kind == "scale":
+                scale = float(value)
+            else:
+                nan += int(bool(value))
+        return losses, scale, nan
+
 
 def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm, params_norm,
                  num_zeros_in_grad, skipped_iter, elapsed_since_last_log, iterations_since_last_log,
@@ -189,11 +215,12 @@ def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm
         line += f" learning rate: {learning_rate:.6E} |"
     line += f" global batch size: {batch_size:5d} |"
     averages = {}
-    for key, total in acc.losses.items():
-        averages[key] = float(total) / max(acc.advanced, 1)
+    loss_totals, loss_scale_value, nan_iterations = acc.read(loss_scale)  # the log line's one host read
+    for key, total in loss_totals.items():
+        averages[key] = total / max(acc.advanced, 1)
         if not averages[key] < 0:  # NaN/Inf are shown: hiding them would hide the divergence
             line += f" {key}: {averages[key]:.6E} |"
-    line += f" loss scale: {float(loss_scale):.1f} |"
+    line += f" loss scale: {loss_scale_value:.1f} |"
     if grad_norm is not None:
         line += f" grad norm: {grad_norm:.3f} |"
     if num_zeros_in_grad is not None:
@@ -201,7 +228,7 @@ def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm
     if params_norm is not None:
         line += f" params norm: {params_norm:.3f} |"
     line += f" number of skipped iterations: {acc.skipped:3d} |"
-    line += f" number of nan iterations: {acc.nan:3d} |"
+    line += f" number of nan iterations: {nan_iterations:3d} |"
     print_rank_last(line)
     log_operator_message(line, printed_on_this_rank=is_last_rank())
     telemetry.record_step_metrics(

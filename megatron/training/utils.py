@@ -1,4 +1,6 @@
 """Small training helpers: rank-aware printing, batch broadcast within a TP group, norms, memory report."""
+from typing import Optional, Tuple
+
 import torch
 import torch.distributed as dist
 
@@ -57,19 +59,36 @@ def get_batch_on_this_tp_rank(data_iterator, needs_attention_mask: bool):
     return out
 
 
+# [micro-batch size, sequence length] of the batches broadcast over TP, learnt from the first one.
+_broadcast_batch_shape: Optional[Tuple[int, int]] = None
+
+
 def _broadcast_batch(data_iterator, needs_attention_mask: bool):
-    """TP rank 0's next batch on every rank of its TP group, on the group's collective device."""
+    """TP rank 0's next batch on every rank of its TP group, on the group's collective device.
+
+    Every batch of a run has the [b, s] of the first (fixed micro-batch size and sequence length),
+    so its shape is broadcast and read to the host once per process, not once per micro-batch (a
+    device sync under NCCL). Raises RuntimeError on TP rank 0 if a later batch has another shape.
+    """
+    global _broadcast_batch_shape
     group = parallel_state.get_tensor_model_parallel_group()
     src = parallel_state.get_tensor_model_parallel_src_rank()
     comm_device = get_collective_device(group)
+    out = {}
     if parallel_state.get_tensor_model_parallel_rank() == 0:
         batch = next(data_iterator)
         out = {k: batch[k].to(comm_device) for k in _BATCH_KEYS if k in batch and batch[k] is not None}
-        shape = torch.tensor(list(out["tokens"].shape), dtype=torch.int64, device=comm_device)
-    else:
-        out, shape = {}, torch.empty(2, dtype=torch.int64, device=comm_device)
-    dist.broadcast(shape, src, group=group)
-    b, s = shape.tolist()
+        if _broadcast_batch_shape is not None and tuple(out["tokens"].shape) != _broadcast_batch_shape:
+            raise RuntimeError(f"micro-batch of shape {tuple(out['tokens'].shape)} after batches of shape "
+                               f"{_broadcast_batch_shape}: tensor-parallel ranks expect one [b, s] per run")
+    if _broadcast_batch_shape is None:
+        if out:
+            shape = torch.tensor(list(out["tokens"].shape), dtype=torch.int64, device=comm_device)
+        else:
+            shape = torch.empty(2, dtype=torch.int64, device=comm_device)
+        dist.broadcast(shape, src, group=group)
+        _broadcast_batch_shape = tuple(shape.tolist())
+    b, s = _broadcast_batch_shape
     specs = {
         "tokens": ((b, s), torch.int64), "labels": ((b, s), torch.int64),
         "loss_mask": ((b, s), torch.float32), "position_ids": ((b, s), torch.int64),

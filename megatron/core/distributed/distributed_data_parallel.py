@@ -1,4 +1,5 @@
 """Data-parallel wrapper: contiguous param/grad buffers (``param.main_grad``), bucketed grad reduction, param gather."""
+import math
 from contextlib import contextmanager
 from typing import Dict, List, Tuple
 
@@ -93,6 +94,10 @@ class DistributedDataParallel(torch.nn.Module):
         self._forward_pre_hook_handles = {}
         if ddp_config.overlap_param_gather:
             self.enable_forward_pre_hook()
+        # With check_for_nan_in_grad, finish_grad_sync reads the local grad norms (one host read per
+        # step) unless the caller takes that over (the training loop: only when the optimizer's
+        # global grad norm, already on the host, is not finite).
+        self.defer_nan_check = False
 
     def enable_forward_pre_hook(self):
         """Wait for (and chain) the param all-gathers in forward pre-hooks (``overlap_param_gather``)."""
@@ -180,6 +185,7 @@ class DistributedDataParallel(torch.nn.Module):
 
         Buckets not launched yet (no ``overlap_grad_reduce``) are launched first under
         ``megatron.grad_sync.start``, so both spans of the spec's tree appear in every iteration.
+        Then, with ``check_for_nan_in_grad`` and unless ``defer_nan_check``, :meth:`check_for_nan_in_grad`.
         """
         unlaunched = [] if self.ddp_config.overlap_grad_reduce else [
             group for group in self.bucket_groups if not group._sync_launched]
@@ -190,6 +196,25 @@ class DistributedDataParallel(torch.nn.Module):
         with managed_span("communication", "megatron.grad_sync.finish"):
             for group in self.bucket_groups:
                 group.finish_grad_sync()
+        if self.ddp_config.check_for_nan_in_grad and not self.defer_nan_check:
+            self.check_for_nan_in_grad()
+
+    def check_for_nan_in_grad(self):
+        """Raise RuntimeError if a bucket's local grad norm, recorded before its collective, was NaN or Inf.
+
+        One host read for all buckets of the step; nothing to read (no error) when no norms were
+        recorded since the last :meth:`zero_grad_buffer` (``check_for_nan_in_grad`` off).
+        """
+        norms = [group.local_grad_norms for group in self.bucket_groups if group.local_grad_norms is not None]
+        if not norms:
+            return
+        values = torch.cat(norms).tolist()
+        if not all(math.isfinite(value) for value in values):
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            raise RuntimeError(
+                f"Rank {rank}: found NaN or Inf in local grad norm ({values}) in backward pass "
+                f"before data-parallel communication collective"
+            )
 
     def scale_gradients(self, scaling_factor: float):
         """Multiply every main_grad by ``scaling_factor`` (used for per-token loss normalisation)."""

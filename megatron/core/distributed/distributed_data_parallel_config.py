@@ -18,7 +18,11 @@ class DistributedDataParallelConfig:
         use_distributed_optimizer: lay the buffers out for a sharded optimizer (param starts padded to
             64 elements, bucket ends to lcm(dp, 128)), add a param buffer, reduce-scatter the grads
             (``--use-distributed-optimizer``).
-        check_for_nan_in_grad: fail before the collective if a bucket's grad norm is NaN/Inf.
+        check_for_nan_in_grad: record each bucket's local grad norm before its collective (on the
+            device, no host read) and raise RuntimeError naming the rank if one is NaN/Inf: in
+            ``finish_grad_sync`` (one read per step for all buckets), or when the caller calls
+            ``check_for_nan_in_grad`` itself (``defer_nan_check``; the training loop does so only when
+            the clipped grad norm is not finite, before the optimizer step).
         bucket_size: elements per bucket; None -> max(40e6, 1e6 * dp) when overlapping, else one bucket.
         average_in_collective: reduce with AVG instead of pre-scaling by 1/dp and SUM
             (``--ddp-average-in-collective``).

@@ -103,6 +103,7 @@ class _ParamAndGradBucketGroup:
         self.is_last_microbatch = True
         self.grad_reduce_handle: Optional[list] = None
         self._sync_launched = False
+        self.local_grad_norms: Optional[torch.Tensor] = None
         self._reduce_op, self._post_scale = self._choose_reduce_op()
         self._copy_after_collective: List[Tuple[torch.Tensor, torch.Tensor]] = []
         if ddp_config.use_distributed_optimizer:
@@ -128,28 +129,26 @@ class _ParamAndGradBucketGroup:
         self.is_last_microbatch = True
         self.grad_reduce_handle = None
         self._sync_launched = False
+        self.local_grad_norms: Optional[torch.Tensor] = None
 
-    def check_for_nan_in_grad(self):
-        """Raise RuntimeError if any bucket's local grad norm is NaN or Inf (before communication)."""
-        norms = torch.stack([bucket.grad_data.float().norm(p=2) for bucket in self.buckets])
-        if not bool(torch.isfinite(norms).all()):
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            raise RuntimeError(
-                f"Rank {rank}: found NaN or Inf in local grad norm ({norms.tolist()}) in backward pass "
-                f"before data-parallel communication collective"
-            )
+    def record_local_grad_norms(self):
+        """Keep each bucket's local grad norm [num_buckets] (fp32, on the grads' device), taken before
+        the collective mixes in other ranks' grads. Nothing is read here (this runs inside backward
+        with ``overlap_grad_reduce``): ``DistributedDataParallel.check_for_nan_in_grad`` reads the
+        norms of all buckets at once, one host read per step."""
+        self.local_grad_norms = torch.stack([
+            torch.linalg.vector_norm(bucket.grad_data, dtype=torch.float32) for bucket in self.buckets])
 
     def start_grad_sync(self):
         """Scale the buckets' grads and launch their all-reduce (async when overlapping).
 
         Raises:
-            RuntimeError: the collective of this group was already launched since the last reset,
-                or ``check_for_nan_in_grad`` found a non-finite grad norm.
+            RuntimeError: the collective of this group was already launched since the last reset.
         """
         if self._sync_launched:
             raise RuntimeError("grad sync of this bucket group was already started; call zero_grad_buffer() first")
         if self.ddp_config.check_for_nan_in_grad:
-            self.check_for_nan_in_grad()
+            self.record_local_grad_norms()
         for bucket in self.buckets:
             if bucket.gradient_scaling_factor != 1.0:
                 bucket.grad_data.mul_(bucket.gradient_scaling_factor)

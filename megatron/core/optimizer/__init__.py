@@ -100,6 +100,19 @@ def _get_param_groups(model_chunks: List[torch.nn.Module], no_weight_decay_cond:
     return param_groups
 
 
+def adam_implementation(params: List[torch.Tensor]) -> Dict[str, bool]:
+    """AdamW's kernel choice for ``params``: ``{'fused': True}`` when they are all on CUDA, else ``{}``.
+
+    The fused CUDA kernel reads and writes each param, grad and moment once per step (at 1.3B about
+    37 GB of traffic against ~108 GB for the multi-tensor ``foreach`` kernels, which also allocate
+    a temporary the size of the params). Elsewhere torch's default (``foreach`` where supported) is
+    kept; both implement the same update, equal up to fp32 rounding.
+    """
+    if params and all(p.is_cuda for p in params):
+        return {"fused": True}
+    return {}
+
+
 def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.Module],
                            no_weight_decay_cond: Optional[Callable] = None,
                            scale_lr_cond: Optional[Callable] = None, lr_mult: float = 1.0) -> MegatronOptimizer:
@@ -141,7 +154,8 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
     if config.optimizer == "adam":
         def make_inner(groups):
             return torch.optim.AdamW(groups, lr=config.lr, weight_decay=config.weight_decay,
-                                     betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+                                     betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+                                     **adam_implementation([p for g in groups for p in g["params"]]))
 
         def init_state_fn(opt):
             for group in opt.param_groups:

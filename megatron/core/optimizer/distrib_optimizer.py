@@ -9,7 +9,7 @@ import torch.distributed as dist
 from megatron.core.collective_device import get_collective_device
 
 from .grad_scaler import MegatronGradScaler
-from .optimizer import MegatronOptimizer, _copy_param_attributes, _zero_grad_group_helper
+from .optimizer import MegatronOptimizer, _copy_param_attributes, _zero_grad_group_helper, multi_tensor_copy
 from .optimizer_config import OptimizerConfig
 
 logger = logging.getLogger(__name__)
@@ -189,9 +189,8 @@ class DistributedOptimizer(MegatronOptimizer):
         return bool(found_inf.item() > 0)
 
     def _copy_main_params_to_model_params(self):
-        for piece in self.pieces():
-            if piece.is_copy:
-                piece.model_shard().copy_(piece.main_param)
+        copies = [piece for piece in self.pieces() if piece.is_copy]
+        multi_tensor_copy([piece.model_shard() for piece in copies], [piece.main_param for piece in copies])
 
     def _gather_model_params(self):
         for chunk in self.model_chunks:
@@ -206,9 +205,8 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def reload_model_params(self):
         """Copy the (freshly loaded) model params into this rank's fp32 main params."""
-        for piece in self.pieces():
-            if piece.is_copy:
-                piece.main_param.data.copy_(piece.model_shard())
+        copies = [piece for piece in self.pieces() if piece.is_copy]
+        multi_tensor_copy([piece.main_param.data for piece in copies], [piece.model_shard() for piece in copies])
 
     @torch.no_grad()
     def step(self) -> Tuple[bool, Optional[float], Optional[int]]:

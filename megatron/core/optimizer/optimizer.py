@@ -32,6 +32,16 @@ def _copy_param_attributes(destination: torch.Tensor, source: torch.Tensor):
             setattr(destination, name, getattr(source, name))
 
 
+def multi_tensor_copy(destinations: List[torch.Tensor], sources: List[torch.Tensor]) -> None:
+    """``destinations[i].copy_(sources[i])`` for all i (casting dtypes) in one ``torch._foreach_copy_`` call.
+
+    On CUDA that is a handful of multi-tensor kernel launches for the whole model instead of one per
+    param; same values as the per-param copies. Raises RuntimeError if the lists' shapes differ.
+    """
+    if destinations:
+        torch._foreach_copy_(destinations, sources)
+
+
 def _zero_grad_group_helper(group: List[torch.nn.Parameter], set_to_none: bool):
     for param in group:
         if param.grad is None:
@@ -63,6 +73,9 @@ class MegatronOptimizer(ABC):
         self.optimizer = optimizer
         self.config = config
         self.init_state_fn = init_state_fn
+        # Called with the global grad norm (None when not computed: no clipping, or an fp16 overflow)
+        # before the inner step; may raise to stop the update (the training loop's deferred NaN check).
+        self.grad_norm_check: Optional[Callable[[Optional[float]], None]] = None
         self._group_param_names: Optional[List[List[str]]] = None
         if param_names is not None:
             groups = [[param_names.get(p) for p in group["params"]] for group in optimizer.param_groups]
@@ -239,6 +252,7 @@ class MegatronOptimizer(ABC):
                 timer.stop()
             self.grad_scaler.update(found_inf)
             if found_inf:
+                self._check_grad_norm(None)
                 return False, None, None
         grad_norm, num_zeros = self._clip_count_and_step()
         timer = self._start_timer("optimizer-copy-main-to-model-params")
@@ -247,11 +261,17 @@ class MegatronOptimizer(ABC):
             timer.stop()
         return True, grad_norm, num_zeros
 
+    def _check_grad_norm(self, grad_norm: Optional[float]):
+        if self.grad_norm_check is not None:
+            self.grad_norm_check(grad_norm)
+
     def _clip_count_and_step(self) -> Tuple[float, Optional[int]]:
         timer = self._start_timer("optimizer-clip-main-grad")
-        grad_norm = self.clip_grad_norm(self.config.clip_grad) if self.config.clip_grad > 0.0 else 0.0
+        grad_norm = self.clip_grad_norm(self.config.clip_grad) if self.config.clip_grad > 0.0 else None
         if timer is not None:
             timer.stop()
+        self._check_grad_norm(grad_norm)
+        grad_norm = 0.0 if grad_norm is None else grad_norm
         timer = self._start_timer("optimizer-count-zeros")
         num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
         if timer is not None:
@@ -420,15 +440,19 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
         return bool(found_inf.item() > 0)
 
+    def _model_and_main_data(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        model = [p.data for group in self.float16_groups for p in group]
+        main = [p.data for group in self.fp32_from_float16_groups for p in group]
+        return model, main
+
     def _copy_main_params_to_model_params(self):
-        for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
-            for model_param, main_param in zip(model_group, main_group):
-                model_param.data.copy_(main_param.data)
+        # One multi-tensor launch (with the fp32 -> fp16/bf16 cast) instead of one copy per param.
+        model, main = self._model_and_main_data()
+        multi_tensor_copy(model, main)
 
     def _copy_model_params_to_main_params(self):
-        for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
-            for model_param, main_param in zip(model_group, main_group):
-                main_param.data.copy_(model_param.data)
+        model, main = self._model_and_main_data()
+        multi_tensor_copy(main, model)
 
     def reload_model_params(self):
         """Copy the (freshly loaded) model params into the fp32 main params."""

@@ -18,9 +18,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     Forward: global row max via all-reduce MAX, target logit picked on the owning rank and
     all-reduced (SUM) together with sum(exp); loss = log(sum_exp) - target_logit. The logits arrive
     in their compute dtype (bf16/fp16/fp32) and are upcast exactly once, fused with the max
-    subtraction, into one contiguous fp32 buffer that later holds exp, softmax and finally the
-    gradient; the caller's tensor is never written. Backward: (softmax - onehot) * grad, each rank
-    writing only its own vocab slice, returned in the logits' dtype.
+    subtraction, into one contiguous fp32 buffer that then holds exp(logit - max) and finally the
+    gradient; the caller's tensor is never written.
+
+    Passes over the [s, b, V/tp] logits (element-wise kernels or full reductions), forward and
+    backward together: amax (of the input), subtract-and-upcast, exp, sum, and in backward one
+    ``(exp * grad / sum_exp) -> logits dtype`` (an addcmul with label smoothing): five. The softmax
+    is never normalised in a pass of its own; the target's ``-1`` is a gather-sized scatter into
+    the unnormalised buffer (``exp - sum_exp``) before that last pass.
     """
 
     @staticmethod
@@ -72,7 +77,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         log_sum_exp = torch.log(sum_exp_logits)
         loss = log_sum_exp - predicted_logits
-        softmax = exp_logits.div_(sum_exp_logits.unsqueeze(-1))
 
         smoothing = 0.0
         if label_smoothing > 0:
@@ -81,31 +85,39 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             mean_log_probs = sums[1] / vocab_size - log_sum_exp
             loss = (1.0 - smoothing) * loss - smoothing * mean_log_probs
 
-        ctx.label_smoothing = label_smoothing
         ctx.smoothing = smoothing
         ctx.vocab_size = vocab_size
         ctx.input_dtype = input_dtype
-        ctx.save_for_backward(softmax, target_mask if target_mask is not None else torch.empty(0),
-                              masked_target_1d)
+        ctx.save_for_backward(exp_logits, sum_exp_logits,
+                              target_mask if target_mask is not None else torch.empty(0), masked_target_1d)
         ctx.has_mask = target_mask is not None
         return loss
 
     @staticmethod
     def backward(ctx, grad_output):
-        softmax, target_mask, masked_target_1d = ctx.saved_tensors
-        grad_input = softmax  # reuse the saved buffer; it is not needed afterwards
-        partition_vocab_size = softmax.size(-1)
-        grad_2d = grad_input.view(-1, partition_vocab_size)
-        arange_1d = torch.arange(grad_2d.size(0), device=grad_2d.device)
+        """d loss / d logit_v = (softmax_v - (1 - a') [v = target] - a' / V) * grad, in the logits' dtype."""
+        exp_logits, sum_exp_logits, target_mask, masked_target_1d = ctx.saved_tensors
+        partition_vocab_size = exp_logits.size(-1)
+        exp_2d = exp_logits.view(-1, partition_vocab_size)  # reused in place: not needed afterwards
+        arange_1d = torch.arange(exp_2d.size(0), device=exp_2d.device)
+        sum_exp_1d = sum_exp_logits.reshape(-1)
+        # softmax - onehot = (exp - sum_exp * onehot) / sum_exp: one element per token, not a pass.
+        target_weight = (1.0 - ctx.smoothing) * sum_exp_1d
         if ctx.has_mask:
-            update = 1.0 - target_mask.reshape(-1).float()
+            target_weight = target_weight.masked_fill(target_mask.reshape(-1), 0.0)
+        exp_2d[arange_1d, masked_target_1d] -= target_weight
+        scale = (grad_output / sum_exp_logits).unsqueeze(-1)
+        # The last pass writes the logits' dtype directly (in place when that is fp32).
+        if ctx.input_dtype == torch.float32:
+            grad_input = exp_logits
         else:
-            update = torch.ones(grad_2d.size(0), device=grad_2d.device)
-        grad_2d[arange_1d, masked_target_1d] -= (1.0 - ctx.smoothing) * update
+            grad_input = torch.empty(exp_logits.shape, dtype=ctx.input_dtype, device=exp_logits.device)
         if ctx.smoothing > 0:
-            grad_2d.sub_(ctx.smoothing / ctx.vocab_size)
-        grad_input.mul_(grad_output.unsqueeze(-1))
-        return grad_input.to(ctx.input_dtype), None, None
+            offset = (grad_output * (-ctx.smoothing / ctx.vocab_size)).unsqueeze(-1)
+            torch.addcmul(offset, exp_logits, scale, out=grad_input)
+        else:
+            torch.mul(exp_logits, scale, out=grad_input)
+        return grad_input, None, None
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,

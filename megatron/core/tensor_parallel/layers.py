@@ -292,8 +292,8 @@ def _fused_weight_grad(weight: torch.Tensor, grad_output_2d: torch.Tensor,
     accumulate_weight_grad(weight.main_grad, grad_output_2d, total_input_2d)
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
-    # Tell the DDP hook the grad is already in main_grad; autograd still needs a tensor.
-    weight.grad_added_to_main_grad = True
+    # The DDP hook learns that the grad is already in main_grad from the flag the forward set
+    # (see linear_with_grad_accumulation_and_async_allreduce); autograd still needs a tensor.
     return torch.zeros_like(weight) if getattr(weight, "zero_out_wgrad", False) else torch.empty_like(weight)
 
 
@@ -305,7 +305,15 @@ def linear_with_grad_accumulation_and_async_allreduce(
     allreduce_dgrad: bool,
     sequence_parallel: bool,
 ) -> torch.Tensor:
-    """Functional form of :class:`LinearWithGradAccumulationAndAsyncCommunication`."""
+    """Functional form of :class:`LinearWithGradAccumulationAndAsyncCommunication`.
+
+    With ``gradient_accumulation_fusion`` the weight's ``grad_added_to_main_grad`` (DDP's flag, reset
+    by ``zero_grad_buffer``) is set here, before the autograd Function runs, not in its backward:
+    every backward of this call adds the weight grad into ``main_grad``, and torch.compile cannot
+    trace a Python attribute write inside an autograd Function (each one split the graph).
+    """
+    if gradient_accumulation_fusion and weight.requires_grad and hasattr(weight, "grad_added_to_main_grad"):
+        weight.grad_added_to_main_grad = True
     return LinearWithGradAccumulationAndAsyncCommunication.apply(
         input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel
     )

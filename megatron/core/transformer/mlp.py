@@ -6,6 +6,7 @@ from typing import Optional, Tuple
 import torch
 
 from megatron.core import tensor_parallel
+from megatron.core.fusions.fused_bias_activation import bias_activation, bias_activation_fused
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -41,11 +42,7 @@ class MLP(MegatronModule):
     def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """hidden [s, b, h] -> (output [s, b, h], bias [h] or None)."""
         intermediate, bias = self.linear_fc1(hidden_states)
-        if bias is not None:
-            intermediate = intermediate + bias
-        if self.config.gated_linear_unit:
-            gate, up = torch.chunk(intermediate, 2, dim=-1)
-            intermediate = self.activation_func(gate) * up
-        else:
-            intermediate = self.activation_func(intermediate)
+        # --bias-gelu-fusion / --bias-swiglu-fusion: bias, activation and GLU product in one kernel.
+        impl = bias_activation_fused if self.config.bias_activation_fusion else bias_activation
+        intermediate = impl(intermediate, bias, self.activation_func, self.config.gated_linear_unit)
         return self.linear_fc2(intermediate)

@@ -87,7 +87,8 @@ class TransformerConfig(ModelParallelConfig):
     recompute_num_layers: Optional[int] = None
     distribute_saved_activations: Optional[bool] = None
 
-    # Fusions (pure-PyTorch equivalents are used; the flags are kept for argument compatibility)
+    # Fusions: bias+activation(+GLU) and bias+dropout+add run as one torch.compile'd kernel on CUDA
+    # (megatron/core/fusions); masked_softmax_fusion is kept for argument compatibility (SDPA fuses it).
     masked_softmax_fusion: bool = False
     bias_activation_fusion: bool = False
     bias_dropout_fusion: bool = False

@@ -4,24 +4,14 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.telemetry import managed_span
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.transformer_config import TransformerConfig
-
-
-def bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, prob: float,
-                     training: bool) -> torch.Tensor:
-    """``residual + dropout(x + bias)``; x/residual [s, b, h], bias [h] or None (bias added before dropout)."""
-    if bias is not None:
-        x = x + bias
-    if training and prob > 0.0:
-        x = F.dropout(x, p=prob, training=True)
-    return residual + x
 
 
 class TransformerLayer(MegatronModule):
@@ -43,6 +33,8 @@ class TransformerLayer(MegatronModule):
         self.self_attention = SelfAttention(config, layer_number=layer_number)
         self.pre_mlp_layernorm = build_norm(config)
         self.mlp = MLP(config)
+        # --bias-dropout-fusion (Megatron's default): residual + dropout(x + bias) in one kernel.
+        self.bias_dropout_add = get_bias_dropout_add(config.bias_dropout_fusion)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 context: Optional[torch.Tensor] = None, context_mask: Optional[torch.Tensor] = None,
@@ -62,8 +54,8 @@ class TransformerLayer(MegatronModule):
                 )
             if self.config.apply_residual_connection_post_layernorm:
                 residual = layernorm_output
-            hidden_states = bias_dropout_add(attention_output, attention_bias, residual, self.hidden_dropout,
-                                             self.training)
+            hidden_states = self.bias_dropout_add(attention_output, attention_bias, residual, self.hidden_dropout,
+                                                  self.training)
 
             residual = hidden_states
             layernorm_output = self.pre_mlp_layernorm(hidden_states)
@@ -71,5 +63,5 @@ class TransformerLayer(MegatronModule):
                 mlp_output, mlp_bias = self.mlp(layernorm_output)
             if self.config.apply_residual_connection_post_layernorm:
                 residual = layernorm_output
-            output = bias_dropout_add(mlp_output, mlp_bias, residual, self.hidden_dropout, self.training)
+            output = self.bias_dropout_add(mlp_output, mlp_bias, residual, self.hidden_dropout, self.training)
         return output, context

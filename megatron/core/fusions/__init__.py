@@ -1,0 +1,1 @@
+"""Fused element-wise kernels of the transformer layer (bias + activation, bias + dropout + residual)."""
