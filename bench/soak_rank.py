@@ -18,17 +18,18 @@ At exit the rank writes ``$SOAK_OUT/rank<R>.json`` (the ranks share stdout, wher
 """
 from __future__ import annotations
 
-import atexit
 import gc
 import json
 import os
-import runpy
 import sys
 import tracemalloc
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from telemetry_toggle import run_pretrain_gpt  # noqa: E402
 
 def rss_mb() -> float:
     """Resident set size of this process in MB (Linux ``/proc/self/statm``)."""
@@ -72,10 +73,7 @@ def main(argv) -> None:
         record["rank"] = int(os.environ.get("RANK", "0"))
         Path(os.environ["SOAK_OUT"], f"rank{record['rank']}.json").write_text(json.dumps(record))
 
-    training.training_log = sampled_training_log
-    atexit.register(report)
-    sys.argv = [str(REPO / "pretrain_gpt.py"), *argv]
-    runpy.run_path(str(REPO / "pretrain_gpt.py"), run_name="__main__")
+    run_pretrain_gpt(argv, sampled_training_log, report)
 
 
 if __name__ == "__main__":
