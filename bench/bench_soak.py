@@ -2,7 +2,7 @@
 
 ``python bench/bench_soak.py [--iters N] [--rounds R] [--pp P] [--span-groups SPEC] [--tracemalloc]``
 
-Runs ``pretrain_gpt.py`` (mock data, a tiny GPT, gloo, ``--pipeline-model-parallel-size P``) under
+Runs ``pretrain_gpt.py`` (mock data or ``--data``, a tiny GPT, gloo, ``--pipeline-model-parallel-size P``) under
 ``soak_rank.py`` for N iterations, alternately with telemetry off and on (``MEGATRON_OTEL_ENABLED=1``,
 the default ``single_rank`` strategy, i.e. the last rank exports, OTLP/gRPC to a receiver in this
 process that accepts and drops everything), R rounds, all launched from this process. Each rank samples
@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 MODEL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
          "--micro-batch-size 2 --global-batch-size 8")
+MOCK_DATA = "--mock-data --tokenizer-type NullTokenizer --vocab-size 1000"
 
 
 def _otlp_receiver():
@@ -51,8 +52,8 @@ def run_once(args, telemetry: bool, port: int):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.pp),
            str(Path(__file__).resolve().parent / "soak_rank.py"), *args.model.split(),
            "--pipeline-model-parallel-size", str(args.pp), "--train-iters", str(args.iters),
-           "--log-interval", str(args.log_interval), "--lr", "1e-4", "--mock-data", "--tokenizer-type",
-           "NullTokenizer", "--vocab-size", "1000", "--eval-iters", "0", "--eval-interval", str(args.iters + 1),
+           "--log-interval", str(args.log_interval), "--lr", "1e-4", *args.data.split(), "--eval-iters", "0",
+           "--eval-interval", str(args.iters + 1),
            "--distributed-backend", "gloo", "--num-workers", "0", "--seed", "1234"]
     with tempfile.TemporaryDirectory(prefix="soak_") as out:
         env["SOAK_OUT"] = out
@@ -80,7 +81,8 @@ def summarize(record, warmup: int) -> dict:
     rss = [record["rss_mb"][i] for i in keep]
     objs = [record["gc_objects"][i] for i in keep]
     return {"rss_start_mb": rss[0], "rss_end_mb": rss[-1], "rss_mb_per_1k": slope_per_1000(xs, rss),
-            "objects_per_1k": slope_per_1000(xs, objs), "top_growth": record.get("top_growth", [])}
+            "objects_per_1k": slope_per_1000(xs, objs), "top_growth": record.get("top_growth", []),
+            "iterations": record["iterations"], "rss_mb": record["rss_mb"], "gc_objects": record["gc_objects"]}
 
 
 def main() -> None:
@@ -94,6 +96,9 @@ def main() -> None:
     parser.add_argument("--span-groups", default="per_step", help="MEGATRON_OTEL_SPAN_GROUPS of the on runs")
     parser.add_argument("--tracemalloc", action="store_true", help="trace Python allocations in the on runs")
     parser.add_argument("--model", default=MODEL, help="model/batch flags of pretrain_gpt.py")
+    parser.add_argument("--data", default=MOCK_DATA, help="data and tokenizer flags of pretrain_gpt.py (default: "
+                        "mock data); e.g. '--data-path PREFIX --split 98,2,0 --tokenizer-type GPT2BPETokenizer "
+                        "--vocab-file V --merge-file M' for a preprocessed corpus")
     parser.add_argument("--timeout", type=int, default=7200, help="seconds per run")
     parser.add_argument("--json", help="also write the summaries to this file")
     args = parser.parse_args()

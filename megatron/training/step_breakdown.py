@@ -50,7 +50,8 @@ COLUMNS = ("exports", *PARTS, "other", "total", "allocated_gb", "reserved_gb", "
 _COL = {name: index for index, name in enumerate(COLUMNS)}
 COMPUTE_PARTS = ("forward_compute", "backward_compute")
 # Where a row's rank sits: (data-point attribute, column).
-_COORDINATES = (("dl.tensor_parallel.rank", "tensor_parallel_rank"), ("dl.pipeline_parallel.rank", "pipeline_parallel_rank"),
+_COORDINATES = (("dl.tensor_parallel.rank", "tensor_parallel_rank"),
+                ("dl.pipeline_parallel.rank", "pipeline_parallel_rank"),
                 ("dl.data_parallel.rank", "data_parallel_rank"), ("dl.local_rank", "local_rank"))
 # torch >= 2.13 renamed the flat all-gather; keep working on older releases.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -301,8 +302,8 @@ class StepBreakdown:
         for r in ranks:
             row = table[r]
             attrs = row_attributes(row, r, self.run_id)
-            record_training_metrics(self.meter, attributes=attrs,
-                                    **{f"step_{name}_ms": float(row[_COL[name]]) for name in (*PARTS, "other", "total")})
+            parts = {f"step_{name}_ms": float(row[_COL[name]]) for name in (*PARTS, "other", "total")}
+            record_training_metrics(self.meter, attributes=attrs, **parts)
             memory = {f"rank_memory_{key}": float(row[_COL[key]])
                       for key in ("allocated_gb", "reserved_gb", "peak_gb", "rss_gb")
                       if math.isfinite(float(row[_COL[key]]))}

@@ -138,7 +138,8 @@ def test_sampler_enabled_switch_of_nemo_lens():
     assert off.sampler_enabled is False and build_sampler(off, dropped[0], 16) is None
     assert lowest_exporting_rank(off, 16) == 0
     # The prefixed variable beats the fallback; unset leaves the strategy in charge.
-    prefixed = TelemetryConfig.from_env(environ={"MEGATRON_OTEL_SAMPLER_ENABLED": "0", "NEMO_LENS_SAMPLER_ENABLED": "1"})
+    prefixed = TelemetryConfig.from_env(environ={"MEGATRON_OTEL_SAMPLER_ENABLED": "0",
+                                                 "NEMO_LENS_SAMPLER_ENABLED": "1"})
     assert prefixed.sampler_enabled is False and prefixed.sources["sampler_enabled"] == "MEGATRON_OTEL_SAMPLER_ENABLED"
     assert TelemetryConfig.from_env(environ={}).sampler_enabled is None
     assert build_sampler(TelemetryConfig(sampling_strategy="rank_aware"), kept[0], 16) is not None

@@ -10,8 +10,8 @@ from typing import Dict, FrozenSet, Mapping, Optional, Tuple
 from .groups import SpanGroup
 from .span_groups import MegatronSpanGroup
 
-__all__ = ["TelemetryConfig", "effective_sampling_strategy", "parse_bool", "otlp_protocol", "otlp_headers_problem", "check_otlp_headers",
-           "EXPORTERS", "OTLP_PROTOCOLS", "OTLP_HEADER_VARIABLES"]
+__all__ = ["TelemetryConfig", "effective_sampling_strategy", "parse_bool", "otlp_protocol", "otlp_headers_problem",
+           "check_otlp_headers", "EXPORTERS", "OTLP_PROTOCOLS", "OTLP_HEADER_VARIABLES"]
 
 EXPORTERS: Tuple[str, ...] = ("otlp", "console")
 # MEGATRON_OTEL_METRICS_EXPORTER: empty = the EXPORTER's; "prometheus" = a pull endpoint on each exporting rank.
