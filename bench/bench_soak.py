@@ -12,8 +12,9 @@ Reported per setting and pipeline stage: RSS at the first sample after ``--warmu
 the end, and the least-squares slope after the warm-up in MB per 1,000 iterations (and GC-tracked
 objects per 1,000 iterations: a Python-level leak grows them, a native one or allocator fragmentation
 does not). The verdict is the slope of "on" next to "off" of the same stage: telemetry leaks only if
-its stage's slope is above off's by more than the rounds' spread. With ``--tracemalloc`` the on runs
-also list the source lines whose live Python allocations grew most after the warm-up.
+its stage's slope is above off's by more than the rounds' spread. With ``--tracemalloc`` the runs
+list the source lines whose live Python allocations grew most after the warm-up (tracing inflates RSS:
+read the slopes of a run without it).
 """
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def run_once(args, telemetry: bool, port: int):
     """One soak run; returns {pipeline rank: SOAK record} (the lowest rank of each stage)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MEGATRON_OTEL_", "NEMO_LENS_", "OTEL_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), SOAK_SAMPLE_EVERY=str(args.sample_every),
-               SOAK_WARMUP_ITERS=str(args.warmup), SOAK_TRACEMALLOC="1" if (telemetry and args.tracemalloc) else "0")
+               SOAK_WARMUP_ITERS=str(args.warmup), SOAK_TRACEMALLOC="1" if args.tracemalloc else "0")
+    env.update(item.split("=", 1) for item in args.env)
     if telemetry:
         env.update(MEGATRON_OTEL_ENABLED="1", MEGATRON_OTEL_SPAN_GROUPS=args.span_groups,
                    OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}", OTEL_EXPORTER_OTLP_PROTOCOL="grpc")
@@ -80,7 +82,9 @@ def summarize(record, warmup: int) -> dict:
     xs = [record["iterations"][i] for i in keep]
     rss = [record["rss_mb"][i] for i in keep]
     objs = [record["gc_objects"][i] for i in keep]
+    anon = [record["anon_mb"][i] for i in keep]
     return {"rss_start_mb": rss[0], "rss_end_mb": rss[-1], "rss_mb_per_1k": slope_per_1000(xs, rss),
+            "anon_mb_per_1k": slope_per_1000(xs, anon), "anon_end_mb": anon[-1], "file_end_mb": record["file_mb"][-1],
             "objects_per_1k": slope_per_1000(xs, objs), "top_growth": record.get("top_growth", []),
             "iterations": record["iterations"], "rss_mb": record["rss_mb"], "gc_objects": record["gc_objects"]}
 
@@ -94,11 +98,13 @@ def main() -> None:
     parser.add_argument("--sample-every", type=int, default=100, help="iterations between samples (default 100)")
     parser.add_argument("--log-interval", type=int, default=10)
     parser.add_argument("--span-groups", default="per_step", help="MEGATRON_OTEL_SPAN_GROUPS of the on runs")
-    parser.add_argument("--tracemalloc", action="store_true", help="trace Python allocations in the on runs")
+    parser.add_argument("--tracemalloc", action="store_true", help="trace Python allocations (every run)")
     parser.add_argument("--model", default=MODEL, help="model/batch flags of pretrain_gpt.py")
     parser.add_argument("--data", default=MOCK_DATA, help="data and tokenizer flags of pretrain_gpt.py (default: "
                         "mock data); e.g. '--data-path PREFIX --split 98,2,0 --tokenizer-type GPT2BPETokenizer "
                         "--vocab-file V --merge-file M' for a preprocessed corpus")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="extra environment of the ranks (repeatable), e.g. MALLOC_MMAP_THRESHOLD_=131072")
     parser.add_argument("--timeout", type=int, default=7200, help="seconds per run")
     parser.add_argument("--json", help="also write the summaries to this file")
     args = parser.parse_args()
@@ -114,7 +120,9 @@ def main() -> None:
                 results[setting].append(summary)
                 for stage, s in sorted(summary.items()):
                     print(f"round {round_index} {setting:3s} stage {stage}: RSS {s['rss_start_mb']:.1f} -> "
-                          f"{s['rss_end_mb']:.1f} MB, {s['rss_mb_per_1k']:+.2f} MB/1k it, "
+                          f"{s['rss_end_mb']:.1f} MB, {s['rss_mb_per_1k']:+.2f} MB/1k it (anonymous "
+                          f"{s['anon_mb_per_1k']:+.2f}; at the end {s['anon_end_mb']:.1f} anonymous, "
+                          f"{s['file_end_mb']:.1f} file-backed), "
                           f"{s['objects_per_1k']:+.1f} GC objects/1k it", flush=True)
                     for size_kb, count, where in s["top_growth"][:8]:
                         print(f"    {size_kb:+9.1f} KiB {count:+7d} blocks  {where}", flush=True)

@@ -2,7 +2,7 @@
 
 Run as a torchrun rank by ``bench_soak.py`` (``python bench/soak_rank.py <pretrain_gpt.py flags>``).
 Every ``SOAK_SAMPLE_EVERY`` iterations (default 100) it records, after the iteration's ``training_log``:
-the resident set size (``/proc/self/statm``, MB), the number of objects the garbage collector tracks
+the resident set size (``/proc/self/statm``, MB) and its anonymous and file-backed parts, the number of objects the garbage collector tracks
 (``gc.get_objects()``: a Python-level leak grows it; a native one does not) and, with
 ``SOAK_TRACEMALLOC=1``, the bytes tracemalloc sees allocated by Python code.
 
@@ -13,7 +13,7 @@ grouped by line, this project's and the libraries' frames alike).
 
 At exit the rank writes ``$SOAK_OUT/rank<R>.json`` (the ranks share stdout, where lines interleave):
 ``rank``, ``pipeline_rank``, ``iterations``,
-``rss_mb``, ``gc_objects``, ``traced_mb`` (lists, one entry per sample) and ``top_growth`` (list of
+``rss_mb``, ``anon_mb``, ``file_mb``, ``gc_objects``, ``traced_mb`` (lists, one entry per sample) and ``top_growth`` (list of
 ``[size_diff_kb, count_diff, "file:line"]``).
 """
 from __future__ import annotations
@@ -37,6 +37,18 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
 
 
+def rss_parts_mb() -> dict:
+    """``RssAnon`` (heap, stacks: what a leak grows) and ``RssFile`` (mapped files, e.g. the dataset's
+    memory-mapped ``.bin``/``.npy`` pages, which the kernel may drop) of ``/proc/self/status``, MB."""
+    parts = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile"):
+                parts[key] = int(value.split()[0]) / 1e3  # kB
+    return parts
+
+
 def main(argv) -> None:
     import megatron.training.training as training
     from megatron.core import parallel_state
@@ -44,7 +56,8 @@ def main(argv) -> None:
     every = int(os.environ.get("SOAK_SAMPLE_EVERY", "100"))
     warmup = int(os.environ.get("SOAK_WARMUP_ITERS", "500"))
     trace = os.environ.get("SOAK_TRACEMALLOC", "0") == "1"
-    record = {"iterations": [], "rss_mb": [], "gc_objects": [], "traced_mb": [], "top_growth": []}
+    record = {"iterations": [], "rss_mb": [], "anon_mb": [], "file_mb": [], "gc_objects": [], "traced_mb": [],
+              "top_growth": []}
     snapshots = {}
     inner = training.training_log
 
@@ -59,6 +72,9 @@ def main(argv) -> None:
         if iteration % every == 0:
             record["iterations"].append(iteration)
             record["rss_mb"].append(rss_mb())
+            parts = rss_parts_mb()
+            record["anon_mb"].append(parts.get("RssAnon", float("nan")))
+            record["file_mb"].append(parts.get("RssFile", float("nan")))
             record["gc_objects"].append(len(gc.get_objects()))
             record["traced_mb"].append(tracemalloc.get_traced_memory()[0] / 1e6 if tracemalloc.is_tracing() else 0.0)
         return result
