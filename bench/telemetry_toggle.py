@@ -165,8 +165,16 @@ def main(argv) -> None:
                 out[f"{kind}_{side}_cpu_ms"] = [values[p][1] for p in both]
         print(f"{PREFIX} " + json.dumps(out), flush=True)
 
-    training.training_log = timed_training_log
-    atexit.register(report)
+    run_pretrain_gpt(argv, timed_training_log, report)
+
+
+def run_pretrain_gpt(argv, training_log, at_exit) -> None:
+    """Run ``pretrain_gpt.py argv`` in this process with ``training.training_log`` replaced by
+    ``training_log`` (which calls the original itself) and ``at_exit`` registered with ``atexit``."""
+    import megatron.training.training as training
+
+    training.training_log = training_log
+    atexit.register(at_exit)
     sys.argv = [str(REPO / "pretrain_gpt.py"), *argv]
     runpy.run_path(str(REPO / "pretrain_gpt.py"), run_name="__main__")
 

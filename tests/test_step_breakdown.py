@@ -144,11 +144,17 @@ def test_data_iterator_wrapper_charges_data_wait():
     assert rec.take()["data_wait"] >= 15.0
 
 
-def _table(compute_ms, data_ms, exports):
+def _table(compute_ms, data_ms, exports, stages=None):
+    """Gathered table of ranks with these compute/data-wait times and export flags; ``stages`` are
+    the ranks' pipeline stages (default all 0: data parallel ranks 0..N-1)."""
     rows = []
+    stages = stages or [0] * len(compute_ms)
     for rank, (compute, data, flag) in enumerate(zip(compute_ms, data_ms, exports)):
         row = dict.fromkeys(COLUMNS, float("nan"))
         row.update({part: 0.0 for part in PARTS}, exports=float(flag), other=1.0, rss_gb=0.5 + rank)
+        dp = sum(1 for s in stages[:rank] if s == stages[rank])
+        row.update(tensor_parallel_rank=0.0, pipeline_parallel_rank=float(stages[rank]), data_parallel_rank=float(dp),
+                   local_rank=float(rank))
         row.update(forward_compute=compute / 2, backward_compute=compute / 2, data_wait=data)
         row["total"] = compute + data + 1.0
         rows.append([row[c] for c in COLUMNS])
@@ -182,8 +188,8 @@ class _Meter:
         points = self.points
 
         class Gauge:
-            def set(self, value, attributes):
-                points.append((name, value, dict(attributes)))
+            def set(self, value, attributes=None):
+                points.append((name, value, dict(attributes or {})))
 
         return Gauge()
 
@@ -206,6 +212,52 @@ def test_lowest_exporting_rank_sends_the_rows_of_silent_ranks_and_the_straggler_
     assert not [n for n, _, _ in other.points if ".straggler." in n]
     rss = {a["dl.rank"]: v for n, v, a in lead.points if n == "megatron.training.memory.rss_gb"}
     assert rss == {0: 0.5, 1: 1.5}
+
+
+def test_straggler_view_compares_ranks_of_one_pipeline_stage():
+    # PP=2 x DP=2 (ranks 0, 1 on stage 0; 2, 3 on stage 1): stage 1 holds 3x the work of stage 0.
+    table = _table([100.0, 110.0, 300.0, 330.0], [1.0] * 4, exports=[1, 0, 0, 0], stages=[0, 0, 1, 1])
+    meter = _Meter()
+    StepBreakdown(0, 4, meter, False, recorder=StepTimeRecorder(use_cuda_events=False))._record(table)
+    view = {}
+    for name, value, attrs in meter.points:
+        if ".straggler." in name:
+            view.setdefault(attrs["dl.pipeline_parallel.rank"], {})[name.rsplit(".", 1)[1]] = value
+    assert view == {0: {"slowest_compute_ms": 110.0, "fastest_compute_ms": 100.0, "ratio": pytest.approx(1.1),
+                        "slowest_rank": 1, "fastest_rank": 0},
+                    1: {"slowest_compute_ms": 330.0, "fastest_compute_ms": 300.0, "ratio": pytest.approx(1.1),
+                        "slowest_rank": 3, "fastest_rank": 2}}  # never 330 / 100 = 3.3 across stages
+
+
+def test_relayed_rows_carry_their_own_ranks_coordinates():
+    # Only rank 3 exports: it relays ranks 0-2, each labelled as itself, not as rank 3.
+    table = _table([100.0, 110.0, 300.0, 330.0], [1.0] * 4, exports=[0, 0, 0, 1], stages=[0, 0, 1, 1])
+    meter = _Meter()
+    StepBreakdown(3, 4, meter, False, recorder=StepTimeRecorder(use_cuda_events=False), run_id="r1")._record(table)
+    rows = {a["dl.rank"]: a for n, _, a in meter.points if n == "megatron.training.step.total_ms"}
+    assert rows == {r: {"dl.rank": r, "dl.tensor_parallel.rank": 0, "dl.pipeline_parallel.rank": r // 2,
+                        "dl.data_parallel.rank": r % 2, "dl.local_rank": r, "service.instance.id": f"r1-rank{r}"}
+                    for r in range(4)}
+    memory = {a["dl.rank"]: a for n, _, a in meter.points if n == "megatron.training.memory.rss_gb"}
+    assert memory == rows
+
+
+def test_own_row_coordinates_come_from_parallel_state(monkeypatch):
+    from megatron.core import parallel_state
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: True)
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 1)
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: 2)
+    monkeypatch.setattr(parallel_state, "get_data_parallel_rank", lambda: 0)
+    breakdown = StepBreakdown(7, 8, None, False, recorder=StepTimeRecorder(use_cuda_events=False))
+    try:
+        row = breakdown.gather()[0]  # not initialised torch.distributed: this rank's row alone
+    finally:
+        breakdown.close()
+    coords = [float(row[COLUMNS.index(c)]) for c in ("tensor_parallel_rank", "pipeline_parallel_rank",
+                                                     "data_parallel_rank", "local_rank")]
+    assert coords == [1.0, 2.0, 0.0, 3.0]
 
 
 def _gather_worker(rank, world_size):

@@ -1,18 +1,26 @@
 """Per-rank step-time breakdown, straggler view and memory at each log interval, with ONE small collective.
 
 Every ``--log-interval`` each rank contributes one row ``[exports?, parts (ms/iteration), other, total,
-memory, GPU power/temperature/utilisation/clock]`` to an ``all_gather`` over the default group (a few
-hundred bytes per rank). From the gathered table:
+memory, GPU power/temperature/utilisation/clock, its tensor/pipeline/data-parallel and node-local
+rank]`` to an ``all_gather`` over the default group (a few hundred bytes per rank). From the gathered
+table:
 
-- each rank's parts go out as ``megatron.training.step.<part>_ms`` gauges with ``dl.rank`` (a rank that
-  exports sends its own row; the lowest exporting rank also sends the rows of ranks that do not export,
-  so under ``single_rank`` every rank's breakdown still reaches the backend exactly once);
-- the straggler view (slowest/fastest rank's compute time = forward + backward compute, and their
-  ratio) and memory per rank (``megatron.training.memory.{allocated,reserved,peak}_gb`` on CUDA,
-  ``rss_gb`` always) are sent by the lowest exporting rank;
+- each rank's parts go out as ``megatron.training.step.<part>_ms`` gauges (a rank that exports sends
+  its own row; the lowest exporting rank also sends the rows of ranks that do not export, so under
+  ``single_rank`` every rank's breakdown still reaches the backend exactly once). Every row is labelled
+  with ITS rank's coordinates (``dl.rank``, ``dl.tensor_parallel.rank``, ``dl.pipeline_parallel.rank``,
+  ``dl.data_parallel.rank``, ``dl.local_rank``, ``service.instance.id``) as data-point attributes, which
+  take precedence over the exporting rank's resource labels of the same names (Prometheus pull
+  endpoint), so a relayed row never carries its sender's place in the layout;
+- the straggler view per pipeline stage (the ranks of one stage do the same work; different stages
+  do not, so comparing across stages measures the partition, not a straggler): slowest/fastest rank's
+  compute time (forward + backward compute) within the stage and their ratio, labelled
+  ``dl.pipeline_parallel.rank``; and memory per rank (``megatron.training.memory.{allocated,reserved,
+  peak}_gb`` on CUDA, ``rss_gb`` always); both sent by the lowest exporting rank;
 - with ``--log-straggler`` rank 0 prints Megatron's straggler line
   (``MnRtt/Rnk: 3453.08ms/8 | MxRtt/Rnk: ...``: round-trip = compute time, ``DRtt`` = data wait,
-  ``Etpt`` = estimated TFLOP/s from the iteration's FLOPs over the compute time).
+  ``Etpt`` = estimated TFLOP/s from the iteration's FLOPs over the compute time), over all ranks as
+  Megatron prints it.
 
 Active when ``--log-straggler`` is given or telemetry metrics are enabled: both are the same on every
 rank, so every rank joins the collective (never gated on "this rank exports", spec section 7).
@@ -25,19 +33,26 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.core import step_timing
+from megatron.core import parallel_state, step_timing
 from megatron.core.collective_device import get_collective_device
 from megatron.core.step_timing import PARTS, StepTimeRecorder
 from megatron.core.telemetry import is_span_group_enabled, managed_span, record_training_metrics
+from megatron.core.telemetry.resources.identity import service_instance_id
+from megatron.core.telemetry.strategies import node_local_rank
 
 __all__ = ["StepBreakdown", "TimedDataIterator", "wrap_data_iterator", "memory_stats_gb", "straggler_line",
-           "straggler_rank_lines", "COLUMNS"]
+           "straggler_rank_lines", "stage_stragglers", "row_attributes", "layout_coordinates", "COLUMNS"]
 
 # Row layout of the gathered table.
 COLUMNS = ("exports", *PARTS, "other", "total", "allocated_gb", "reserved_gb", "peak_gb", "rss_gb",
-           "power_w", "temperature_c", "utilization_pct", "clock_mhz")
+           "power_w", "temperature_c", "utilization_pct", "clock_mhz",
+           "tensor_parallel_rank", "pipeline_parallel_rank", "data_parallel_rank", "local_rank")
 _COL = {name: index for index, name in enumerate(COLUMNS)}
 COMPUTE_PARTS = ("forward_compute", "backward_compute")
+# Where a row's rank sits: (data-point attribute, column).
+_COORDINATES = (("dl.tensor_parallel.rank", "tensor_parallel_rank"),
+                ("dl.pipeline_parallel.rank", "pipeline_parallel_rank"),
+                ("dl.data_parallel.rank", "data_parallel_rank"), ("dl.local_rank", "local_rank"))
 # torch >= 2.13 renamed the flat all-gather; keep working on older releases.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -159,6 +174,51 @@ def straggler_rank_lines(table: torch.Tensor, flops_per_rank: Optional[float], c
             f"^^^^ Top    {count} Ranks with highest Etpt(TF):" + "".join(pairs[world - count:])]
 
 
+def layout_coordinates(rank: int) -> List[float]:
+    """This rank's ``[tensor_parallel_rank, pipeline_parallel_rank, data_parallel_rank, local_rank]``
+    (``parallel_state``; before it is initialised: ``[0, 0, rank, local]``)."""
+    if parallel_state.model_parallel_is_initialized():
+        coords = [parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(),
+                  parallel_state.get_data_parallel_rank()]
+    else:
+        coords = [0, 0, rank]
+    try:
+        local = node_local_rank()
+    except ValueError:  # a malformed LOCAL_RANK is reported where telemetry starts, not here
+        local = math.nan
+    return [float(c) for c in coords] + [float(local)]
+
+
+def row_attributes(row: torch.Tensor, rank: int, run_id: Optional[str] = None) -> Dict[str, object]:
+    """Data-point attributes of ``rank``'s row of the gathered table: ``dl.rank``, its parallel and
+    node-local ranks (where known) and, with ``run_id``, its ``service.instance.id``."""
+    attrs: Dict[str, object] = {"dl.rank": rank}
+    for key, column in _COORDINATES:
+        value = float(row[_COL[column]])
+        if math.isfinite(value):
+            attrs[key] = int(value)
+    if run_id:
+        attrs["service.instance.id"] = service_instance_id(run_id, rank)
+    return attrs
+
+
+def stage_stragglers(table: torch.Tensor) -> Dict[int, Dict[str, float]]:
+    """Per pipeline stage: the slowest and fastest rank by compute time (forward + backward compute,
+    ms) among the ranks of that stage, and their ratio (None when the fastest is 0)."""
+    compute = table[:, _COL["forward_compute"]] + table[:, _COL["backward_compute"]]
+    stages = table[:, _COL["pipeline_parallel_rank"]].nan_to_num(0.0).long().tolist()
+    out = {}
+    for stage in sorted(set(stages)):
+        members = [r for r, s in enumerate(stages) if s == stage]
+        slow = max(members, key=lambda r: (float(compute[r]), -r))
+        fast = min(members, key=lambda r: (float(compute[r]), r))
+        slowest, fastest = float(compute[slow]), float(compute[fast])
+        out[stage] = {"straggler_slowest_compute_ms": slowest, "straggler_fastest_compute_ms": fastest,
+                      "straggler_ratio": slowest / fastest if fastest > 0 else None,
+                      "straggler_slowest_rank": slow, "straggler_fastest_rank": fast}
+    return out
+
+
 class StepBreakdown:
     """The step-time recorder of one training run and its per-log-interval report.
 
@@ -168,13 +228,15 @@ class StepBreakdown:
     """
 
     def __init__(self, rank: int, world_size: int, exporting_meter, log_straggler: bool,
-                 recorder: Optional[StepTimeRecorder] = None, minmax_count: int = 1):
+                 recorder: Optional[StepTimeRecorder] = None, minmax_count: int = 1, run_id: Optional[str] = None):
         self.rank, self.world_size = rank, world_size
         self.meter = exporting_meter
         self.log_straggler = log_straggler
         self.minmax_count = minmax_count
+        self.run_id = run_id
         self.recorder = recorder or StepTimeRecorder()
         self.last_table: Optional[torch.Tensor] = None
+        self._coordinates = layout_coordinates(rank)
         step_timing.install(self.recorder)
 
     @classmethod
@@ -186,7 +248,8 @@ class StepBreakdown:
         meter = handle.meter if handle is not None and handle.is_exporting else None
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
-        return cls(rank, world, meter, log_straggler, minmax_count=int(getattr(args, "straggler_minmax_count", 1) or 1))
+        return cls(rank, world, meter, log_straggler, minmax_count=int(getattr(args, "straggler_minmax_count", 1) or 1),
+                   run_id=getattr(handle, "run_id", None))
 
     def step_begin(self) -> None:
         self.recorder.step_begin()
@@ -206,6 +269,7 @@ class StepBreakdown:
         row += [parts[part] for part in PARTS] + [parts["other"], parts["total"]]
         row += [memory.get(key, math.nan) for key in ("allocated_gb", "reserved_gb", "peak_gb", "rss_gb")]
         row += [health.get(key, math.nan) for key in ("power_w", "temperature_c", "utilization_pct", "clock_mhz")]
+        row += self._coordinates
         return row
 
     def gather(self) -> torch.Tensor:
@@ -237,18 +301,13 @@ class StepBreakdown:
         ranks = [r for r in range(table.shape[0]) if r == self.rank or (lead and table[r, _COL["exports"]] == 0)]
         for r in ranks:
             row = table[r]
-            record_training_metrics(self.meter, attributes={"dl.rank": r},
-                                    **{f"step_{name}_ms": float(row[_COL[name]]) for name in (*PARTS, "other", "total")})
+            attrs = row_attributes(row, r, self.run_id)
+            parts = {f"step_{name}_ms": float(row[_COL[name]]) for name in (*PARTS, "other", "total")}
+            record_training_metrics(self.meter, attributes=attrs, **parts)
             memory = {f"rank_memory_{key}": float(row[_COL[key]])
                       for key in ("allocated_gb", "reserved_gb", "peak_gb", "rss_gb")
                       if math.isfinite(float(row[_COL[key]]))}
-            record_training_metrics(self.meter, attributes={"dl.rank": r}, **memory)
+            record_training_metrics(self.meter, attributes=attrs, **memory)
         if lead:
-            compute = table[:, _COL["forward_compute"]] + table[:, _COL["backward_compute"]]
-            slow, fast = int(torch.argmax(compute)), int(torch.argmin(compute))
-            slowest, fastest = float(compute[slow]), float(compute[fast])
-            record_training_metrics(
-                self.meter, straggler_slowest_compute_ms=slowest, straggler_fastest_compute_ms=fastest,
-                straggler_ratio=slowest / fastest if fastest > 0 else None,
-                straggler_slowest_rank=slow, straggler_fastest_rank=fast,
-            )
+            for stage, values in stage_stragglers(table).items():
+                record_training_metrics(self.meter, attributes={"dl.pipeline_parallel.rank": stage}, **values)

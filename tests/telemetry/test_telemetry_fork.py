@@ -80,3 +80,33 @@ def test_forked_child_exports_nothing_and_does_not_hang(tmp_path):
     names = sorted(line.split()[1] for line in lines if line)
     assert pids == {str(os.getpid())}
     assert names == ["parent.after_fork", "parent.before_fork", "parent.open"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_leaves_the_parents_open_spans_to_the_parent(tmp_path):
+    """A child that shuts down the providers it inherited (a worker tearing telemetry down, atexit
+    code) neither ends, marks nor exports the parent's open spans through the open-span tracker."""
+    from megatron.core.telemetry.providers import TRUNCATED_ATTR, shutdown_providers
+
+    path = tmp_path / "spans.txt"
+    handle = tel.setup_telemetry(tel.TelemetryConfig(enabled=True, span_groups="all", metrics_enabled=False), 0, 1,
+                                 span_exporter=FileExporter(path))
+    providers = handle._providers
+    with tel.managed_span("job", "parent.open") as span:
+        child_pid = os.fork()
+        if child_pid == 0:
+            code = 1
+            try:
+                ended = providers.span_tracker.end_open_spans()
+                finished = shutdown_providers(providers, timeout_ms=500)
+                providers.span_tracker.force_flush(500)
+                untouched = span.end_time is None and TRUNCATED_ATTR not in (span.attributes or {})
+                code = 0 if (ended == 0 and finished and untouched) else 2
+            finally:
+                os._exit(code)
+        assert _wait(child_pid, timeout_s=30) == 0
+    handle.shutdown(timeout_ms=3000)
+    lines = [line.split() for line in path.read_text().splitlines() if line]
+    assert lines == [[str(os.getpid()), "parent.open"]]  # once, by the parent
+    assert TRUNCATED_ATTR not in span.attributes  # it ended normally in the parent

@@ -110,3 +110,38 @@ def test_sampling_registry_and_rank_aware_composition(monkeypatch):
     sampler = build_sampler(cfg, kept[0], 16)
     assert sampler.should_sample(None, trace_id_low, "s").decision == Decision.RECORD_AND_SAMPLE
     assert sampler.should_sample(None, trace_id_high, "s").decision == Decision.DROP
+
+
+def test_sampler_enabled_switch_of_nemo_lens():
+    from opentelemetry.sdk.trace.sampling import Decision
+
+    from megatron.core.telemetry.strategies import lowest_exporting_rank
+
+    rate = 0.5
+    kept = [r for r in range(16) if _reference_fraction(r) < rate]
+    dropped = [r for r in range(16) if r not in kept]
+    trace_id = (1 << 127) | 5
+    env = {"NEMO_LENS_SAMPLER_ENABLED": "1", "NEMO_LENS_EXPORT_SAMPLE_RATE": str(rate)}
+    cfg = TelemetryConfig.from_env(environ=env).validate()
+    assert cfg.sampler_enabled is True and cfg.sampling_strategy == ""  # on, no strategy named: rank_aware
+    for rank in (kept[0], dropped[0]):
+        decision = build_sampler(cfg, rank, 16).should_sample(None, trace_id, "s").decision
+        assert decision == (Decision.RECORD_AND_SAMPLE if rank in kept else Decision.DROP)
+    all_ranks = TelemetryConfig.from_env(environ={**env, "NEMO_LENS_RANK_STRATEGY": "all_ranks"})
+    assert lowest_exporting_rank(all_ranks, 16) == kept[0]  # the root span's rank follows the sampler
+
+    # Off: no SDK-level sampler, whatever strategy is named (the SDK's OTEL_TRACES_SAMPLER decides).
+    off = TelemetryConfig.from_env(environ={"NEMO_LENS_SAMPLER_ENABLED": "false",
+                                            "MEGATRON_OTEL_SAMPLING_STRATEGY": "rank_aware",
+                                            "MEGATRON_OTEL_RANK_STRATEGY": "all_ranks",
+                                            "MEGATRON_OTEL_EXPORT_SAMPLE_RATE": str(rate)})
+    assert off.sampler_enabled is False and build_sampler(off, dropped[0], 16) is None
+    assert lowest_exporting_rank(off, 16) == 0
+    # The prefixed variable beats the fallback; unset leaves the strategy in charge.
+    prefixed = TelemetryConfig.from_env(environ={"MEGATRON_OTEL_SAMPLER_ENABLED": "0",
+                                                 "NEMO_LENS_SAMPLER_ENABLED": "1"})
+    assert prefixed.sampler_enabled is False and prefixed.sources["sampler_enabled"] == "MEGATRON_OTEL_SAMPLER_ENABLED"
+    assert TelemetryConfig.from_env(environ={}).sampler_enabled is None
+    assert build_sampler(TelemetryConfig(sampling_strategy="rank_aware"), kept[0], 16) is not None
+    with pytest.raises(ValueError, match="NEMO_LENS_SAMPLER_ENABLED='maybe'"):
+        TelemetryConfig.from_env(environ={"NEMO_LENS_SAMPLER_ENABLED": "maybe"})

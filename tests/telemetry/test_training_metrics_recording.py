@@ -8,25 +8,54 @@ from megatron.core.telemetry import training_metrics
 from telemetry_testutil import clean_telemetry, setup_in_memory  # noqa: F401
 
 
+_UNSET = object()
+
+
 class _StrictInstrument:
-    """An instrument typed as the OpenTelemetry API documents it: attributes must be a mapping."""
+    """An instrument typed as the OpenTelemetry API documents it: ``attributes`` is optional and, when
+    given, a mapping (never None or another type)."""
 
     def __init__(self, calls, name):
         self.calls, self.name = calls, name
 
     def _take(self, value, attributes):
-        if not isinstance(attributes, dict):
+        if attributes is _UNSET:
+            attributes = {}
+        elif not isinstance(attributes, dict):
             raise TypeError(f"{self.name}: attributes must be a dict, got {attributes!r}")
         self.calls.append((self.name, value, dict(attributes)))
 
-    def set(self, value, attributes):
+    def set(self, value, attributes=_UNSET):
         self._take(value, attributes)
 
-    def add(self, value, attributes):
+    def add(self, value, attributes=_UNSET):
         self._take(value, attributes)
 
-    def record(self, value, attributes):
+    def record(self, value, attributes=_UNSET):
         self._take(value, attributes)
+
+
+class _BareInstrument:
+    """An instrument of a meter that takes values only: ``record(v)``, ``set(v)``, ``add(v)`` (nemo-lens-style
+    shims and test doubles); any keyword is a TypeError."""
+
+    def __init__(self, calls, name):
+        self.calls, self.name = calls, name
+
+    def set(self, value):
+        self.calls.append((self.name, value))
+
+    add = record = set
+
+
+class _BareMeter:
+    def __init__(self):
+        self.calls = []
+
+    def create_gauge(self, name, unit="", description=""):
+        return _BareInstrument(self.calls, name)
+
+    create_counter = create_histogram = create_gauge
 
 
 class _DuckMeter:
@@ -64,6 +93,22 @@ def test_duck_typed_meter_gets_real_attribute_dicts():
                                    ("megatron.training.step_duration_ms", 10.0, {})]
     tel.record_training_metrics(meter, attributes={"dl.rank": 3}, grad_norm=0.5)
     assert meter.calls[-1] == ("megatron.training.grad_norm", 0.5, {"dl.rank": 3})
+
+
+def test_meter_taking_values_only_gets_every_value_without_attributes(caplog):
+    meter = _BareMeter()
+    with caplog.at_level(logging.WARNING):
+        assert tel.record_training_metrics(meter, loss=2.0, step_duration_ms=10.0, skipped_iters=2,
+                                           iteration=7, attributes={}) == 4
+        training_metrics.initialize_counters(meter)
+    assert sorted(meter.calls) == [("megatron.training.iteration", 7.0), ("megatron.training.loss", 2.0),
+                                   ("megatron.training.skipped_iters", 0), ("megatron.training.skipped_iters", 2),
+                                   ("megatron.training.step_duration_ms", 10.0)]
+    assert not caplog.records  # nothing dropped, nothing to warn about
+    # Attributes, when there are some, are still passed (such a meter then refuses them: logged once).
+    with caplog.at_level(logging.WARNING):
+        assert tel.record_training_metrics(meter, attributes={"dl.rank": 1}, grad_norm=0.5) == 0
+    assert len(caplog.records) == 1
 
 
 def test_broken_meter_never_reaches_the_training_loop_and_is_logged_once(caplog):

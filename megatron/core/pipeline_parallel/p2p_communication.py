@@ -10,6 +10,9 @@ A receive that fails (the neighbour died, or the group's timeout, ``--distribute
 ran out) raises ``PipelinePeerError`` naming the peer and, when the failing stage reported itself
 (``report_stage_failure``), the rank where the failure started.
 
+Each exchange, posting and waiting, is charged to ``pp_comm`` of the step-time breakdown
+(``step_timing.section``: a shared no-op when no breakdown is recorded).
+
 Function names and arguments are Megatron-LM's (``megatron/core/pipeline_parallel/p2p_communication.py``).
 """
 import contextlib
@@ -19,7 +22,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state
+from megatron.core import parallel_state, step_timing
 from megatron.core.collective_device import get_collective_device
 from megatron.core.telemetry import is_span_group_enabled, managed_span
 
@@ -156,7 +159,9 @@ def _communicate(*, tensor_send_next: Optional[torch.Tensor], tensor_send_prev: 
         for direction, peer in directions:
             spans.enter_context(_p2p_span("megatron.p2p." + direction, parent, peer,
                                           (microbatch_ids or {}).get(direction)))
-    with spans:
+    # Posting the ops and waiting for them is the step's pipeline communication (``pp_comm``): on a
+    # stage that waits for its neighbour, most of it is that wait.
+    with step_timing.section("pp_comm"), spans:
         try:
             for request in dist.batch_isend_irecv(ops):
                 request.wait()

@@ -10,8 +10,8 @@ from typing import Dict, FrozenSet, Mapping, Optional, Tuple
 from .groups import SpanGroup
 from .span_groups import MegatronSpanGroup
 
-__all__ = ["TelemetryConfig", "parse_bool", "otlp_protocol", "otlp_headers_problem", "check_otlp_headers",
-           "EXPORTERS", "OTLP_PROTOCOLS", "OTLP_HEADER_VARIABLES"]
+__all__ = ["TelemetryConfig", "effective_sampling_strategy", "parse_bool", "otlp_protocol", "otlp_headers_problem",
+           "check_otlp_headers", "EXPORTERS", "OTLP_PROTOCOLS", "OTLP_HEADER_VARIABLES"]
 
 EXPORTERS: Tuple[str, ...] = ("otlp", "console")
 # MEGATRON_OTEL_METRICS_EXPORTER: empty = the EXPORTER's; "prometheus" = a pull endpoint on each exporting rank.
@@ -139,6 +139,18 @@ def _check_sample_rate(rate, source: str) -> None:
         raise ValueError(f"{source}={rate!r} is outside [0, 1]")
 
 
+def effective_sampling_strategy(config) -> str:
+    """The SDK-level sampling strategy ``config`` asks for, lower case, ``""`` for none (the SDK's own
+    ``OTEL_TRACES_SAMPLER``): ``sampler_enabled`` False (nemo-lens's ``SAMPLER_ENABLED=0``) means none
+    whatever ``sampling_strategy`` says; True with no strategy named means ``rank_aware``; unset leaves
+    it to ``sampling_strategy``."""
+    switch = getattr(config, "sampler_enabled", None)
+    if switch is False:
+        return ""
+    name = (getattr(config, "sampling_strategy", "") or "").strip().lower()
+    return name or ("rank_aware" if switch else "")
+
+
 @dataclasses.dataclass
 class TelemetryConfig:
     """Everything that decides what telemetry a process emits (spec section 1).
@@ -152,6 +164,9 @@ class TelemetryConfig:
     export_rank: int = -1
     export_sample_rate: float = 1.0
     sampling_strategy: str = ""
+    # nemo-lens's switch for the SDK-level sampler: None = not set (the sampling strategy alone decides),
+    # True = a sampler on exporting ranks (``sampling_strategy``, default ``rank_aware``), False = none.
+    sampler_enabled: Optional[bool] = None
     traces_enabled: bool = True
     metrics_enabled: bool = True
     logs_enabled: bool = False
@@ -211,6 +226,7 @@ class TelemetryConfig:
             ("export_rank", ("EXPORT_RANK",), _parse_int),
             ("export_sample_rate", ("EXPORT_SAMPLE_RATE",), _parse_float),
             ("sampling_strategy", ("SAMPLING_STRATEGY",), lambda v, n: v.strip().lower()),
+            ("sampler_enabled", ("SAMPLER_ENABLED",), parse_bool),
             ("traces_enabled", ("TRACES_ENABLED",), parse_bool),
             ("metrics_enabled", ("METRICS_ENABLED",), parse_bool),
             ("logs_enabled", ("LOGS_ENABLED",), parse_bool),

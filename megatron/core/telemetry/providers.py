@@ -191,7 +191,11 @@ class OpenSpanTracker(SpanProcessor):
         (reverse start order: a child starts after its parent), each marked
         ``nemo.span.truncated=true`` plus a ``nemo.span.truncated`` event (as nemo-lens does; the
         end time is the shutdown time, not the end of the work). Returns how many were ended.
-        Called by the owning process only (``TelemetryHandle.shutdown`` does nothing else in a child)."""
+        In a forked child it does nothing and returns 0: the spans it inherited are the parent's, still
+        open there; ending them here would mark the parent's work truncated in the child's copy and,
+        were any processor to forward them, export them twice."""
+        if os.getpid() != self._pid:
+            return 0
         self._closed = True
         spans = list(self._open.values())
         for span in reversed(spans):
@@ -204,9 +208,12 @@ class OpenSpanTracker(SpanProcessor):
         return len(spans)
 
     def shutdown(self) -> None:
-        self._delegate.shutdown()
+        if os.getpid() == self._pid:  # a child's copy of the batch processor holds nothing of its own
+            self._delegate.shutdown()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
+        if os.getpid() != self._pid:
+            return True
         return self._delegate.force_flush(timeout_millis)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import threading
 from typing import Callable, Dict, Tuple
 
+from .config import effective_sampling_strategy
 from .strategies import rank_sample_fraction
 
 __all__ = [
@@ -65,11 +66,16 @@ def registered_sampling_strategies() -> Tuple[str, ...]:
 
 
 def build_sampler(config, rank: int, world_size: int):
-    """The Sampler for ``config.sampling_strategy``, or ``None`` (keep the SDK's own) when empty.
+    """The Sampler for ``config.sampling_strategy``, or ``None`` (keep the SDK's own ``OTEL_TRACES_SAMPLER``).
+
+    ``config.sampler_enabled`` (``MEGATRON_OTEL_SAMPLER_ENABLED`` / ``NEMO_LENS_SAMPLER_ENABLED``) is
+    nemo-lens's switch: ``False`` turns the SDK-level sampler off whatever the strategy says; ``True``
+    with no strategy named means ``rank_aware``; unset (``None``) leaves the decision to the strategy
+    (empty: none).
 
     Raises ``ValueError`` listing the valid names for an unknown strategy.
     """
-    name = (getattr(config, "sampling_strategy", "") or "").strip().lower()
+    name = effective_sampling_strategy(config)
     if not name:
         return None
     with _LOCK:

@@ -6,6 +6,8 @@ import os
 import threading
 from typing import Callable, Dict, Optional, Tuple
 
+from .config import effective_sampling_strategy
+
 __all__ = [
     "RankStrategyFn", "register_rank_strategy", "register_export_strategy", "unregister_rank_strategy",
     "registered_rank_strategies", "get_rank_strategy", "should_export", "rank_sample_fraction",
@@ -161,7 +163,7 @@ def lowest_exporting_rank(config, world_size: int, strategy=None) -> Optional[in
         target = world_size - 1 if target < 0 else target
         return target if 0 <= target < world_size else None
     keep = None
-    if (getattr(config, "sampling_strategy", "") or "").strip().lower() == "rank_aware":
+    if effective_sampling_strategy(config) == "rank_aware":
         rate = float(getattr(config, "export_sample_rate", 1.0))
         keep = lambda rank: rank_sample_fraction(rank) < rate  # noqa: E731 (the rank_aware sampler's rule)
     for rank in range(int(world_size)):

@@ -26,7 +26,8 @@ TRAINING_INSTRUMENTS: Dict[str, Tuple[str, str, str, str]] = {
     "validation_ppl": ("megatron.validation.ppl", "gauge", "1", "Validation perplexity"),
 }
 # Beyond the spec's table: progress and liveness, where each rank's step time goes, the straggler
-# view and memory per rank. Gauges, recorded at each --log-interval; per-rank ones carry ``dl.rank``.
+# view and memory per rank. Gauges, recorded at each --log-interval; per-rank ones carry ``dl.rank`` (and the
+# rank's parallel coordinates), the straggler view ``dl.pipeline_parallel.rank``.
 _STEP_PARTS = ("forward_compute", "backward_compute", "data_wait", "tp_comm", "pp_comm", "grad_sync", "optimizer",
                "other", "total")
 PROGRESS_INSTRUMENTS: Dict[str, Tuple[str, str, str, str]] = {
@@ -37,12 +38,12 @@ PROGRESS_INSTRUMENTS: Dict[str, Tuple[str, str, str, str]] = {
                            f"Per-iteration {part.replace('_', ' ')} time of this rank (exclusive)")
        for part in _STEP_PARTS},
     "straggler_slowest_compute_ms": ("megatron.training.straggler.slowest_compute_ms", "gauge", "ms",
-                                     "Slowest rank's forward+backward compute time per iteration"),
+                                     "Slowest rank's forward+backward compute time per iteration, within a pipeline stage"),
     "straggler_fastest_compute_ms": ("megatron.training.straggler.fastest_compute_ms", "gauge", "ms",
-                                     "Fastest rank's forward+backward compute time per iteration"),
-    "straggler_ratio": ("megatron.training.straggler.ratio", "gauge", "1", "Slowest over fastest compute time"),
-    "straggler_slowest_rank": ("megatron.training.straggler.slowest_rank", "gauge", "1", "Rank of the slowest"),
-    "straggler_fastest_rank": ("megatron.training.straggler.fastest_rank", "gauge", "1", "Rank of the fastest"),
+                                     "Fastest rank's forward+backward compute time per iteration, within a pipeline stage"),
+    "straggler_ratio": ("megatron.training.straggler.ratio", "gauge", "1", "Slowest over fastest compute time, within a pipeline stage"),
+    "straggler_slowest_rank": ("megatron.training.straggler.slowest_rank", "gauge", "1", "Rank of the slowest within a pipeline stage"),
+    "straggler_fastest_rank": ("megatron.training.straggler.fastest_rank", "gauge", "1", "Rank of the fastest within a pipeline stage"),
     "rank_memory_allocated_gb": ("megatron.training.memory.allocated_gb", "gauge", "GB", "Allocated device memory"),
     "rank_memory_reserved_gb": ("megatron.training.memory.reserved_gb", "gauge", "GB", "Reserved device memory"),
     "rank_memory_peak_gb": ("megatron.training.memory.peak_gb", "gauge", "GB", "Peak allocated device memory"),
@@ -128,8 +129,9 @@ def record_training_metrics(meter, *, attributes: Optional[Mapping[str, Any]] = 
     ``consumed_samples``, ``consumed_tokens``, ``step_<part>_ms``, ``straggler_*``, ``rank_memory_*_gb``).
     Non-finite gauge values (NaN loss) are recorded as they are: they are the signal.
 
-    Every instrument call gets an attribute dict (``{}`` when ``attributes`` is None), as the
-    OpenTelemetry API types it. A meter or instrument that raises does not stop training: the error
+    ``attributes`` (a non-empty mapping) is passed as ``attributes=`` to every instrument call; without
+    attributes the call is the bare ``record(v)`` / ``set(v)`` / ``add(v)``, so meters whose instruments
+    take no attributes (nemo-lens-style shims, test doubles) record too. A meter or instrument that raises does not stop training: the error
     is logged once per kind and the value is dropped (as Megatron-LM does).
 
     Returns how many values were recorded. Raises ``TypeError`` for an unknown keyword (listing the
@@ -153,7 +155,7 @@ def record_training_metrics(meter, *, attributes: Optional[Mapping[str, Any]] = 
         instruments = get_instruments(meter)
     except TypeError:  # a meter that cannot be weakly referenced: instruments are not cached
         instruments = _Instruments(meter, weak=False)
-    attrs = dict(attributes) if attributes else {}
+    kwargs = {"attributes": dict(attributes)} if attributes else {}
     recorded = 0
     for key, number in numbers.items():
         kind = _ALL_INSTRUMENTS[key][1]
@@ -164,11 +166,11 @@ def record_training_metrics(meter, *, attributes: Optional[Mapping[str, Any]] = 
         try:
             instrument = instruments[key]
             if kind == "histogram":
-                instrument.record(number, attributes=attrs)
+                instrument.record(number, **kwargs)
             elif kind == "counter":
-                instrument.add(int(number), attributes=attrs)
+                instrument.add(int(number), **kwargs)
             else:
-                instrument.set(number, attributes=attrs)
+                instrument.set(number, **kwargs)
         except Exception as error:  # a broken meter must never reach the training loop
             _report_failure(meter, key, error)
             continue
@@ -182,12 +184,12 @@ def initialize_counters(meter, attributes: Optional[Mapping[str, Any]] = None) -
     zero increments record nothing. Failures are logged once, never raised."""
     if meter is None:
         return
-    attrs = dict(attributes) if attributes else {}
+    kwargs = {"attributes": dict(attributes)} if attributes else {}  # as in record_training_metrics
     for key, (_, kind, _, _) in _ALL_INSTRUMENTS.items():
         if kind != "counter":
             continue
         try:
-            get_instruments(meter)[key].add(0, attributes=attrs)
+            get_instruments(meter)[key].add(0, **kwargs)
         except Exception as error:
             _report_failure(meter, key, error)
 
