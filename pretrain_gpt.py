@@ -156,9 +156,19 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
     return train_ds, valid_ds, test_ds
 
 
+def require_inputs(parser):
+    """Extra-args provider: this script reads a tokenizer and a dataset, so their flags are required."""
+    parser.set_defaults(require_inputs=True)
+    return parser
+
+
 def main() -> None:
-    """Pretrain with the command-line flags; a user-input error ends the run with one line, no traceback."""
-    run_reporting_user_errors(pretrain, train_valid_test_datasets_provider, model_provider, forward_step)
+    """Pretrain with the command-line flags; a user-input error ends the run with one line, no traceback.
+
+    ``--tokenizer-type`` defaults to GPT2BPETokenizer, as in Megatron-LM's pretrain_gpt.py.
+    """
+    run_reporting_user_errors(pretrain, train_valid_test_datasets_provider, model_provider, forward_step,
+                              extra_args_provider=require_inputs, args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
 
 
 if __name__ == "__main__":

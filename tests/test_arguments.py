@@ -88,7 +88,7 @@ EXPECTED_DEFAULTS = {
     "ddp_bucket_size": None, "ddp_average_in_collective": False, "local_rank": 0,
     "num_layers_per_virtual_pipeline_stage": None, "use_tp_pp_dp_mapping": False,
     # validation
-    "eval_iters": 100, "eval_interval": None, "skip_train": False, "eval_global_batch_size": None,
+    "eval_iters": 100, "eval_interval": 1000, "skip_train": False, "eval_global_batch_size": None,
     "eval_micro_batch_size": None,
     # data
     "data_path": None, "split": None, "train_data_path": None, "data_cache_path": None, "mock_data": False,
@@ -294,11 +294,11 @@ def _drop(argv, flag):
 
 
 @pytest.mark.parametrize("argv,world_size,message", [
-    (_drop(MODEL, "--num-layers") + TRAIN, 1, "--num-layers is required"),
-    (_drop(MODEL, "--hidden-size") + TRAIN, 1, "--hidden-size is required"),
-    (_drop(MODEL, "--num-attention-heads") + TRAIN, 1, "--num-attention-heads is required"),
-    (_drop(MODEL, "--max-position-embeddings") + TRAIN, 1, "--max-position-embeddings is required"),
-    (_drop(MODEL, "--seq-length") + TRAIN, 1, "--seq-length is required"),
+    (_drop(MODEL, "--num-layers") + TRAIN, 1, "missing required flag: --num-layers"),
+    (_drop(MODEL, "--hidden-size") + TRAIN, 1, "missing required flag: --hidden-size"),
+    (_drop(MODEL, "--num-attention-heads") + TRAIN, 1, "missing required flag: --num-attention-heads"),
+    (_drop(MODEL, "--max-position-embeddings") + TRAIN, 1, "missing required flag: --max-position-embeddings"),
+    (_drop(MODEL, "--seq-length") + TRAIN, 1, "missing required flag: --seq-length"),
     (MODEL + TRAIN + ["--tensor-model-parallel-size", "2"], 3,
      r"world size \(3\) is not divisible by total_model_size \(2\)"),
     (MODEL + TRAIN + ["--tensor-model-parallel-size", "4"], 6,
@@ -307,10 +307,10 @@ def _drop(argv, flag):
      r"global batch size \(6\) is not divisible by micro batch size \(2\) times data parallel size \(4\)"),
     (MODEL + TRAIN + ["--eval-global-batch-size", "3"], 1,
      r"eval global batch size \(3\) is not divisible by eval micro batch size \(2\)"),
-    (_drop(TRAIN, "--micro-batch-size") + MODEL, 1, "--micro-batch-size is required"),
-    (_drop(TRAIN, "--train-iters") + MODEL, 1, "exactly one of --train-iters and --train-samples"),
+    (_drop(TRAIN, "--micro-batch-size") + MODEL, 1, "missing required flag: --micro-batch-size"),
+    (_drop(TRAIN, "--train-iters") + MODEL, 1, r"missing required flag: --train-iters \(or --train-samples\)"),
     (MODEL + TRAIN + ["--train-samples", "5"], 1, "exactly one of --train-iters and --train-samples"),
-    (_drop(TRAIN, "--lr") + MODEL, 1, "--lr is required for training"),
+    (_drop(TRAIN, "--lr") + MODEL, 1, "missing required flag: --lr"),
     (MODEL + TRAIN + ["--lr-warmup-iters", "20"], 1,
      r"--lr-warmup-iters \(20\) must be smaller than --lr-decay-iters \(10; it defaults to --train-iters\)"),
     (_drop(TRAIN, "--train-iters") + MODEL + ["--train-samples", "64", "--lr-warmup-samples", "64"], 1,
