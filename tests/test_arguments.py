@@ -561,3 +561,36 @@ def test_pipeline_splits_that_add_up_are_accepted(monkeypatch, extra, layers, wo
 def test_pipeline_splits_that_do_not_add_up_are_refused_with_the_numbers(monkeypatch, extra, layers, world, message):
     with pytest.raises(ValueError, match=message):
         _pp(*extra, layers=layers, world_size=world, monkeypatch=monkeypatch)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Megatron-LM command-line compatibility (issue 23)
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spelling, dest", [
+    ("--override-opt_param-scheduler", "override_opt_param_scheduler"),
+    ("--use-checkpoint-opt_param-scheduler", "use_checkpoint_opt_param_scheduler"),
+])
+def test_core_v0_14_scheduler_spellings_set_the_same_flag(spelling, dest):
+    dashed = spelling.replace("opt_param", "opt-param")
+    assert getattr(_parse(spelling), dest) is True and getattr(_parse(dashed), dest) is True
+    assert getattr(_parse(), dest) is False
+
+
+def test_core_v0_14_barrier_spelling():
+    assert _parse().barrier_with_L1_time is True
+    assert _parse("--no-barrier-with-level-1-timing").barrier_with_L1_time is False
+    assert _parse("--no-barrier-with-L1-time").barrier_with_L1_time is False
+
+
+def test_eval_interval_defaults_to_megatrons_1000():
+    assert _valid(*MODEL, *TRAIN).eval_interval == 1000
+
+
+def test_pretrain_gpt_defaults_the_tokenizer_to_gpt2_bpe():
+    """As Megatron-LM's pretrain_gpt.py: args_defaults={'tokenizer_type': 'GPT2BPETokenizer'} (the script itself
+    is checked end to end by tests/test_user_errors.py::test_bare_pretrain_gpt_lists_every_missing_required_flag)."""
+    assert _valid(*MODEL, *TRAIN, defaults={"tokenizer_type": "GPT2BPETokenizer"}).tokenizer_type == "GPT2BPETokenizer"
+    given = _valid(*MODEL, *TRAIN, "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+                   defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    assert given.tokenizer_type == "NullTokenizer"
