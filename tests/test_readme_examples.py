@@ -1,15 +1,21 @@
-"""README examples run verbatim and do not damage each other's output (issue 9 item 12)."""
+"""README and docs/ examples run verbatim and do not damage each other's output (issue 9 item 12; the deep sections
+moved from the README to docs/ pages in issue 23)."""
 import re
 import shlex
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+REPO = Path(__file__).resolve().parents[1]
+# The README and the pages its deep sections moved to.
+PAGES = [REPO / "README.md", *(REPO / "docs" / f"{name}.md" for name in ("training", "launch", "checkpoints",
+                                                                        "telemetry", "testing"))]
 
 
 def _commands():
-    """The README's bash commands, continuation lines joined and ``"${NAME[@]}"`` arrays expanded."""
+    """The bash commands of the README and the docs/ pages, continuation lines joined and ``"${NAME[@]}"``
+    arrays expanded."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), re.S):
+    blocks = [block for page in PAGES for block in re.findall(r"```bash\n(.*?)```", page.read_text(), re.S)]
+    for block in blocks:
         text = block.replace("\\\n", " ")
         arrays = {name: shlex.split(body, comments=True)
                   for name, body in re.findall(r"^(\w+)=\((.*?)\)", text, re.S | re.M)}
