@@ -149,9 +149,12 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
     config = core_gpt_dataset_config_from_args(args)
     dataset_type = MockGPTDataset if args.mock_data else GPTDataset
     print_rank_0("> building train, validation, and test datasets for GPT ...")
-    train_ds, valid_ds, test_ds = BlendedMegatronDatasetBuilder(
-        dataset_type, train_val_test_num_samples, is_dataset_built_on_rank, config
-    ).build()
+    try:
+        train_ds, valid_ds, test_ds = BlendedMegatronDatasetBuilder(
+            dataset_type, train_val_test_num_samples, is_dataset_built_on_rank, config
+        ).build()
+    except ValueError as error:  # the builder's ValueErrors name the dataset and the flag (an empty split, ...)
+        raise UserInputError(str(error)) from error
     print_rank_0("> finished creating GPT datasets ...")
     return train_ds, valid_ds, test_ds
 

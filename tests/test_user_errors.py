@@ -148,3 +148,13 @@ def test_exhausted_validation_split_names_dataset_split_and_flags(shared_data, s
         r"\+ 1\) x --eval-iters 1 x --eval-global-batch-size 8\): raise --eval-iters or lower --eval-interval to ask "
         r"for more than the checkpoint has consumed", line)
     assert match and int(match.group(1)) >= int(match.group(2)), line
+
+
+def test_empty_split_is_one_line_naming_the_split_and_the_flag(shared_data, shakespeare_prefix, tmp_path):
+    """A --split whose validation part rounds to no document, while evaluation asks for samples."""
+    [(status, out)] = run_ranks_without_launcher(1, [*TRAIN, "--split", "999999,1,0"], shared_data,
+                                                 shakespeare_prefix, tmp_path)
+    assert status == 1, out[-3000:]
+    line = _one_error_line(out)
+    assert line.startswith(f"error: the valid split of {shakespeare_prefix} is empty"), line
+    assert "change --split or use more data" in line, line
