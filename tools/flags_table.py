@@ -82,7 +82,8 @@ def main(argv=None) -> int:
     updated = page_with_table(current, table)
     if args.check:
         if updated != current:
-            print("docs/flags.md's flags table is out of date: run python tools/flags_table.py --write", file=sys.stderr)
+            print("docs/flags.md's flags table is out of date: run python tools/flags_table.py --write",
+                  file=sys.stderr)
             return 1
         return 0
     PAGE.write_text(updated, encoding="utf-8")
