@@ -158,3 +158,15 @@ def test_empty_split_is_one_line_naming_the_split_and_the_flag(shared_data, shak
     line = _one_error_line(out)
     assert line.startswith(f"error: the valid split of {shakespeare_prefix} is empty"), line
     assert "change --split or use more data" in line, line
+
+
+def test_checkpoint_shape_mismatch_is_one_line_naming_load_and_the_flag(shared_data, shakespeare_prefix, saved_run,
+                                                                        tmp_path):
+    flags = [*TRAIN[:2], "--train-iters", "2", "--lr-warmup-iters", "1", "--hidden-size", "64",
+             "--load", str(saved_run / "ckpt")]
+    [(status, out)] = run_ranks_without_launcher(1, flags, shared_data, shakespeare_prefix, tmp_path)
+    assert status == 1, out[-3000:]
+    line = _one_error_line(out)
+    assert line.startswith(f"error: --load {saved_run / 'ckpt'}: "), line
+    assert line.endswith("hidden_size value from checkpoint (32) is not equal to the input argument value (64) "
+                         "(--hidden-size)"), line
