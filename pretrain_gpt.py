@@ -149,16 +149,29 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
     config = core_gpt_dataset_config_from_args(args)
     dataset_type = MockGPTDataset if args.mock_data else GPTDataset
     print_rank_0("> building train, validation, and test datasets for GPT ...")
-    train_ds, valid_ds, test_ds = BlendedMegatronDatasetBuilder(
-        dataset_type, train_val_test_num_samples, is_dataset_built_on_rank, config
-    ).build()
+    try:
+        train_ds, valid_ds, test_ds = BlendedMegatronDatasetBuilder(
+            dataset_type, train_val_test_num_samples, is_dataset_built_on_rank, config
+        ).build()
+    except ValueError as error:  # the builder's ValueErrors name the dataset and the flag (an empty split, ...)
+        raise UserInputError(str(error)) from error
     print_rank_0("> finished creating GPT datasets ...")
     return train_ds, valid_ds, test_ds
 
 
+def require_inputs(parser):
+    """Extra-args provider: this script reads a tokenizer and a dataset, so their flags are required."""
+    parser.set_defaults(require_inputs=True)
+    return parser
+
+
 def main() -> None:
-    """Pretrain with the command-line flags; a user-input error ends the run with one line, no traceback."""
-    run_reporting_user_errors(pretrain, train_valid_test_datasets_provider, model_provider, forward_step)
+    """Pretrain with the command-line flags; a user-input error ends the run with one line, no traceback.
+
+    ``--tokenizer-type`` defaults to GPT2BPETokenizer, as in Megatron-LM's pretrain_gpt.py.
+    """
+    run_reporting_user_errors(pretrain, train_valid_test_datasets_provider, model_provider, forward_step,
+                              extra_args_provider=require_inputs, args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Pipeline parallelism on CPU gives the numbers of one process: train the tinyshakespeare GPT (the
-# README's model) for 100 iterations at PP=1, PP=2 (1F1B over 2 gloo ranks) and PP=2 x TP=2 (4 ranks),
+# model of docs/training.md) for 100 iterations at PP=1, PP=2 (1F1B over 2 gloo ranks) and PP=2 x TP=2 (4 ranks),
 # same seed, data and global batch, dropout off, and check that every iteration logs the same lm loss
 # (1e-5 relative). Each layer's initial weights come from (seed, layer number), so every pipeline
 # layout starts from the same model. The vocabulary is padded to 50432 in every run

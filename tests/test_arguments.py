@@ -88,7 +88,7 @@ EXPECTED_DEFAULTS = {
     "ddp_bucket_size": None, "ddp_average_in_collective": False, "local_rank": 0,
     "num_layers_per_virtual_pipeline_stage": None, "use_tp_pp_dp_mapping": False,
     # validation
-    "eval_iters": 100, "eval_interval": None, "skip_train": False, "eval_global_batch_size": None,
+    "eval_iters": 100, "eval_interval": 1000, "skip_train": False, "eval_global_batch_size": None,
     "eval_micro_batch_size": None,
     # data
     "data_path": None, "split": None, "train_data_path": None, "data_cache_path": None, "mock_data": False,
@@ -294,11 +294,11 @@ def _drop(argv, flag):
 
 
 @pytest.mark.parametrize("argv,world_size,message", [
-    (_drop(MODEL, "--num-layers") + TRAIN, 1, "--num-layers is required"),
-    (_drop(MODEL, "--hidden-size") + TRAIN, 1, "--hidden-size is required"),
-    (_drop(MODEL, "--num-attention-heads") + TRAIN, 1, "--num-attention-heads is required"),
-    (_drop(MODEL, "--max-position-embeddings") + TRAIN, 1, "--max-position-embeddings is required"),
-    (_drop(MODEL, "--seq-length") + TRAIN, 1, "--seq-length is required"),
+    (_drop(MODEL, "--num-layers") + TRAIN, 1, "missing required flag: --num-layers"),
+    (_drop(MODEL, "--hidden-size") + TRAIN, 1, "missing required flag: --hidden-size"),
+    (_drop(MODEL, "--num-attention-heads") + TRAIN, 1, "missing required flag: --num-attention-heads"),
+    (_drop(MODEL, "--max-position-embeddings") + TRAIN, 1, "missing required flag: --max-position-embeddings"),
+    (_drop(MODEL, "--seq-length") + TRAIN, 1, "missing required flag: --seq-length"),
     (MODEL + TRAIN + ["--tensor-model-parallel-size", "2"], 3,
      r"world size \(3\) is not divisible by total_model_size \(2\)"),
     (MODEL + TRAIN + ["--tensor-model-parallel-size", "4"], 6,
@@ -307,10 +307,10 @@ def _drop(argv, flag):
      r"global batch size \(6\) is not divisible by micro batch size \(2\) times data parallel size \(4\)"),
     (MODEL + TRAIN + ["--eval-global-batch-size", "3"], 1,
      r"eval global batch size \(3\) is not divisible by eval micro batch size \(2\)"),
-    (_drop(TRAIN, "--micro-batch-size") + MODEL, 1, "--micro-batch-size is required"),
-    (_drop(TRAIN, "--train-iters") + MODEL, 1, "exactly one of --train-iters and --train-samples"),
+    (_drop(TRAIN, "--micro-batch-size") + MODEL, 1, "missing required flag: --micro-batch-size"),
+    (_drop(TRAIN, "--train-iters") + MODEL, 1, r"missing required flag: --train-iters \(or --train-samples\)"),
     (MODEL + TRAIN + ["--train-samples", "5"], 1, "exactly one of --train-iters and --train-samples"),
-    (_drop(TRAIN, "--lr") + MODEL, 1, "--lr is required for training"),
+    (_drop(TRAIN, "--lr") + MODEL, 1, "missing required flag: --lr"),
     (MODEL + TRAIN + ["--lr-warmup-iters", "20"], 1,
      r"--lr-warmup-iters \(20\) must be smaller than --lr-decay-iters \(10; it defaults to --train-iters\)"),
     (_drop(TRAIN, "--train-iters") + MODEL + ["--train-samples", "64", "--lr-warmup-samples", "64"], 1,
@@ -561,3 +561,36 @@ def test_pipeline_splits_that_add_up_are_accepted(monkeypatch, extra, layers, wo
 def test_pipeline_splits_that_do_not_add_up_are_refused_with_the_numbers(monkeypatch, extra, layers, world, message):
     with pytest.raises(ValueError, match=message):
         _pp(*extra, layers=layers, world_size=world, monkeypatch=monkeypatch)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Megatron-LM command-line compatibility (issue 23)
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spelling, dest", [
+    ("--override-opt_param-scheduler", "override_opt_param_scheduler"),
+    ("--use-checkpoint-opt_param-scheduler", "use_checkpoint_opt_param_scheduler"),
+])
+def test_core_v0_14_scheduler_spellings_set_the_same_flag(spelling, dest):
+    dashed = spelling.replace("opt_param", "opt-param")
+    assert getattr(_parse(spelling), dest) is True and getattr(_parse(dashed), dest) is True
+    assert getattr(_parse(), dest) is False
+
+
+def test_core_v0_14_barrier_spelling():
+    assert _parse().barrier_with_L1_time is True
+    assert _parse("--no-barrier-with-level-1-timing").barrier_with_L1_time is False
+    assert _parse("--no-barrier-with-L1-time").barrier_with_L1_time is False
+
+
+def test_eval_interval_defaults_to_megatrons_1000():
+    assert _valid(*MODEL, *TRAIN).eval_interval == 1000
+
+
+def test_pretrain_gpt_defaults_the_tokenizer_to_gpt2_bpe():
+    """As Megatron-LM's pretrain_gpt.py: args_defaults={'tokenizer_type': 'GPT2BPETokenizer'} (the script itself
+    is checked end to end by tests/test_user_errors.py::test_bare_pretrain_gpt_lists_every_missing_required_flag)."""
+    assert _valid(*MODEL, *TRAIN, defaults={"tokenizer_type": "GPT2BPETokenizer"}).tokenizer_type == "GPT2BPETokenizer"
+    given = _valid(*MODEL, *TRAIN, "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+                   defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    assert given.tokenizer_type == "NullTokenizer"

@@ -42,7 +42,6 @@ REFUSED = {
     "--pretrained-checkpoint": ["--pretrained-checkpoint", "x"],
     "--vocab-extra-ids": ["--vocab-extra-ids", "4"],
     "--tokenizer-special-tokens": ["--tokenizer-special-tokens", "<a>"],
-    "--tiktoken-pattern": ["--tiktoken-pattern", "v2"],
     "--tiktoken-num-special-tokens": ["--tiktoken-num-special-tokens", "10"],
     "--trust-remote-code": ["--trust-remote-code"],
     "--tokenizer-hf-no-use-fast": ["--tokenizer-hf-no-use-fast"],

@@ -255,9 +255,21 @@ def test_training_accepts_tokenizer_flags_only_with_their_type(monkeypatch, hf_d
                                    "--tokenizer-special-tokens", "<unk>", "<s>", "</s>"]))
     with pytest.raises(ValueError, match="--trust-remote-code applies only to --tokenizer-type HuggingFaceTokenizer"):
         validate_args(parse_args(args=[*valid, "--tokenizer-type", "GPT2BPETokenizer", "--trust-remote-code"]))
-    with pytest.raises(ValueError, match="--tiktoken-pattern applies only to --tokenizer-type TikTokenizer"):
-        validate_args(parse_args(args=[*valid, "--tokenizer-type", "HuggingFaceTokenizer", "--tiktoken-pattern",
-                                       "v2"]))
+
+
+
+def test_tiktoken_pattern_without_tiktokenizer_is_ignored_with_a_warning(monkeypatch, capsys):
+    """As Megatron-LM: the pattern is read only when a TikTokenizer is built; here a warning says so."""
+    from megatron.training.arguments import parse_args, validate_args
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
+        monkeypatch.delenv(name, raising=False)
+    valid = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+             "--max-position-embeddings", "32", "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3"]
+    args = validate_args(parse_args(args=[*valid, "--tokenizer-type", "GPT2BPETokenizer", "--tiktoken-pattern", "v2"]))
+    assert args.tiktoken_pattern == "v2" and args.tokenizer_type == "GPT2BPETokenizer"
+    assert ("WARNING: --tiktoken-pattern v2 is ignored: it applies only to --tokenizer-type TikTokenizer "
+            "(got GPT2BPETokenizer)") in capsys.readouterr().out
 
 
 @pytest.mark.timeout(600)

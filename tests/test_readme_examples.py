@@ -1,15 +1,21 @@
-"""README examples run verbatim and do not damage each other's output (issue 9 item 12)."""
+"""README and docs/ examples run verbatim and do not damage each other's output (issue 9 item 12; the deep sections
+moved from the README to docs/ pages in issue 23)."""
 import re
 import shlex
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+REPO = Path(__file__).resolve().parents[1]
+# The README and the pages its deep sections moved to.
+PAGES = [REPO / "README.md", *(REPO / "docs" / f"{name}.md" for name in ("training", "launch", "checkpoints",
+                                                                        "telemetry", "testing"))]
 
 
 def _commands():
-    """The README's bash commands, continuation lines joined and ``"${NAME[@]}"`` arrays expanded."""
+    """The bash commands of the README and the docs/ pages, continuation lines joined and ``"${NAME[@]}"``
+    arrays expanded."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), re.S):
+    blocks = [block for page in PAGES for block in re.findall(r"```bash\n(.*?)```", page.read_text(), re.S)]
+    for block in blocks:
         text = block.replace("\\\n", " ")
         arrays = {name: shlex.split(body, comments=True)
                   for name, body in re.findall(r"^(\w+)=\((.*?)\)", text, re.S | re.M)}
@@ -52,3 +58,17 @@ def test_readme_examples_write_distinct_outputs():
         for output in outputs:
             assert output not in seen, f"{output} written by two README examples:\n{seen[output]}\n{' '.join(words)}"
             seen[output] = " ".join(words)
+
+
+def test_readme_keeps_the_two_set_up_commands_ci_relies_on():
+    """The main job and the test command; .ci/run runs the same test command."""
+    set_up = (REPO / "README.md").read_text().split("## Set up", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", set_up, re.S)
+    assert blocks[0] == "python3 -m venv .venv && . .venv/bin/activate\n"
+    assert blocks[1].splitlines() == [
+        'python3 -m pip install torch==2.13.0 -e . && python3 examples/quickstart.py',
+        'python3 -m pip install torch==2.13.0 -e ".[dev]" && python3 -m pytest -q tests',
+    ]
+    ci = (REPO / ".ci" / "run").read_text()
+    assert ci.rstrip().splitlines()[-1] == "python3 -m pytest -q tests"
+    assert 'python3 -m pip install -q torch==2.13.0 -e ".[dev]"' in ci

@@ -1,4 +1,5 @@
-"""README.md's flags table is the one tools/flags_table.py generates from the training parser (it cannot drift)."""
+"""docs/flags.md's flags table (moved out of the README) is the one tools/flags_table.py generates from the training
+parser (it cannot drift)."""
 import argparse
 import subprocess
 import sys
@@ -12,10 +13,10 @@ sys.path.insert(0, str(REPO / "tools"))
 import flags_table  # noqa: E402
 
 
-def test_readme_table_equals_the_generated_one():
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    assert flags_table.readme_with_table(readme, flags_table.flags_table()) == readme, \
-        "README.md's flags table is out of date: run python tools/flags_table.py --write"
+def test_flags_page_table_equals_the_generated_one():
+    page = (REPO / "docs" / "flags.md").read_text(encoding="utf-8")
+    assert flags_table.page_with_table(page, flags_table.flags_table()) == page, \
+        "docs/flags.md's flags table is out of date: run python tools/flags_table.py --write"
 
 
 def test_table_has_one_row_per_parser_flag_with_its_default():
@@ -31,15 +32,15 @@ def test_table_has_one_row_per_parser_flag_with_its_default():
 
 
 def test_check_mode_fails_on_a_stale_table(tmp_path, monkeypatch):
-    stale = tmp_path / "README.md"
-    text = (REPO / "README.md").read_text(encoding="utf-8")
+    stale = tmp_path / "flags.md"
+    text = (REPO / "docs" / "flags.md").read_text(encoding="utf-8")
     stale.write_text(text.replace("| `1234` |", "| `4321` |"), encoding="utf-8")
-    monkeypatch.setattr(flags_table, "README", stale)
+    monkeypatch.setattr(flags_table, "PAGE", stale)
     assert flags_table.main(["--check"]) == 1
     assert flags_table.main(["--write"]) == 0
     assert stale.read_text(encoding="utf-8") == text
     with pytest.raises(ValueError, match="markers"):
-        flags_table.readme_with_table("no markers here", "table")
+        flags_table.page_with_table("no markers here", "table")
 
 
 def test_command_line_check_passes_on_the_repository():

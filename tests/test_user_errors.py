@@ -73,3 +73,100 @@ def test_internal_error_keeps_its_traceback(shared_data, shakespeare_prefix, tmp
     result = run_ranks(1, [str(script), *argv], timeout=300)  # one rank, forked from the fork server
     assert result.returncode == 1
     assert "Traceback" in result.stderr and "RuntimeError: internal fault for the test" in result.stderr
+
+
+def _one_error_line(out):
+    lines = _error_lines(out)
+    assert "Traceback" not in out and "usage:" not in out, out[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: "), out[-3000:]
+    return lines[0]
+
+
+def test_flag_typo_one_line_with_did_you_mean_from_rank_0(shared_data, shakespeare_prefix, tmp_path):
+    """Not the ~180-line usage on every rank: rank 0 prints one line naming the flag it guesses."""
+    ranks = run_ranks_without_launcher(2, [*TRAIN, "--num-layer", "2"], shared_data, shakespeare_prefix, tmp_path)
+    assert [status for status, _ in ranks] == [2, 2], ranks[0][1][-2000:]
+    assert _one_error_line(ranks[0][1]) == "error: unrecognized arguments: --num-layer 2 (did you mean --num-layers?)"
+    assert _error_lines(ranks[1][1]) == [] and "usage:" not in ranks[1][1], ranks[1][1][-2000:]
+
+
+def test_bare_pretrain_gpt_lists_every_missing_required_flag(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_NTASKS")}
+    result = subprocess.run([sys.executable, "pretrain_gpt.py"], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert _one_error_line(result.stdout + result.stderr) == (
+        "error: missing required flags: --num-layers, --hidden-size, --num-attention-heads, --seq-length, "
+        "--max-position-embeddings, --micro-batch-size, --train-iters (or --train-samples), --lr, "
+        "--vocab-file (for --tokenizer-type GPT2BPETokenizer), --merge-file (for --tokenizer-type GPT2BPETokenizer), "
+        "a data source (--data-path, --train-data-path/--valid-data-path/--test-data-path or --mock-data)")
+
+
+@pytest.fixture(scope="module")
+def saved_run(shared_data, shakespeare_prefix, tmp_path_factory):
+    """A 2-iteration run that evaluated 15 batches after each iteration (more samples than one epoch of
+    the 2 % validation split), saved at iteration 2."""
+    tmp_path = tmp_path_factory.mktemp("saved_run")
+    flags = [*TRAIN[:2], "--train-iters", "2", "--lr-warmup-iters", "1", "--eval-interval", "1", "--eval-iters", "15",
+             "--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
+    [(status, out)] = run_ranks_without_launcher(1, flags, shared_data, shakespeare_prefix, tmp_path)
+    assert status == 0, out[-3000:]
+    return tmp_path
+
+
+def test_scheduler_mismatch_is_one_line_naming_samples_and_both_flags(shared_data, shakespeare_prefix, saved_run,
+                                                                      tmp_path):
+    """Training on (--train-iters 4 after 2) changes the decay length: counted in samples, as the scheduler does."""
+    flags = [*TRAIN[:2], "--train-iters", "4", "--lr-warmup-iters", "1", "--eval-interval", "1", "--eval-iters", "15",
+             "--load", str(saved_run / "ckpt")]
+    [(status, out)] = run_ranks_without_launcher(1, flags, shared_data, shakespeare_prefix, tmp_path)
+    assert status == 1, out[-3000:]
+    line = _one_error_line(out)
+    assert line.startswith(f"error: --load {saved_run / 'ckpt'}: the checkpoint's learning-rate schedule has decay "
+                           "samples (--lr-decay-iters or --train-iters x --global-batch-size, or --lr-decay-samples) "
+                           "16, this run's flags give 32; pass --override-opt-param-scheduler"), line
+
+
+def test_exhausted_validation_split_names_dataset_split_and_flags(shared_data, shakespeare_prefix, saved_run,
+                                                                  tmp_path):
+    """Resumed with flags that ask for fewer validation samples than the checkpoint consumed."""
+    flags = [*TRAIN[:2], "--train-iters", "3", "--lr-warmup-iters", "1", "--eval-interval", "1000", "--eval-iters", "1",
+             "--load", str(saved_run / "ckpt"), "--override-opt-param-scheduler"]
+    [(status, out)] = run_ranks_without_launcher(1, flags, shared_data, shakespeare_prefix, tmp_path)
+    assert status == 1, out[-3000:]
+    line = _one_error_line(out)
+    import re
+
+    match = re.fullmatch(
+        rf"error: no validation samples left to consume: the checkpoint of --load {re.escape(str(saved_run / 'ckpt'))} "
+        rf"has consumed (\d+) validation samples of --data-path {re.escape(shakespeare_prefix)} --split 98,2,0, "
+        r"this run's validation dataset holds (\d+); this run asks for 8 \(\(--train-iters 3 // --eval-interval 1000 "
+        r"\+ 1\) x --eval-iters 1 x --eval-global-batch-size 8\): raise --eval-iters or lower --eval-interval to ask "
+        r"for more than the checkpoint has consumed", line)
+    assert match and int(match.group(1)) >= int(match.group(2)), line
+
+
+def test_empty_split_is_one_line_naming_the_split_and_the_flag(shared_data, shakespeare_prefix, tmp_path):
+    """A --split whose validation part rounds to no document, while evaluation asks for samples."""
+    [(status, out)] = run_ranks_without_launcher(1, [*TRAIN, "--split", "999999,1,0"], shared_data,
+                                                 shakespeare_prefix, tmp_path)
+    assert status == 1, out[-3000:]
+    line = _one_error_line(out)
+    assert line.startswith(f"error: the valid split of {shakespeare_prefix} is empty"), line
+    assert "change --split or use more data" in line, line
+
+
+def test_checkpoint_shape_mismatch_is_one_line_naming_load_and_the_flag(shared_data, shakespeare_prefix, saved_run,
+                                                                        tmp_path):
+    flags = [*TRAIN[:2], "--train-iters", "2", "--lr-warmup-iters", "1", "--hidden-size", "64",
+             "--load", str(saved_run / "ckpt")]
+    [(status, out)] = run_ranks_without_launcher(1, flags, shared_data, shakespeare_prefix, tmp_path)
+    assert status == 1, out[-3000:]
+    line = _one_error_line(out)
+    assert line.startswith(f"error: --load {saved_run / 'ckpt'}: "), line
+    assert line.endswith("hidden_size value from checkpoint (32) is not equal to the input argument value (64) "
+                         "(--hidden-size)"), line

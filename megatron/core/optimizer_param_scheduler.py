@@ -10,6 +10,10 @@ _WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 _WD_INCR_STYLES = ("constant", "linear", "cosine")
 
 
+class SchedulerMismatchError(ValueError):
+    """A checkpoint's schedule differs from the one the flags describe (the same on every rank)."""
+
+
 class OptimizerParamScheduler:
     """Sets 'lr' and 'weight_decay' of every optimizer param group as a function of consumed samples.
 
@@ -166,15 +170,19 @@ class OptimizerParamScheduler:
         }
 
     def _check_and_set(self, cls_value, sd_value, name: str):
-        """Pick the value to use after loading (override -> ours, use-checkpoint -> theirs, else must match)."""
+        """Pick the value to use after loading (override -> ours, use-checkpoint -> theirs, else must match).
+
+        Raises:
+            SchedulerMismatchError: neither flag is set and the values differ (``name`` says the unit).
+        """
         if self.override_opt_param_scheduler:
             logger.info(" > overriding %s value to %s", name, cls_value)
             return cls_value
         if not self.use_checkpoint_opt_param_scheduler and cls_value != sd_value:
-            raise ValueError(
-                f"OptimizerParamScheduler: class input value {cls_value} and checkpoint value {sd_value} for "
-                f"{name} do not match (use --override-opt-param-scheduler or "
-                f"--use-checkpoint-opt-param-scheduler)"
+            raise SchedulerMismatchError(
+                f"the checkpoint's learning-rate schedule has {name} {sd_value}, this run's flags give {cls_value}; "
+                "pass --override-opt-param-scheduler to follow the flags or --use-checkpoint-opt-param-scheduler "
+                "to keep the checkpoint's schedule"
             )
         logger.info(" > using checkpoint value %s for %s", sd_value, name)
         return sd_value
@@ -188,24 +196,29 @@ class OptimizerParamScheduler:
         """
         sd = state_dict
         max_lr = sd["start_lr"] if "start_lr" in sd else sd["max_lr"]
-        self.max_lr = self._check_and_set(self.max_lr, max_lr, "learning rate")
-        self.min_lr = self._check_and_set(self.min_lr, sd["min_lr"], "minimum learning rate")
+        self.max_lr = self._check_and_set(self.max_lr, max_lr, "learning rate (--lr)")
+        self.min_lr = self._check_and_set(self.min_lr, sd["min_lr"], "minimum learning rate (--min-lr)")
         warmup = sd.get("warmup_iter", sd.get("warmup_steps", sd.get("lr_warmup_steps")))
         if warmup is None:
             raise KeyError("scheduler state dict has no 'lr_warmup_steps'")
-        self.lr_warmup_steps = self._check_and_set(self.lr_warmup_steps, warmup, "warmup iterations")
+        self.lr_warmup_steps = self._check_and_set(
+            self.lr_warmup_steps, warmup,
+            "warmup samples (--lr-warmup-iters x --global-batch-size, or --lr-warmup-samples)")
         decay_steps = sd.get("end_iter", sd.get("decay_steps", sd.get("lr_decay_steps")))
         if decay_steps is None:
             raise KeyError("scheduler state dict has no 'lr_decay_steps'")
-        self.lr_decay_steps = self._check_and_set(self.lr_decay_steps, decay_steps, "total number of iterations")
+        self.lr_decay_steps = self._check_and_set(
+            self.lr_decay_steps, decay_steps,
+            "decay samples (--lr-decay-iters or --train-iters x --global-batch-size, or --lr-decay-samples)")
         decay_style = sd["decay_style"] if "decay_style" in sd else sd["lr_decay_style"]
-        self.lr_decay_style = self._check_and_set(self.lr_decay_style, decay_style, "learning rate decay style")
+        self.lr_decay_style = self._check_and_set(self.lr_decay_style, decay_style, "decay style (--lr-decay-style)")
         num_steps = sd["num_iters"] if "num_iters" in sd else sd["num_steps"]
         if "start_wd" in sd:
             self.start_wd = self._check_and_set(self.start_wd, sd["start_wd"], "start weight decay")
             self.end_wd = self._check_and_set(self.end_wd, sd["end_wd"], "end weight decay")
             self.wd_incr_steps = self._check_and_set(self.wd_incr_steps, sd["wd_incr_steps"],
-                                                     "total number of weight decay iterations")
+                                                     "weight decay samples (--train-iters x --global-batch-size, or "
+                                                     "--train-samples)")
             self.wd_incr_style = self._check_and_set(self.wd_incr_style, sd["wd_incr_style"],
                                                      "weight decay incr style")
         self.num_steps = 0

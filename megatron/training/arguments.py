@@ -1,6 +1,7 @@
 """The training command line: Megatron-LM's flags, their validation, and args -> TransformerConfig."""
 import argparse
 import dataclasses
+import difflib
 import os
 import signal
 import warnings
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.training.tokenizer import add_tokenizer_args
+from megatron.training.user_errors import UserInputError, report_and_exit
 
 # Position embeddings that need a learned table of size --max-position-embeddings.
 _TABLE_POSITION_TYPES = ("learned_absolute", "rope")
@@ -35,6 +37,30 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     return parser
 
 
+class _MegatronArgumentParser(argparse.ArgumentParser):
+    """argparse with Megatron's flags whose errors are one line, printed once (rank 0), not the usage.
+
+    The usage of ~180 flags printed on every rank buries the one line that matters; ``--help`` still
+    prints it. Unknown flags get a "did you mean" from the parser's own option strings.
+    """
+
+    def error(self, message):
+        report_and_exit(UserInputError(message if "did you mean" in message else f"{message} (see --help)",
+                                       exit_status=2, same_on_every_rank=True))
+
+    def suggestions(self, unknown):
+        """`` (did you mean --x?)`` for the unknown ``--flag`` / ``--flag=value`` words with a close match."""
+        options = [option for action in self._actions for option in action.option_strings if option.startswith("--")]
+        flags = [word.split("=", 1)[0] for word in unknown if word.startswith("--")]
+        pairs = [(flag, difflib.get_close_matches(flag, options, n=1, cutoff=0.75)) for flag in flags]
+        hints = [(flag, close[0]) for flag, close in pairs if close]
+        if not hints:
+            return ""
+        if len(flags) == 1:
+            return f" (did you mean {hints[0][1]}?)"
+        return f" (did you mean {', '.join(f'{close} for {flag}' for flag, close in hints)}?)"
+
+
 def parse_args(extra_args_provider=None, ignore_unknown_args=False, args=None):
     """Parse Megatron-LM's training flags into an argparse.Namespace.
 
@@ -45,18 +71,18 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False, args=None):
 
     Besides the flags, sets ``rank`` and ``world_size`` from the launcher's environment
     (torchrun's RANK/WORLD_SIZE, else SLURM's SLURM_PROCID/SLURM_NTASKS) and ``local_rank``
-    defaults to LOCAL_RANK (else SLURM_LOCALID). Raises SystemExit (argparse) on a bad flag
-    and ValueError when a rank variable is not an integer.
+    defaults to LOCAL_RANK (else SLURM_LOCALID). A bad flag prints one ``error: ...`` line (rank 0
+    only; an unknown flag with a "did you mean") and raises SystemExit(2); a rank variable that is
+    not an integer raises ValueError.
     """
-    parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
+    parser = _MegatronArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
     parser = add_megatron_arguments(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
 
-    if ignore_unknown_args:
-        parsed, _ = parser.parse_known_args(args)
-    else:
-        parsed = parser.parse_args(args)
+    parsed, unknown = parser.parse_known_args(args)
+    if unknown and not ignore_unknown_args:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{parser.suggestions(unknown)}")
 
     parsed.rank, parsed.world_size = _launcher_rank_and_world_size()
     return parsed
@@ -266,9 +292,12 @@ def _add_learning_rate_args(parser):
     group.add_argument("--lr-warmup-samples", type=int, default=0, help="Warmup samples.")
     group.add_argument("--lr-warmup-init", type=float, default=0.0, help="Learning rate at the start of warmup.")
     group.add_argument("--min-lr", type=float, default=0.0, help="Floor of the learning rate.")
-    group.add_argument("--override-opt-param-scheduler", action="store_true",
+    # core_v0.14 spells these two with an underscore (--override-opt_param-scheduler); both spellings act.
+    group.add_argument("--override-opt-param-scheduler", "--override-opt_param-scheduler", action="store_true",
+                       dest="override_opt_param_scheduler",
                        help="Use the command-line scheduler values instead of the checkpoint's.")
-    group.add_argument("--use-checkpoint-opt-param-scheduler", action="store_true",
+    group.add_argument("--use-checkpoint-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler",
+                       action="store_true", dest="use_checkpoint_opt_param_scheduler",
                        help="Use the checkpoint's scheduler values.")
     group.add_argument("--decoupled-lr", type=float, default=None, help="Learning rate of embedding/output params.")
     group.add_argument("--decoupled-min-lr", type=float, default=None, help="Min learning rate of embedding/output.")
@@ -391,7 +420,7 @@ def _add_distributed_args(parser):
 def _add_validation_args(parser):
     group = parser.add_argument_group(title="validation")
     group.add_argument("--eval-iters", type=int, default=100, help="Global batches per evaluation.")
-    group.add_argument("--eval-interval", type=int, default=None, help="Iterations between evaluations.")
+    group.add_argument("--eval-interval", type=int, default=1000, help="Iterations between evaluations.")
     group.add_argument("--skip-train", action="store_true", help="Only evaluate.")
     group.add_argument("--full-validation", action="store_true", help="Evaluate on the whole validation set.")
     group.add_argument("--eval-global-batch-size", type=int, default=None,
@@ -441,7 +470,8 @@ def _add_logging_args(parser):
     group.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2], help="Timer verbosity.")
     group.add_argument("--timing-log-option", type=str, default="minmax", choices=["max", "minmax", "all"],
                        help="How timers are reduced across ranks.")
-    group.add_argument("--no-barrier-with-L1-time", action="store_false", dest="barrier_with_L1_time",
+    group.add_argument("--no-barrier-with-L1-time", "--no-barrier-with-level-1-timing", action="store_false",
+                       dest="barrier_with_L1_time",
                        help="No barrier before level-1 timers.")
     group.add_argument("--tensorboard-dir", type=str, default=None, help="TensorBoard event directory.")
     group.add_argument("--tensorboard-log-interval", type=int, default=1, help="Iterations between TB writes.")
@@ -522,12 +552,15 @@ def validate_args(args, defaults={}):
     # Applied first so that script defaults take part in every check below; a flag given on
     # the command line wins over the script default.
     for key, value in defaults.items():
+        if getattr(args, key, None) == value:
+            continue
         if getattr(args, key, None) is not None:
             _print_rank_0(args, f"WARNING: overriding default arguments for {key}:{value} "
                                 f"with {key}:{getattr(args, key)}")
         else:
             setattr(args, key, value)
 
+    _validate_required(args)
     _validate_features(args)
     _validate_parallel_sizes(args)
     _validate_data_sources(args)
@@ -547,6 +580,45 @@ def validate_args(args, defaults={}):
 
     _print_args("arguments", args)
     return args
+
+
+# What each tokenizer type reads: (flag, dest).
+_TOKENIZER_FILES = {
+    "GPT2BPETokenizer": (("--vocab-file", "vocab_file"), ("--merge-file", "merge_file")),
+    "SentencePieceTokenizer": (("--tokenizer-model", "tokenizer_model"),),
+    "GPTSentencePieceTokenizer": (("--tokenizer-model", "tokenizer_model"),),
+    "HuggingFaceTokenizer": (("--tokenizer-model", "tokenizer_model"),),
+    "TikTokenizer": (("--tokenizer-model", "tokenizer_model"),),
+    "NullTokenizer": (("--vocab-size", "vocab_size"),),
+}
+
+
+def _validate_required(args):
+    """All missing required flags in one message (a bare ``pretrain_gpt.py`` names them at once).
+
+    The tokenizer's files and a data source are required only where ``args.require_inputs`` is set
+    (``pretrain_gpt.py`` sets it with ``parser.set_defaults``; library callers may build neither).
+    """
+    missing = [flag for flag, dest in (("--num-layers", "num_layers"), ("--hidden-size", "hidden_size"),
+                                       ("--num-attention-heads", "num_attention_heads"),
+                                       ("--seq-length", "seq_length"), ("--micro-batch-size", "micro_batch_size"))
+               if getattr(args, dest) is None]
+    if (args.max_position_embeddings is None and args.position_embedding_type == "learned_absolute"
+            and not args.use_rotary_position_embeddings):
+        missing.insert(4, "--max-position-embeddings")
+    if args.train_iters is None and args.train_samples is None:
+        missing.append("--train-iters (or --train-samples)")
+    if args.lr is None and not args.skip_train:
+        missing.append("--lr")
+    if getattr(args, "require_inputs", False):  # set by scripts that read a tokenizer and a dataset
+        missing += [f"{flag} (for --tokenizer-type {args.tokenizer_type})"
+                    for flag, dest in _TOKENIZER_FILES.get(args.tokenizer_type, ()) if getattr(args, dest) is None]
+        if not (args.data_path or args.mock_data or args.train_data_path or args.valid_data_path
+                or args.test_data_path):
+            missing.append("a data source (--data-path, --train-data-path/--valid-data-path/--test-data-path or "
+                           "--mock-data)")
+    if missing:
+        raise ValueError(f"missing required flag{'s' if len(missing) > 1 else ''}: {', '.join(missing)}")
 
 
 def _validate_features(args):
@@ -582,6 +654,10 @@ def _validate_features(args):
         if getattr(args, dest) != default and args.tokenizer_type != tokenizer_type:
             raise ValueError(f"{flag} applies only to --tokenizer-type {tokenizer_type} (got {args.tokenizer_type}); "
                              "remove it (it would otherwise be silently ignored)")
+    if args.tiktoken_pattern is not None and args.tokenizer_type != "TikTokenizer":
+        # Megatron-LM reads the pattern only when it builds a TikTokenizer: ignore it as it does, but say so.
+        _print_rank_0(args, f"WARNING: --tiktoken-pattern {args.tiktoken_pattern} is ignored: it applies only to "
+                            f"--tokenizer-type TikTokenizer (got {args.tokenizer_type})")
     if args.vocab_extra_ids and args.tokenizer_type != "SentencePieceTokenizer":
         raise ValueError(f"--vocab-extra-ids only applies to --tokenizer-type SentencePieceTokenizer (got "
                          f"{args.tokenizer_type}); remove it (it would otherwise be silently ignored)")
@@ -611,7 +687,6 @@ _NO_EFFECT_HERE = [
 _TOKENIZER_TYPE_FLAGS = [
     ("--tokenizer-special-tokens", "tokenizer_special_tokens", None, "TikTokenizer"),
     ("--tiktoken-special-tokens", "tiktoken_special_tokens", None, "TikTokenizer"),
-    ("--tiktoken-pattern", "tiktoken_pattern", None, "TikTokenizer"),
     ("--tiktoken-num-special-tokens", "tiktoken_num_special_tokens", 1000, "TikTokenizer"),
     ("--trust-remote-code", "trust_remote_code", False, "HuggingFaceTokenizer"),
     ("--tokenizer-hf-no-use-fast", "tokenizer_hf_use_fast", True, "HuggingFaceTokenizer"),

@@ -17,10 +17,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.collective_device import get_collective_device
 from megatron.core.dist_checkpointing.safe_loading import UnsafeCheckpointError, refused_by_weights_only
+from megatron.core.optimizer_param_scheduler import SchedulerMismatchError
 from megatron.core.transformer.enums import AttnBackend, ModelType
 from megatron.training import checkpoint_integrity, legacy_optimizer_state
 from megatron.training.global_vars import get_args
 from megatron.training.training_state import TrainingState
+from megatron.training.user_errors import UserInputError
 from megatron.training.utils import print_rank_0
 
 CHECKPOINT_VERSION = 3.0
@@ -859,14 +861,21 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
     iteration_dir, iteration, release, source = found
     flag = f"--{load_arg.replace('_', '-')} {load_dir}"
     context = f"release checkpoint of {flag}" if release else f"iteration {iteration} of {flag}"
-    ckpt_format = _format_to_load(args, iteration_dir, iteration, source)
-    if ckpt_format == "torch_dist":
-        iteration = _load_torch_dist(args, iteration_dir, iteration, release, context, model, optimizer,
-                                     opt_param_scheduler, strict, restored)
-    else:
-        checkpoint_name = _legacy_checkpoint_file(iteration_dir, iteration, release)
-        iteration = _load_torch_format(args, checkpoint_name, iteration, release, context, model, optimizer,
-                                       opt_param_scheduler, strict, restored)
+    try:
+        ckpt_format = _format_to_load(args, iteration_dir, iteration, source)
+        if ckpt_format == "torch_dist":
+            iteration = _load_torch_dist(args, iteration_dir, iteration, release, context, model, optimizer,
+                                         opt_param_scheduler, strict, restored)
+        else:
+            checkpoint_name = _legacy_checkpoint_file(iteration_dir, iteration, release)
+            iteration = _load_torch_format(args, checkpoint_name, iteration, release, context, model, optimizer,
+                                           opt_param_scheduler, strict, restored)
+    except UserInputError:
+        raise
+    except SchedulerMismatchError as error:  # flags vs checkpoint: every rank reads the same schedule
+        raise UserInputError(f"{flag}: {error}", same_on_every_rank=True) from error
+    except ValueError as error:  # the checkpoint does not fit the flags (format, layout, shapes); names them
+        raise UserInputError(f"{flag}: {error}") from error
 
     _barrier()
     _deliver_training_state(restored, train_state, args)

@@ -38,6 +38,7 @@ from megatron.training.global_vars import get_args, get_telemetry, get_tensorboa
 from megatron.training.initialize import initialize_megatron
 from megatron.training.step_breakdown import StepBreakdown, wrap_data_iterator
 from megatron.training.training_state import TrainingState
+from megatron.training.user_errors import UserInputError
 from megatron.training.training_log import (
     LogAccumulator,
     log_operator_message,
@@ -261,9 +262,9 @@ def build_train_valid_test_data_iterators(train_valid_test_dataset_provider, tra
     train_state = TrainingState() if train_state is None else train_state
     print_rank_0("> building train, validation, and test datasets ...")
     train_ds, valid_ds, test_ds = train_valid_test_dataset_provider(get_train_valid_test_num_samples())
-    train_loader = build_pretraining_data_loader(train_ds, train_state.consumed_train_samples)
-    valid_loader = build_pretraining_data_loader(valid_ds, train_state.consumed_valid_samples,
-                                                 args.eval_micro_batch_size)
+    train_loader = _resumed_data_loader("training", train_ds, train_state.consumed_train_samples, args)
+    valid_loader = _resumed_data_loader("validation", valid_ds, train_state.consumed_valid_samples, args,
+                                        args.eval_micro_batch_size)
     test_loader = build_pretraining_data_loader(test_ds, 0, args.eval_micro_batch_size)
     # Ranks without datasets (TP rank > 0) learn from the others which splits exist.
     flags = torch.tensor(
@@ -273,7 +274,8 @@ def build_train_valid_test_data_iterators(train_valid_test_dataset_provider, tra
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     args.do_train, args.do_valid, args.do_test = (bool(v) for v in flags.tolist())
     if args.train_iters > 0 and not args.skip_train and not args.do_train:
-        raise ValueError(_empty_train_split_message(args))  # every rank agrees (flags are reduced)
+        # Every rank agrees (flags are reduced): rank 0 alone reports it.
+        raise UserInputError(_empty_train_split_message(args), same_on_every_rank=True)
 
     def _iterator(loader):
         if loader is None:
@@ -283,6 +285,34 @@ def build_train_valid_test_data_iterators(train_valid_test_dataset_provider, tra
         return iter(loader)
 
     return _iterator(train_loader), _iterator(valid_loader), _iterator(test_loader)
+
+
+def _resumed_data_loader(split, dataset, consumed, args, micro_batch_size=None):
+    """``build_pretraining_data_loader``; a checkpoint that consumed the whole split is the user's error.
+
+    Raises:
+        UserInputError: ``consumed`` >= the dataset's length, naming the split, the dataset and the flags
+            that size it.
+    """
+    if dataset is None or consumed < len(dataset):
+        return build_pretraining_data_loader(dataset, consumed, micro_batch_size)
+    if args.data_path:
+        source = f"--data-path {' '.join(args.data_path)} --split {args.split}"
+    else:
+        paths = args.train_data_path if split == "training" else args.valid_data_path
+        source = f"--{'train' if split == 'training' else 'valid'}-data-path {' '.join(paths or [])}"
+    wanted = get_train_valid_test_num_samples()[0 if split == "training" else 1]
+    if split == "training":
+        sizing = (f"this run asks for {wanted} (--train-iters {args.train_iters} x --global-batch-size "
+                  f"{args.global_batch_size}, or --train-samples): ask for more than the checkpoint has consumed")
+    else:
+        sizing = (f"this run asks for {wanted} ((--train-iters {args.train_iters} // --eval-interval "
+                  f"{args.eval_interval} + 1) x --eval-iters {args.eval_iters} x --eval-global-batch-size "
+                  f"{args.eval_global_batch_size}): raise --eval-iters or lower --eval-interval to ask for more "
+                  "than the checkpoint has consumed")
+    raise UserInputError(f"no {split} samples left to consume: the checkpoint of --load {args.load} has consumed "
+                         f"{consumed} {split} samples of {source}, this run's {split} dataset holds {len(dataset)}; "
+                         f"{sizing}")
 
 
 def _empty_train_split_message(args) -> str:

@@ -40,6 +40,22 @@ def _leaves_message_to_rank_0(error: BaseException) -> bool:
             and os.environ.get("RANK", "0") != "0")
 
 
+def report_and_exit(error: UserInputError):
+    """Print ``error`` as one line (once, by rank 0, when every rank raises it alike) and exit.
+
+    Raises:
+        SystemExit: always, with the error's ``exit_status``.
+    """
+    sys.stdout.flush()
+    if _leaves_message_to_rank_0(error):
+        # Rank 0 raises the same error and prints it; exiting at once could get rank 0 stopped
+        # by torchrun before it has printed.
+        time.sleep(_SILENT_RANK_GRACE_S)
+    else:
+        print(error_line(error), file=sys.stderr, flush=True)
+    sys.exit(error.exit_status)
+
+
 def run_reporting_user_errors(main, *args, **kwargs):
     """Call ``main(*args, **kwargs)``; a ``UserInputError`` becomes one line on stderr and ``sys.exit``.
 
@@ -49,11 +65,4 @@ def run_reporting_user_errors(main, *args, **kwargs):
     try:
         return main(*args, **kwargs)
     except UserInputError as error:
-        sys.stdout.flush()
-        if _leaves_message_to_rank_0(error):
-            # Rank 0 raises the same error and prints it; exiting at once could get rank 0 stopped
-            # by torchrun before it has printed.
-            time.sleep(_SILENT_RANK_GRACE_S)
-        else:
-            print(error_line(error), file=sys.stderr, flush=True)
-        sys.exit(error.exit_status)
+        report_and_exit(error)
