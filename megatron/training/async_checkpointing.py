@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing import model_and_optimizer as mo
 from megatron.core.dist_checkpointing import serialization
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.training.utils import get_device
 
 # Host copies reused across async saves: {(key, global offset): tensor}. A buffer is rewritten only
 # by the next save, which starts after the previous one was finalized.
@@ -80,7 +81,8 @@ def staging_device() -> Optional[int]:
     """The CUDA device whose tensors a save copies: the calling (training) thread's current device, or
     None without CUDA. Recorded when the save is scheduled, because a new thread's current device is
     always 0 (CUDA keeps the current device per thread), whatever ``LOCAL_RANK`` the process serves."""
-    return torch.cuda.current_device() if torch.cuda.is_available() else None
+    device = get_device()  # the one place that reads the model's device
+    return device.index if device.type == "cuda" else None
 
 
 def _stage(sharded: List[ShardedTensor], ready=None, device: Optional[int] = None) -> List[ShardedTensor]:
