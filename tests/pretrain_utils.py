@@ -1,5 +1,6 @@
 """Run pretrain_gpt.py on CPU gloo ranks (forked from the fork server, or under torchrun) for end-to-end
 tests, and read back its log and TensorBoard."""
+import json
 import os
 import re
 import subprocess
@@ -208,3 +209,24 @@ def load_checkpoint_tool(name):
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def console_objects(stdout: str) -> list:
+    """Every JSON object the console exporters printed (spans, metric snapshots, log records).
+
+    An exporter thread's line can land between a ``print``'s text and its newline on the training
+    thread, so an object is decoded wherever it starts in a line, not only at the line's start.
+    """
+    decoder = json.JSONDecoder()
+    objs = []
+    for line in stdout.splitlines():
+        start = line.find('{"')
+        while start != -1:
+            try:
+                obj, end = decoder.raw_decode(line, start)
+            except ValueError:
+                start = line.find('{"', start + 1)
+                continue
+            objs.append(obj)
+            start = line.find('{"', end)
+    return objs

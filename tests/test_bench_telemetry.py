@@ -11,6 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
 import bench_telemetry  # noqa: E402
+from pretrain_utils import console_objects  # noqa: E402
 from telemetry_toggle import PREFIX, iteration_plan  # noqa: E402
 
 
@@ -47,22 +48,6 @@ def test_ratio_of_identical_sides_is_one_and_the_background_is_charged_to_on():
     assert on - off == pytest.approx(2.0)
 
 
-def _console_objects(stdout: str) -> list:
-    """Every span and metric snapshot the console exporters printed. An exporter thread's line can
-    land between a ``print``'s text and its newline on the training thread, so objects are found by
-    their opening key anywhere in a line, not only at its start."""
-    decoder = json.JSONDecoder()
-    objs = []
-    for line in stdout.splitlines():
-        for key in ('{"name":', '{"resource_metrics":'):
-            start = line.find(key)
-            while start != -1:
-                obj, end = decoder.raw_decode(line, start)
-                objs.append(obj)
-                start = line.find(key, end)
-    return objs
-
-
 @pytest.mark.timeout(300)
 def test_off_iterations_emit_no_span_and_no_metric_snapshot():
     interval, warmup, intervals = 3, 2, 4
@@ -87,7 +72,7 @@ def test_off_iterations_emit_no_span_and_no_metric_snapshot():
                for v in values)
 
     on_iterations = {t for t in range(1, iters + 1) if iteration_plan(t, interval, warmup)[0]}
-    objs = _console_objects(result.stdout)
+    objs = console_objects(result.stdout)
     steps = {o["attributes"]["megatron.iteration"] for o in objs if o.get("name") == "megatron.train_step"}
     assert steps == on_iterations
     data_loading = sum(1 for o in objs if o.get("name") == "megatron.data_loading")

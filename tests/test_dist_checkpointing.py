@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from pretrain_utils import run_pretrain, tensorboard_scalars
+from pretrain_utils import console_objects, run_pretrain, tensorboard_scalars
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -222,15 +222,13 @@ def test_gated_mlp_gqa_model_reloads_at_another_tp_size_and_vocab_padding(save_t
 
 def test_async_save_spans_show_the_blocking_background_and_finalize_parts(shared_data, shakespeare_prefix, tmp_path,
                                                                           monkeypatch):
-    import json
-
     monkeypatch.setenv("MEGATRON_OTEL_ENABLED", "1")
     monkeypatch.setenv("MEGATRON_OTEL_EXPORTER", "console")
     monkeypatch.setenv("MEGATRON_OTEL_SPAN_GROUPS", "per_step")
     out = run_pretrain(1, ["--micro-batch-size", "4", "--train-iters", "3", "--eval-iters", "0", "--async-save",
                            "--save", str(tmp_path / "ckpt"), "--save-interval", "2"], shared_data, shakespeare_prefix,
                        tmp_path)
-    spans = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    spans = console_objects(out)
     spans = [s for s in spans if "name" in s]
     saves = {s["context"]["span_id"]: s for s in spans if s["name"] == "megatron.save_checkpoint"}
     assert sorted(s["attributes"]["megatron.iteration"] for s in saves.values()) == [2, 3]

@@ -49,10 +49,9 @@ def test_empty_training_split_stops_the_run_naming_split_and_data(shared_data, s
 def test_validation_metrics_record_the_split(shared_data, shakespeare_prefix, tmp_path, monkeypatch):
     """The test-set loss after training used to land in the same megatron.validation.* series as the
     validation loss (no attribute), so the "validation" series ended on the test value."""
-    import json
     import re
 
-    from pretrain_utils import run_pretrain
+    from pretrain_utils import console_objects, run_pretrain
 
     monkeypatch.setenv("MEGATRON_OTEL_ENABLED", "1")
     monkeypatch.setenv("MEGATRON_OTEL_EXPORTER", "console")
@@ -65,10 +64,8 @@ def test_validation_metrics_record_the_split(shared_data, shakespeare_prefix, tm
             printed[match.group(1)] = float(match.group(2))
     assert set(printed) == {"validation", "test"} and printed["validation"] != printed["test"], printed
     points = {}
-    for line in out.splitlines():
-        if not line.startswith("{"):
-            continue
-        for rm in json.loads(line).get("resource_metrics", []):
+    for record in console_objects(out):
+        for rm in record.get("resource_metrics", []):
             for sm in rm["scope_metrics"]:
                 for metric in sm["metrics"]:
                     if metric["name"] in ("megatron.validation.loss", "megatron.validation.ppl"):

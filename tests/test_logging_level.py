@@ -1,5 +1,4 @@
 """--logging-level: parsed, applied at start-up; operator messages reach logging (and the OTel log bridge) once."""
-import json
 import logging
 from types import SimpleNamespace
 
@@ -8,7 +7,7 @@ import pytest
 from megatron.core.telemetry.logging_bridge import OtelLogHandler
 from megatron.training import initialize, training_log
 from megatron.training.arguments import parse_args
-from pretrain_utils import LOG_LINE, run_pretrain
+from pretrain_utils import LOG_LINE, console_objects, run_pretrain
 
 
 @pytest.mark.parametrize("text,level", [("20", 20), ("INFO", logging.INFO), ("debug", logging.DEBUG),
@@ -140,9 +139,8 @@ def test_operator_message_goes_out_on_printing_or_bridging_ranks(monkeypatch, ca
 
 def _log_bodies(out):
     bodies = []
-    for line in out.splitlines():
-        if line.startswith("{") and '"severity_text"' in line:
-            record = json.loads(line)
+    for record in console_objects(out):
+        if "severity_text" in record:
             bodies.append((record["body"], record["severity_text"], record["attributes"].get("logger.name")))
     return bodies
 

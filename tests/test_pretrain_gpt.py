@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain_utils import REPO, losses_from_log as _losses, run_pretrain as _pretrain, run_ranks_without_launcher
+from pretrain_utils import REPO, console_objects, losses_from_log as _losses, run_pretrain as _pretrain, run_ranks_without_launcher
 
 
 def test_dp2_matches_dp1_and_logs_megatron_format(shared_data, shakespeare_prefix, tmp_path):
@@ -47,8 +47,6 @@ def test_resume_prints_exactly_the_uninterrupted_losses(shared_data, shakespeare
 
 def test_telemetry_spans_and_metrics_from_the_training_loop(shared_data, shakespeare_prefix, tmp_path, monkeypatch):
     """MEGATRON_OTEL_* switches on console export: the span tree and megatron.training.* metrics appear."""
-    import json
-
     monkeypatch.setenv("MEGATRON_OTEL_ENABLED", "1")
     monkeypatch.setenv("MEGATRON_OTEL_EXPORTER", "console")
     monkeypatch.setenv("MEGATRON_OTEL_SPAN_GROUPS", "per_step, microbatch, layer")
@@ -56,7 +54,7 @@ def test_telemetry_spans_and_metrics_from_the_training_loop(shared_data, shakesp
     out = _pretrain(2, ["--micro-batch-size", "2", "--train-iters", "3", "--save", str(tmp_path / "ckpt"),
                         "--save-interval", "3"], shared_data, shakespeare_prefix, tmp_path)
     assert "secret-token" not in out
-    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    records = console_objects(out)
     spans = [r for r in records if "name" in r]
     by_name = {}
     for span in spans:

@@ -1,6 +1,5 @@
 """examples/run_simple_mcore_train_loop.py (named by Megatron's observability docs) trains on megatron.core
 alone and, with MEGATRON_OTEL_ENABLED=1 MEGATRON_OTEL_EXPORTER=console, prints its spans and metrics as JSON."""
-import json
 import os
 import re
 import subprocess
@@ -9,7 +8,7 @@ import sys
 import pytest
 
 from dist_utils import free_port
-from pretrain_utils import REPO
+from pretrain_utils import REPO, console_objects
 
 
 @pytest.mark.timeout(400)
@@ -22,7 +21,7 @@ def test_simple_mcore_train_loop_with_console_telemetry():
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     losses = [float(m.group(1)) for m in re.finditer(r"iteration +\d+/4 \| lm loss: (\S+)", run.stdout)]
     assert len(losses) == 4 and losses[-1] < losses[0]  # it trains
-    records = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    records = console_objects(run.stdout)
     spans = [r for r in records if "context" in r and "name" in r]
     names = [s["name"] for s in spans]
     assert names.count("megatron.train_step") == 4 and names.count("megatron.train") == 1

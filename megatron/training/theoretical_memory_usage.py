@@ -52,12 +52,13 @@ def _layer_shapes(args, index: int) -> List[Tuple[str, Tuple[int, ...]]]:
     bias = args.add_bias_linear
     p = f"decoder.layers.{index}"
     shapes = _norm_shapes(args, f"{p}.input_layernorm", h)
-    shapes.append((f"{p}.self_attention.linear_qkv.weight", ((q + 2 * kv) // tp, h)))
-    if bias or getattr(args, "add_qkv_bias", False):
-        shapes.append((f"{p}.self_attention.linear_qkv.bias", ((q + 2 * kv) // tp,)))
+    # megatron-core creates linear_proj before linear_qkv; the legacy optimizer state follows this order
     shapes.append((f"{p}.self_attention.linear_proj.weight", (h, q // tp)))
     if bias:  # row-parallel bias: replicated over TP
         shapes.append((f"{p}.self_attention.linear_proj.bias", (h,)))
+    shapes.append((f"{p}.self_attention.linear_qkv.weight", ((q + 2 * kv) // tp, h)))
+    if bias or getattr(args, "add_qkv_bias", False):
+        shapes.append((f"{p}.self_attention.linear_qkv.bias", ((q + 2 * kv) // tp,)))
     if getattr(args, "qk_layernorm", False):
         shapes += _norm_shapes(args, f"{p}.self_attention.q_layernorm", args.kv_channels)
         shapes += _norm_shapes(args, f"{p}.self_attention.k_layernorm", args.kv_channels)

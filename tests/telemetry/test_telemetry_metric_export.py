@@ -1,10 +1,9 @@
 """Issue 9 item 7: every value logged at a --log-interval reaches the metric exporter, and the
 skipped-iterations counter is exported from the start, at 0."""
-import json
 
 import pytest
 
-from pretrain_utils import losses_from_log, run_pretrain
+from pretrain_utils import console_objects, losses_from_log, run_pretrain
 from telemetry_testutil import clean_telemetry  # noqa: F401
 
 
@@ -30,7 +29,7 @@ def test_every_logged_loss_reaches_the_exporter_and_skips_start_at_zero(shared_d
                        shared_data, shakespeare_prefix, tmp_path)
     logged = losses_from_log(out)
     assert sorted(logged) == [1, 2, 3, 4, 5]
-    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    records = console_objects(out)
     exported = [p["value"] for p in _points(records, "megatron.training.loss")]
     for iteration, loss in logged.items():  # the log line prints 6 significant digits
         assert any(v == pytest.approx(float(loss), rel=1e-5) for v in exported), \

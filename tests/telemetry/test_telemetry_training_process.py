@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from pretrain_utils import console_objects
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -81,6 +82,6 @@ def test_disabled_imports_no_opentelemetry_and_exporting_rank_probes_nvml_once(t
                                                      "MEGATRON_OTEL_METRICS_ENABLED": "0"})
     assert any(m.startswith("opentelemetry.sdk") for m in modules)
     assert calls.count("nvmlInit") == 1, calls
-    spans = [json.loads(line) for line in stdout.splitlines() if line.startswith("{") and '"span_id"' in line]
+    spans = [obj for obj in console_objects(stdout) if "context" in obj]
     resource = spans[0]["resource"]["attributes"]
     assert resource["host.gpu.count"] == 2 and resource["dl.gpu.uuid"] == "GPU-0"
