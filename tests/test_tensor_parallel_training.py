@@ -114,6 +114,22 @@ def test_tp2_sp_checkpoint_resumes_exactly(shared_data, shakespeare_prefix, tmp_
     assert resumed_log == {it: full_log[it] for it in range(11, 21)}
 
 
+def test_tp2_evaluates_at_another_micro_batch_size(shared_data, shakespeare_prefix, tmp_path):
+    """TP ranks other than 0 learn the broadcast batch shape once; evaluation at --eval-micro-batch-size 2
+    after training at 4 learns it anew (it used to stop TP rank 0 and leave rank 1 waiting) and gives the
+    validation loss of evaluating at 4."""
+    flags = ["--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1", "--tensor-model-parallel-size", "2",
+             *PAD, *NO_DROPOUT]
+    printed = {}
+    for eval_mbs in ("2", "4"):
+        out = run_pretrain(2, [*TRAIN, *flags, "--eval-micro-batch-size", eval_mbs], shared_data, shakespeare_prefix,
+                           tmp_path / eval_mbs)
+        found = re.findall(r"validation loss at iteration 2 \| lm loss value: (\S+) \|", out)
+        assert len(found) == 1, out[-3000:]
+        printed[eval_mbs] = float(found[0])
+    assert printed["2"] == pytest.approx(printed["4"], rel=1e-5)
+
+
 def test_indivisible_query_groups_fail_every_rank_at_start_up(shared_data, shakespeare_prefix, tmp_path):
     """Each rank stops on its own before the process group exists (run without torchrun, which would kill
     the slower rank as soon as the first one fails); the flags are the same everywhere, so rank 0 alone

@@ -45,8 +45,8 @@ from megatron.training.training_log import (
     num_floating_point_operations,
     training_log,
 )
-from megatron.training.utils import calc_params_l2_norm, get_device, print_rank_0, print_rank_last
-from megatron.training.utils import get_rank, is_last_rank
+from megatron.training.utils import calc_params_l2_norm, forget_broadcast_batch_shape, get_device
+from megatron.training.utils import get_rank, is_last_rank, print_rank_0, print_rank_last
 
 _TRAIN_START_TIME = time.time()
 
@@ -414,6 +414,7 @@ def evaluate(forward_step_func, data_iterator, model, verbose=False, train_state
         chunk.eval()
     num_microbatches = args.eval_global_batch_size // (args.eval_micro_batch_size * args.data_parallel_size)
     totals = {}
+    forget_broadcast_batch_shape()  # --eval-micro-batch-size may differ from training's
     with torch.no_grad(), telemetry.span("evaluate", "megatron.evaluate", eval_iters=args.eval_iters):
         for step in range(args.eval_iters):
             if verbose:
@@ -432,6 +433,7 @@ def evaluate(forward_step_func, data_iterator, model, verbose=False, train_state
                 train_state.consumed_valid_samples += args.eval_global_batch_size
     for chunk in model:
         chunk.train()
+    forget_broadcast_batch_shape()
     results = {}
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     for key, value in totals.items():

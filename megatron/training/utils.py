@@ -59,16 +59,25 @@ def get_batch_on_this_tp_rank(data_iterator, needs_attention_mask: bool):
     return out
 
 
-# [micro-batch size, sequence length] of the batches broadcast over TP, learnt from the first one.
+# [micro-batch size, sequence length] of the batches broadcast over TP, learnt from the first one
+# after each forget_broadcast_batch_shape().
 _broadcast_batch_shape: Optional[Tuple[int, int]] = None
+
+
+def forget_broadcast_batch_shape() -> None:
+    """Make the next TP batch broadcast learn its [b, s] again. Every rank calls it at the same point:
+    where the micro-batch size may change (evaluation runs at ``--eval-micro-batch-size``)."""
+    global _broadcast_batch_shape
+    _broadcast_batch_shape = None
 
 
 def _broadcast_batch(data_iterator, needs_attention_mask: bool):
     """TP rank 0's next batch on every rank of its TP group, on the group's collective device.
 
-    Every batch of a run has the [b, s] of the first (fixed micro-batch size and sequence length),
-    so its shape is broadcast and read to the host once per process, not once per micro-batch (a
-    device sync under NCCL). Raises RuntimeError on TP rank 0 if a later batch has another shape.
+    Between two forget_broadcast_batch_shape() calls every batch has the [b, s] of the first (one
+    micro-batch size and sequence length), so its shape is broadcast and read to the host once, not
+    once per micro-batch (a device sync under NCCL). Raises RuntimeError on TP rank 0 if a later
+    batch has another shape.
     """
     global _broadcast_batch_shape
     group = parallel_state.get_tensor_model_parallel_group()
