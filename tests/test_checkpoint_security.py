@@ -490,3 +490,22 @@ def test_import_hf_names_a_damaged_safetensors_file(tmp_path, capsys):
     assert import_hf.main(["--load", str(hf_dir), "--save", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: cannot read {hf_dir / 'model.safetensors'}: "), err
+
+
+def test_only_the_loaders_own_errors_are_the_users():
+    """A checkpoint that lacks a part is the user's to fix (one line); torch's own RuntimeError raised while
+    loading (a shape error, out of memory) is internal and keeps its traceback, wherever it was raised."""
+    from megatron.training.checkpoint_errors import CheckpointContentError, is_checkpoint_user_error
+    from megatron.training.checkpoint_integrity import FailedOnAnotherRankError
+
+    assert is_checkpoint_user_error(CheckpointContentError("checkpoint x has no 'iteration' entry"))
+    assert is_checkpoint_user_error(FailedOnAnotherRankError("checkpoint step failed on rank 0: ..."))
+    from megatron.core.dist_checkpointing import model_and_optimizer as mo
+
+    try:  # torch raises it, but its innermost Python frame is the checkpoint code that called torch
+        mo.stack_layers({"decoder.layers.0.mlp.linear_fc1.weight": torch.zeros(2),
+                         "decoder.layers.1.mlp.linear_fc1.weight": torch.zeros(3)})
+    except RuntimeError as error:
+        assert not is_checkpoint_user_error(error)
+    else:
+        raise AssertionError("stacking layers of different sizes did not fail")

@@ -94,14 +94,19 @@ def _all_gather_object(obj):
     return gathered
 
 
+class FailedOnAnotherRankError(RuntimeError):
+    """A checkpoint step that failed on another rank (this rank's message names it; that rank reports its own)."""
+
+
 def _first_error_everywhere(error):
-    """Raise on every rank if any rank has ``error``: the rank's own error, else one naming the other rank."""
+    """Raise on every rank if any rank has ``error``: the rank's own error, else a FailedOnAnotherRankError
+    naming the other rank."""
     reports = _all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:
         raise error
     for rank, report in enumerate(reports):
         if report is not None:
-            raise RuntimeError(f"checkpoint step failed on rank {rank}: {report}")
+            raise FailedOnAnotherRankError(f"checkpoint step failed on rank {rank}: {report}")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -16,10 +16,15 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.collective_device import get_collective_device
-from megatron.core.dist_checkpointing.safe_loading import UnsafeCheckpointError, refused_by_weights_only
+from megatron.core.dist_checkpointing.safe_loading import (
+    CheckpointFileError,
+    UnsafeCheckpointError,
+    refused_by_weights_only,
+)
 from megatron.core.optimizer_param_scheduler import SchedulerMismatchError
 from megatron.core.transformer.enums import AttnBackend, ModelType
 from megatron.training import checkpoint_integrity, legacy_optimizer_state
+from megatron.training.checkpoint_errors import CheckpointContentError
 from megatron.training.global_vars import get_args
 from megatron.training.training_state import TrainingState
 from megatron.training.user_errors import UserInputError
@@ -634,7 +639,7 @@ def _safe_globals():
     return allowed
 
 
-class CheckpointReadError(RuntimeError):
+class CheckpointReadError(CheckpointFileError):
     """A checkpoint file that exists but cannot be loaded: empty, truncated, corrupt or not a checkpoint."""
 
 
@@ -680,7 +685,7 @@ def load_state_dict_file(path, context=None):
     ``context`` (e.g. ``"iteration 8 of --load DIR"``) is added to error messages after the path.
     Raises UnsafeCheckpointError (a pickle.UnpicklingError) naming the file and the refused global
     (``module.name``) when it holds objects other than tensors and plain data (arbitrary pickled
-    objects are never executed), and CheckpointReadError (a RuntimeError) naming the file and saying
+    objects are never executed), and CheckpointReadError (a CheckpointFileError) naming the file and saying
     what is wrong for any other unreadable file: cannot be opened, empty, truncated, corrupt, or not
     written by torch.save.
     """
@@ -843,9 +848,9 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
     Raises FileNotFoundError (directory or rank file missing, naming the expected file),
     ValueError (bad tracker, tp/pp or model-shape mismatch, a checkpoint of the other format without
     --auto-detect-ckpt-format; CheckpointMismatchError for torch_dist tensors missing or of another shape), pickle.UnpicklingError (non
-    weights-only content), CheckpointReadError (a RuntimeError naming the file, the iteration and
-    the load directory: empty, truncated, corrupt or not a checkpoint), RuntimeError (model
-    mismatch, missing optimizer/RNG state without --no-load-optim / --no-load-rng).
+    weights-only content), CheckpointReadError (a CheckpointFileError naming the file, the iteration and
+    the load directory: empty, truncated, corrupt or not a checkpoint), CheckpointContentError (a
+    RuntimeError: model mismatch, missing optimizer/RNG state without --no-load-optim / --no-load-rng).
     """
     args = get_args()
     load_dir = getattr(args, load_arg)
@@ -917,7 +922,7 @@ def _load_torch_format(args, checkpoint_name, iteration, release, context, model
         try:
             iteration = state_dict["iteration"]
         except KeyError:
-            raise RuntimeError(f"checkpoint {checkpoint_name} has no 'iteration' entry; load it with "
+            raise CheckpointContentError(f"checkpoint {checkpoint_name} has no 'iteration' entry; load it with "
                                "--finetune to start from iteration 0") from None
 
     if args.finetune:
@@ -945,7 +950,7 @@ def _load_torch_format(args, checkpoint_name, iteration, release, context, model
             if opt_param_scheduler is not None:
                 opt_param_scheduler.load_state_dict(state_dict["opt_param_scheduler"])
         except KeyError as exc:
-            raise RuntimeError(f"unable to load optimizer state ({exc} missing) from checkpoint {checkpoint_name}; "
+            raise CheckpointContentError(f"unable to load optimizer state ({exc} missing) from checkpoint {checkpoint_name}; "
                                "specify --no-load-optim or --finetune to skip it") from None
     elif (args.fp16 or args.bf16) and optimizer is not None and hasattr(optimizer, "reload_model_params"):
         # Fresh fp32 main params must start from the loaded (low-precision) weights.
@@ -959,7 +964,7 @@ def _load_torch_format(args, checkpoint_name, iteration, release, context, model
                 index = parallel_state.get_data_parallel_rank()
             _set_rng_state(rng_states[index], checkpoint_name)
         except (KeyError, IndexError) as exc:
-            raise RuntimeError(f"unable to load rng state ({exc} missing) from checkpoint {checkpoint_name}; "
+            raise CheckpointContentError(f"unable to load rng state ({exc} missing) from checkpoint {checkpoint_name}; "
                                "specify --no-load-rng or --finetune to skip it") from None
 
     return iteration
@@ -1008,7 +1013,7 @@ def _load_torch_dist(args, iteration_dir, iteration, release, context, model, op
 
     load_optim = optimizer is not None and not release and not args.finetune and not args.no_load_optim
     if load_optim and "optimizer" not in common:
-        raise RuntimeError(f"unable to load optimizer state from checkpoint {iteration_dir} (saved with "
+        raise CheckpointContentError(f"unable to load optimizer state from checkpoint {iteration_dir} (saved with "
                            "--no-save-optim); specify --no-load-optim or --finetune to skip it")
     metadata = serialization.read_metadata(iteration_dir)
     legacy = mo.is_per_layer_layout(metadata.state_dict_metadata)
@@ -1040,7 +1045,7 @@ def _load_torch_dist(args, iteration_dir, iteration, release, context, model, op
         mo.load_optimizer_common_state(optimizer, common["optimizer"], iteration_dir)
         if opt_param_scheduler is not None:
             if "opt_param_scheduler" not in common:
-                raise RuntimeError(f"unable to load the scheduler state from checkpoint {iteration_dir}; specify "
+                raise CheckpointContentError(f"unable to load the scheduler state from checkpoint {iteration_dir}; specify "
                                    "--no-load-optim or --finetune to skip it")
             opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
 
@@ -1061,7 +1066,7 @@ def _load_torch_dist_rng(args, iteration_dir, common, context):
         return
     name = _rng_file_name(iteration_dir, _world_rank())
     if not os.path.isfile(name):
-        raise RuntimeError(f"unable to load rng state from checkpoint {iteration_dir}: {name} does not exist "
+        raise CheckpointContentError(f"unable to load rng state from checkpoint {iteration_dir}: {name} does not exist "
                            "(saved with --no-save-rng?); specify --no-load-rng or --finetune to skip it")
     _set_rng_state(load_state_dict_file(name, context)["rng_state"][0], name)
 
@@ -1090,7 +1095,7 @@ def _load_distributed_optimizer_state(optimizer, checkpoint_name, context):
     if _any_rank(error is not None):
         if error is not None:
             raise error
-        raise RuntimeError(f"reading the distributed-optimizer state {name} failed on data-parallel rank 0")
+        raise CheckpointContentError(f"reading the distributed-optimizer state {name} failed on data-parallel rank 0")
     optimizer.load_parameter_state_from_dp_zero(param_state, source=name)
 
 
@@ -1107,11 +1112,11 @@ def _load_model(model, state_dict, strict, checkpoint_name):
     keys = ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
     for chunk, key in zip(model, keys):
         if key not in state_dict:
-            raise RuntimeError(f"checkpoint {checkpoint_name} has no '{key}' entry for {len(model)} model chunk(s)")
+            raise CheckpointContentError(f"checkpoint {checkpoint_name} has no '{key}' entry for {len(model)} model chunk(s)")
         try:
             chunk.load_state_dict(state_dict[key], strict=strict)
         except RuntimeError as exc:
-            raise RuntimeError(f"checkpoint {checkpoint_name} does not match the model: {exc}") from exc
+            raise CheckpointContentError(f"checkpoint {checkpoint_name} does not match the model: {exc}") from exc
 
 
 __all__ = [

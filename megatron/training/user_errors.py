@@ -25,6 +25,11 @@ class UserInputError(ValueError):
         self.same_on_every_rank = same_on_every_rank
 
 
+def one_line(error: BaseException) -> str:
+    """``str(error)`` on one line (torch's load_state_dict, for one, lists missing keys on several lines)."""
+    return " ".join(part.strip() for part in str(error).splitlines() if part.strip())
+
+
 def error_line(error: BaseException) -> str:
     """``error: MESSAGE``, prefixed with ``[rank N]`` when several ranks run and the error may differ
     per rank (a file missing on one node, say); an error every rank raises alike is printed by
@@ -32,7 +37,7 @@ def error_line(error: BaseException) -> str:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     alike = getattr(error, "same_on_every_rank", False)
     prefix = f"[rank {os.environ.get('RANK', '0')}] " if world_size > 1 and not alike else ""
-    return f"{prefix}error: {error}"
+    return f"{prefix}error: {one_line(error)}"
 
 
 def _leaves_message_to_rank_0(error: BaseException) -> bool:
