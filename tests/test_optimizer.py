@@ -261,3 +261,26 @@ def test_fp16_needs_scaler_and_scale_loss():
         Float16OptimizerWithFloat16Params(inner, OptimizerConfig(lr=0.1, fp16=True), None)
     opt = Float16OptimizerWithFloat16Params(inner, OptimizerConfig(lr=0.1, fp16=True), ConstantGradScaler(4.0))
     assert opt.scale_loss(torch.tensor(1.5)).item() == 6.0
+
+
+def test_name_keyed_state_loads_whatever_the_saved_group_order():
+    """A name-keyed optimizer state whose param groups were saved in another order (earlier versions put
+    the default group first) puts every Adam moment and every group's hyper-parameters on its own params."""
+    config = OptimizerConfig(lr=1e-3, min_lr=1e-5, weight_decay=0.1)
+    model, fresh_model = Net(), Net()
+    opt, fresh = get_megatron_optimizer(config, [model]), get_megatron_optimizer(config, [fresh_model])
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.optimizer.step()
+    saved = opt.inner_state_dict_by_name()
+    saved["param_groups"] = list(reversed(saved["param_groups"]))
+    fresh.load_inner_state_dict(saved)
+
+    def wd_mult_of(optimizer, param):
+        return next(g["wd_mult"] for g in optimizer.param_groups if any(q is param for q in g["params"]))
+
+    fresh_params = dict(fresh_model.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(fresh.optimizer.state[fresh_params[name]]["exp_avg"],
+                                   opt.optimizer.state[param]["exp_avg"], rtol=0, atol=0)
+        assert wd_mult_of(fresh, fresh_params[name]) == wd_mult_of(opt, param), name

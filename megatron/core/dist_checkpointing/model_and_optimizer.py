@@ -452,8 +452,6 @@ def ensure_optimizer_state(optimizer) -> None:
                     inner.state[param]["momentum_buffer"] = torch.zeros_like(param.detach())
 
 
-
-
 def _group_steps(optimizer) -> List[Optional[float]]:
     """Adam's step per param group (None for a group without state here, e.g. no piece on this rank)."""
     inner = optimizer.optimizer

@@ -261,12 +261,13 @@ def load_with_planner(checkpoint_dir: str, planner: LoadPlanner, metadata: Optio
         dcp.load({}, storage_reader=SafeFileSystemReader(checkpoint_dir, metadata), planner=planner,
                  process_group=process_group, no_dist=no_dist)
     except CheckpointException as exc:
-        raise _first_failure(exc) from None
+        raise _first_failure(exc, process_group) from None
 
 
-def _first_failure(exc: CheckpointException) -> BaseException:
-    """This rank's own error out of DCP's gathered failures, else the first rank's (named)."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
+def _first_failure(exc: CheckpointException, process_group=None) -> BaseException:
+    """This rank's own error out of DCP's gathered failures (keyed by rank in the load's process group),
+    else the first rank's (named)."""
+    rank = dist.get_rank(process_group) if dist.is_initialized() else 0
     failures = exc.failures
     # The errors name the file; another rank's (gathered as an object) reads the same here.
     return failures[rank if rank in failures else min(failures)][0]

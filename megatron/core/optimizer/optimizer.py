@@ -127,8 +127,14 @@ class MegatronOptimizer(ABC):
             for name in names:
                 name_to_index[name] = index
                 index += 1
+        # Group i of this optimizer takes the saved group holding its params, wherever the saver put it
+        # (group order has changed between versions, e.g. the default group is no longer moved first).
+        saved_by_names = {frozenset(saved["params"]): saved for saved in saved_groups}
         positional_groups = []
-        for group_index, (saved, names) in enumerate(zip(saved_groups, self._group_param_names)):
+        for group_index, names in enumerate(self._group_param_names):
+            saved = saved_groups[group_index]  # same place first: empty groups are told apart only by it
+            if set(saved["params"]) != set(names):
+                saved = saved_by_names.get(frozenset(names), saved)
             if set(saved["params"]) != set(names):
                 missing = sorted(set(names) - set(saved["params"]))[:3]
                 extra = sorted(set(saved["params"]) - set(names))[:3]
