@@ -23,9 +23,9 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 import torch
 
+from megatron.core.optimizer import PARAM_GROUP_KEYS, param_group_key
 from megatron.training.user_errors import UserInputError
 
-GROUP_IDENTIFIER_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
 
 
 class OptimizerStateMismatch(UserInputError):
@@ -73,9 +73,9 @@ def to_megatron_layout(optimizer_state: dict) -> dict:
 
 def group_identity(group: Mapping) -> Optional[tuple]:
     """``(wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr)`` of a param group (None if it lacks one)."""
-    if not all(key in group for key in GROUP_IDENTIFIER_KEYS):
+    if not all(key in group for key in PARAM_GROUP_KEYS):
         return None
-    return tuple(group[key] for key in GROUP_IDENTIFIER_KEYS)
+    return param_group_key(group)
 
 
 def _names_from_model_order(saved_groups: Sequence[dict], target_groups: Sequence[Sequence[str]],
@@ -98,7 +98,7 @@ def _names_from_model_order(saved_groups: Sequence[dict], target_groups: Sequenc
             names = target_groups[index]
         else:
             raise OptimizerStateMismatch(
-                f"{where}: optimizer param group {index} ({dict(zip(GROUP_IDENTIFIER_KEYS, identity or ()))}) has "
+                f"{where}: optimizer param group {index} ({dict(zip(PARAM_GROUP_KEYS, identity or ()))}) has "
                 "no counterpart in this run's optimizer (other --weight-decay/--decoupled-lr settings?); use "
                 "--no-load-optim to start the optimizer afresh")
         missing = [name for name in names if name not in order]

@@ -66,6 +66,8 @@ from legacy_checkpoint import (  # noqa: E402
     find_iteration_dir,
     split_tp,
 )
+from megatron.core.dist_checkpointing import model_and_optimizer as mo  # noqa: E402
+from megatron.core.optimizer import param_group_key  # noqa: E402
 from megatron.core.transformer.pipeline_layout import pipeline_layer_counts, pipeline_layer_offset  # noqa: E402
 from megatron.training import checkpoint_integrity, checkpointing, legacy_optimizer_state  # noqa: E402
 from megatron.training.checkpoint_errors import is_checkpoint_user_error, one_line  # noqa: E402
@@ -336,7 +338,7 @@ def _plain_from_distributed(optimizer: Any, path: str, rank_chunks: List[dict], 
     saved_groups = optimizer["optimizer"]["param_groups"]
     index_of = {}
     for index, group in enumerate(saved_groups):
-        index_of.setdefault(_signature_of_group(group), index)
+        index_of.setdefault(param_group_key(group), index)
     vp = len(rank_chunks)
     low_precision = any(torch.is_tensor(v) and v.dtype in (torch.float16, torch.bfloat16)
                         for chunk in rank_chunks for v in chunk.values())
@@ -413,11 +415,8 @@ def read_checkpoint(load_dir: str, iteration: Optional[int] = None, with_optimiz
 
 
 COMMON_BASENAME = "common.pt"  # torch_dist: args, counters, scheduler, optimizer hyper-parameters (rank 0)
-_OPTIMIZER_PREFIX = "optimizer.state."
-_MAIN_PARAM = "fp32_param"
 _LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
-# The order of a layer's state-dict entries in TransformerLayer (others follow, sorted).
-# A layer's state-dict keys in GPTModel's (and Megatron's local spec's) module order.
+# A layer's state-dict keys in GPTModel's (and Megatron's local spec's) module order (others follow, sorted).
 _LAYER_ORDER = ["input_layernorm.weight", "input_layernorm.bias"]
 for _module in ("self_attention.linear_proj", "self_attention.linear_qkv"):
     _LAYER_ORDER += [f"{_module}.weight", f"{_module}.bias", f"{_module}._extra_state"]
@@ -492,10 +491,6 @@ def _group_signature(name: str, ndim: int, args) -> tuple:
     return (0.0 if no_wd else 1.0, 1.0, False, decoupled)
 
 
-def _signature_of_group(group: dict) -> tuple:
-    return tuple(group.get(k) for k in ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr"))
-
-
 RNG_DIRNAME = "rng"  # torch_dist: rng/rank_<global rank:05d>.pt, one file per rank
 
 
@@ -529,17 +524,15 @@ def _per_layer_tensors(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tens
     """Whole tensors of a torch_dist checkpoint under per-layer names: model ``decoder.layers.<i>.<name>``,
     optimizer ``optimizer.state.<per-layer name>.<state>`` (Megatron's layer-stacked keys are split, its
     distributed-optimizer fragments put back into parameter shape); the earlier per-layer layout passes."""
-    from megatron.core.dist_checkpointing import model_and_optimizer as mo
-
     if mo.is_per_layer_layout(tensors):
         return tensors
-    model = {key: value for key, value in tensors.items() if not key.startswith(_OPTIMIZER_PREFIX)}
+    model = {key: value for key, value in tensors.items() if not key.startswith(mo.OPTIMIZER_PREFIX)}
     out = mo.unstack_layers(model)
     by_state: Dict[str, Dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
-        if not key.startswith(_OPTIMIZER_PREFIX):
+        if not key.startswith(mo.OPTIMIZER_PREFIX):
             continue
-        state_key, _, name = key[len(_OPTIMIZER_PREFIX):].partition(".")
+        state_key, _, name = key[len(mo.OPTIMIZER_PREFIX):].partition(".")
         param = model.get(name)
         if param is not None and value.dim() != param.dim():  # the distributed optimizer's fragments
             layered = name.startswith(mo.LAYER_PREFIX)
@@ -547,7 +540,7 @@ def _per_layer_tensors(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tens
         by_state.setdefault(state_key, {})[name] = value
     for state_key, entries in by_state.items():
         for name, value in mo.unstack_layers(entries).items():
-            out[f"{_OPTIMIZER_PREFIX}{name}.{state_key}"] = value
+            out[f"{mo.OPTIMIZER_PREFIX}{name}.{state_key}"] = value
     return out
 
 
@@ -575,7 +568,7 @@ def _read_torch_dist(load_dir, iteration, with_optimizer) -> FullCheckpoint:
     stored = serialization.read_metadata(iteration_dir).state_dict_metadata
     tensors = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in stored.items()
                if isinstance(md, TensorStorageMetadata)
-               and (with_optimizer or not key.startswith(_OPTIMIZER_PREFIX))}
+               and (with_optimizer or not key.startswith(mo.OPTIMIZER_PREFIX))}
     with warnings.catch_warnings():  # this tool reads torch_dist checkpoints whole, in one process, on purpose
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
         serialization.load([ShardedTensor(key, t, tuple(t.shape), (0,) * t.dim()) for key, t in tensors.items()],
@@ -586,7 +579,7 @@ def _read_torch_dist(load_dir, iteration, with_optimizer) -> FullCheckpoint:
     tp = layout.get("tensor_model_parallel_size", getattr(args, "tensor_model_parallel_size", 1))
     pp = layout.get("pipeline_model_parallel_size", getattr(args, "pipeline_model_parallel_size", 1))
     vp = layout.get("virtual_pipeline_model_parallel_size") or 1
-    model = _with_extra_state({k: v for k, v in tensors.items() if not k.startswith(_OPTIMIZER_PREFIX)})
+    model = _with_extra_state({k: v for k, v in tensors.items() if not k.startswith(mo.OPTIMIZER_PREFIX)})
     if _tied(args):
         model.pop(_TIED_OUTPUT, None)
     full = FullCheckpoint(
@@ -615,20 +608,18 @@ def _read_torch_dist(load_dir, iteration, with_optimizer) -> FullCheckpoint:
                           "--no-load-optim")
         full.scheduler = None
         return full
-    from megatron.core.dist_checkpointing import model_and_optimizer as mo
-
     saved_groups, saved_steps = mo.saved_groups_and_steps(common["optimizer"], common_name)
     saved_groups = [dict(group, step=step) for group, step in zip(saved_groups, saved_steps)]
     index_of = {}
     for index, group in enumerate(saved_groups):
-        index_of.setdefault(_signature_of_group(group), index)
+        index_of.setdefault(param_group_key(group), index)
     param_state: Dict[str, Dict[str, Any]] = {}
     main_params: Dict[str, torch.Tensor] = {}
     for key, value in tensors.items():
-        if not key.startswith(_OPTIMIZER_PREFIX):
+        if not key.startswith(mo.OPTIMIZER_PREFIX):
             continue
-        name, _, state_key = key[len(_OPTIMIZER_PREFIX):].rpartition(".")
-        if state_key == _MAIN_PARAM:
+        name, _, state_key = key[len(mo.OPTIMIZER_PREFIX):].rpartition(".")
+        if state_key == mo.MAIN_PARAM:
             if name in full.model and full.model[name].dtype == torch.float32:
                 continue  # the distributed optimizer's copy of an fp32 param: the param itself
             main_params[name] = value
@@ -1002,7 +993,6 @@ def write_torch_dist(full: FullCheckpoint, save_dir: str, target: "TargetLayout"
         tensor = tensor.contiguous()
         return ShardedTensor(key, tensor, tuple(tensor.shape), (0,) * tensor.dim())
 
-    from megatron.core.dist_checkpointing import model_and_optimizer as mo
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     model = {key: value for key, value in full.model.items() if torch.is_tensor(value)}
@@ -1020,10 +1010,10 @@ def write_torch_dist(full: FullCheckpoint, save_dir: str, target: "TargetLayout"
                 if torch.is_tensor(value) and tuple(value.shape) == tuple(full.model[name].shape):
                     by_state.setdefault(state_key, {})[name] = value
         if full.optimizer.main_params:
-            by_state[_MAIN_PARAM] = dict(full.optimizer.main_params)
+            by_state[mo.MAIN_PARAM] = dict(full.optimizer.main_params)
         for state_key, entries in by_state.items():
             for key, value in mo.stack_layers(entries).items():
-                items.append(sharded(f"{_OPTIMIZER_PREFIX}{state_key}.{key}", value))
+                items.append(sharded(f"{mo.OPTIMIZER_PREFIX}{state_key}.{key}", value))
     dirname = checkpoint_integrity.iteration_dirname(full.iteration, full.release)
     checkpoint_integrity.prepare_save_dir(save_dir)
     tmp_dir = os.path.join(save_dir, f".{dirname}.tmp-{os.getpid()}")

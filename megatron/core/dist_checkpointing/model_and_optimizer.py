@@ -43,6 +43,7 @@ from megatron.core.dist_checkpointing.mapping import (
     sharded_tensors_of_flat_range,
     sharded_tensors_of_local,
 )
+from megatron.core.optimizer import param_group_key
 
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 OPTIMIZER_PREFIX = "optimizer.state."
@@ -503,17 +504,11 @@ def saved_groups_and_steps(state: Dict, source: str) -> Tuple[List[Dict], List[O
     return groups, [g.get("step") for g in groups]
 
 
-_GROUP_SIGNATURE = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
-
-
 def _group_order(groups: List[Dict], saved: List[Dict]) -> List[int]:
     """For each of ``groups``, the index of the saved group with the same (wd_mult, lr_mult,
     is_expert_parallel, is_decoupled_lr) when those identify the groups uniquely on both sides;
     else the positions (the writer's groups in the same order)."""
-    def signature(group):
-        return tuple(group.get(k) for k in _GROUP_SIGNATURE)
-
-    ours, theirs = [signature(g) for g in groups], [signature(g) for g in saved]
+    ours, theirs = [param_group_key(g) for g in groups], [param_group_key(g) for g in saved]
     if len(set(ours)) == len(ours) and sorted(ours, key=repr) == sorted(theirs, key=repr):
         return [theirs.index(sig) for sig in ours]
     return list(range(len(saved)))

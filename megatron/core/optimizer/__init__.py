@@ -13,7 +13,17 @@ __all__ = [
     "OptimizerConfig", "MegatronOptimizer", "FP32Optimizer", "Float16OptimizerWithFloat16Params", "DistributedOptimizer",
     "MegatronGradScaler", "ConstantGradScaler", "DynamicGradScaler", "get_megatron_optimizer",
     "get_grad_norm_fp32", "clip_grad_by_total_norm_fp32", "count_zeros_fp32", "get_optimizer_state_bytes",
+    "PARAM_GROUP_KEYS", "param_group_key",
 ]
+
+# What tells Megatron's param groups apart (the keys _get_param_groups groups params by); a checkpoint's
+# groups are matched to a run's by these, whatever order the writer put them in.
+PARAM_GROUP_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+
+
+def param_group_key(group: Dict) -> Tuple:
+    """``(wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr)`` of a param group (None for a key it lacks)."""
+    return tuple(group.get(key) for key in PARAM_GROUP_KEYS)
 
 
 def get_optimizer_state_bytes(optimizer) -> int:
