@@ -361,6 +361,17 @@ def _plain_shape(info: ParamInfo, legacy: bool = False) -> Tuple[int, ...]:
     return shape if info.entry.layer is None or legacy else (info.entry.num_layers, *shape)
 
 
+def _fragment_shapes(param_shape: Sequence[int], counts: Sequence[int], piece: int) -> Tuple[List[int], List[int]]:
+    """Shape of one fragment of ``param_shape`` cut ``counts`` times per dimension, holding ``piece`` elements,
+    and of the whole the fragments make: the rows are the saved ones (the vocabulary padding may differ)."""
+    piece_shape = [size // count for size, count in zip(param_shape, counts)]
+    rest = 1
+    for size in piece_shape[1:]:
+        rest *= size
+    piece_shape[0] = piece // rest
+    return piece_shape, [size * count for size, count in zip(piece_shape, counts)]
+
+
 def _reassembled(target: _Target, key: str, saved_shape: Sequence[int], dtype: torch.dtype):
     """Read a flattened optimizer tensor saved at another fragmentation (or vocabulary padding):
     ``(reads of its whole fragments of this target's layer, a function copying this target's part
@@ -371,12 +382,7 @@ def _reassembled(target: _Target, key: str, saved_shape: Sequence[int], dtype: t
     ours = info.layout.global_shape
     if len(counts) != len(ours) or any(size % count for size, count in zip(ours[1:], counts[1:])):
         raise ValueError(f"{key}: checkpoint shape {list(saved_shape)} is no fragmentation of {list(ours)}")
-    piece_shape = [size // count for size, count in zip(ours, counts)]
-    rest = 1
-    for size in piece_shape[1:]:
-        rest *= size
-    piece_shape[0] = piece // rest  # the saved number of rows (vocabulary padding may differ)
-    whole = [size * count for size, count in zip(piece_shape, counts)]
+    piece_shape, whole = _fragment_shapes(ours, counts, piece)
     full = torch.empty(whole, dtype=dtype)
     reads, copies = [], []
     for index in itertools.product(*(range(count) for count in counts)):
@@ -593,12 +599,7 @@ def unflatten_fragments(saved: torch.Tensor, param_shape: Sequence[int], layered
     may differ from ``param_shape[0]``)."""
     lead = 1 if layered else 0
     counts, piece = tuple(saved.shape[lead:-1]), saved.shape[-1]
-    piece_shape = [size // count for size, count in zip(param_shape, counts)]
-    rest = 1
-    for size in piece_shape[1:]:
-        rest *= size
-    piece_shape[0] = piece // rest
-    whole = [size * count for size, count in zip(piece_shape, counts)]
+    piece_shape, whole = _fragment_shapes(param_shape, counts, piece)
     layers = saved.shape[0] if layered else 1
     out = torch.empty((layers, *whole), dtype=saved.dtype)
     flat = saved.reshape(layers, *counts, piece)
