@@ -170,3 +170,22 @@ def test_checkpoint_shape_mismatch_is_one_line_naming_load_and_the_flag(shared_d
     assert line.startswith(f"error: --load {saved_run / 'ckpt'}: "), line
     assert line.endswith("hidden_size value from checkpoint (32) is not equal to the input argument value (64) "
                          "(--hidden-size)"), line
+
+
+@pytest.mark.parametrize("launcher_env", [{}, {"TORCHELASTIC_RUN_ID": "none"}, {"SLURM_STEP_ID": "0"}],
+                         ids=["no-launcher", "torchrun", "srun"])
+def test_silent_rank_waits_for_rank_0_only_under_a_launcher_that_stops_it(launcher_env, monkeypatch):
+    """Rank 1 leaves an every-rank error to rank 0; it waits before exiting only where a launcher would stop
+    rank 0 as soon as rank 1 exits (waiting elsewhere only delays the exit)."""
+    from megatron.training import user_errors
+
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_STEP_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", **launcher_env}.items():
+        monkeypatch.setenv(name, value)
+    slept = []
+    monkeypatch.setattr(user_errors.time, "sleep", slept.append)
+    with pytest.raises(SystemExit) as exit_info:
+        user_errors.report_and_exit(user_errors.UserInputError("bad flag", exit_status=2, same_on_every_rank=True))
+    assert exit_info.value.code == 2
+    assert slept == ([user_errors._SILENT_RANK_GRACE_S] if launcher_env else [])

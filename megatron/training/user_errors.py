@@ -3,9 +3,15 @@ import os
 import sys
 import time
 
-# How long a rank that leaves the message to rank 0 waits before exiting: torchrun stops the other
-# ranks as soon as one exits, so rank 0 must have printed by then.
+# How long a rank that leaves the message to rank 0 waits before exiting under a launcher that stops
+# the other ranks as soon as one exits (torchrun; srun with --kill-on-bad-exit): rank 0 must have
+# printed by then.
 _SILENT_RANK_GRACE_S = 10.0
+
+
+def _launcher_stops_other_ranks() -> bool:
+    # torchrun's agent sets TORCHELASTIC_RUN_ID in every worker; srun sets SLURM_STEP_ID in every task.
+    return "TORCHELASTIC_RUN_ID" in os.environ or "SLURM_STEP_ID" in os.environ
 
 
 class UserInputError(ValueError):
@@ -54,8 +60,9 @@ def report_and_exit(error: UserInputError):
     sys.stdout.flush()
     if _leaves_message_to_rank_0(error):
         # Rank 0 raises the same error and prints it; exiting at once could get rank 0 stopped
-        # by torchrun before it has printed.
-        time.sleep(_SILENT_RANK_GRACE_S)
+        # by the launcher before it has printed.
+        if _launcher_stops_other_ranks():
+            time.sleep(_SILENT_RANK_GRACE_S)
     else:
         print(error_line(error), file=sys.stderr, flush=True)
     sys.exit(error.exit_status)
