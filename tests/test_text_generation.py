@@ -147,3 +147,24 @@ def test_generation_is_the_same_at_tp1_and_tp2_and_greedy_equals_stepwise_argmax
     sampled_tp2 = _generate(2, checkpoints[2], tmp_path, *sampled)
     assert sampled_tp1["generated_ids"] == sampled_tp2["generated_ids"]
     assert sampled_tp1["generated_ids"] != tp1["generated_ids"], "sampling at temperature 1.5 drew the argmax"
+
+
+def test_continuation_keeps_the_space_a_sentencepiece_word_starts_with(shared_data):
+    from megatron.core.tokenizers.null_tokenizer import NullTokenizer
+    from megatron.core.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer
+    import importlib.util
+
+    from pretrain_utils import REPO
+
+    spec = importlib.util.spec_from_file_location("_tool_run_text_generation", REPO / "tools" / "run_text_generation.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    continuation_text = tool.continuation_text
+    tokenizer = SentencePieceTokenizer(str(shared_data / "shakespeare-sp8k.model"))
+    prompt, whole = "ROMEO: I will", "ROMEO: I will not go to the king"
+    prompt_ids, whole_ids = tokenizer.tokenize(prompt), tokenizer.tokenize(whole)
+    assert whole_ids[:len(prompt_ids)] == prompt_ids
+    assert prompt + tokenizer.detokenize(whole_ids[len(prompt_ids):]) != whole  # decoded alone: "willnot"
+    assert prompt + continuation_text(tokenizer, prompt_ids, whole_ids[len(prompt_ids):]) == whole
+    null = NullTokenizer(100)
+    assert "1 2" + continuation_text(null, [1, 2], [3, 4]) == "1 2 3 4"

@@ -58,6 +58,9 @@ CHECKPOINT_MODEL_ARGS = [
     "tensor_model_parallel_size", "fp16", "bf16", "apply_residual_connection_post_layernorm",
 ]
 
+# Tokenizer files named on the command line win over the checkpoint's saved paths.
+_USER_TOKENIZER_FILES = ("tokenizer_model", "vocab_file", "merge_file")
+
 
 def add_text_generation_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The "text generation" flag group; returns ``parser``."""
@@ -109,9 +112,15 @@ def parse_generation_args(argv=None) -> argparse.Namespace:
     if args.use_checkpoint_args:
         with checkpoint_errors_as_user_errors():
             saved = _checkpoint_args(args.load)
+        given_tokenizer_model = args.tokenizer_model
         for name in CHECKPOINT_MODEL_ARGS:
-            if hasattr(saved, name):
+            if hasattr(saved, name) and not (name in _USER_TOKENIZER_FILES and getattr(args, name) is not None):
                 setattr(args, name, getattr(saved, name))
+        if args.trust_remote_code and args.tokenizer_type == "HuggingFaceTokenizer" and given_tokenizer_model is None:
+            # The checkpoint would choose the folder whose Python files --trust-remote-code lets run.
+            raise UserInputError("--trust-remote-code with --use-checkpoint-args needs --tokenizer-model: the "
+                                 f"checkpoint's saved tokenizer path ({args.tokenizer_model}) is not trusted to "
+                                 "choose code to run")
     # The sequence grows one token at a time, so it cannot be split across TP ranks (SP needs s % TP == 0);
     # without SP the model computes the same function.
     args.sequence_parallel = False
@@ -124,6 +133,17 @@ def parse_generation_args(argv=None) -> argparse.Namespace:
     args.no_load_optim, args.no_load_rng, args.exit_on_missing_checkpoint = True, True, True
     args.auto_detect_ckpt_format = True  # a reader: either format loads
     return args
+
+
+def continuation_text(tokenizer, prompt_ids, generated_ids) -> str:
+    """The text ``generated_ids`` add after ``prompt_ids``, decoded together with them: SentencePiece and
+    other tokenizers drop a word's leading space when a continuation is decoded alone ("statement" +
+    "is" instead of "statement" + " is")."""
+    prompt_text = tokenizer.detokenize(prompt_ids)
+    whole = tokenizer.detokenize(list(prompt_ids) + list(generated_ids))
+    if whole.startswith(prompt_text):
+        return whole[len(prompt_text):]
+    return tokenizer.detokenize(generated_ids)  # the ids merge across the boundary: nothing better to split
 
 
 def _broadcast_from_tp_src(tokens: torch.Tensor) -> torch.Tensor:
@@ -198,7 +218,7 @@ def main(argv=None) -> None:
         raise UserInputError(f"--prompt: {error}", same_on_every_rank=True) from error
 
     if args.rank == 0:
-        text = tokenizer.detokenize(generated)
+        text = continuation_text(tokenizer, prompt_ids, generated)
         print("===== generated =====", flush=True)
         print(args.prompt + text, flush=True)
         if args.output_file:

@@ -210,14 +210,14 @@ def read_manifest(directory):
     naming the manifest when it is unreadable or malformed."""
     path = os.path.join(directory, MANIFEST_FILENAME)
     try:
-        with open(path, "r") as f:
+        with open(path, "rb") as f:
             text = f.read()
     except FileNotFoundError:
         return None
     except OSError as exc:
         raise CheckpointIntegrityError(f"checkpoint manifest {path} cannot be read ({exc})") from exc
     try:
-        manifest = json.loads(text)
+        manifest = json.loads(text.decode("utf-8"))
         files = manifest["files"]
         if not isinstance(files, dict) or not all(
                 isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("crc32"), str)

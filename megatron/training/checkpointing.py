@@ -19,6 +19,7 @@ from megatron.core.collective_device import get_collective_device
 from megatron.core.dist_checkpointing.safe_loading import (
     CheckpointFileError,
     UnsafeCheckpointError,
+    checked_tensor_load,
     refused_by_weights_only,
 )
 from megatron.core.optimizer_param_scheduler import SchedulerMismatchError
@@ -27,7 +28,7 @@ from megatron.training import checkpoint_integrity, legacy_optimizer_state
 from megatron.training.checkpoint_errors import CheckpointContentError
 from megatron.training.global_vars import get_args
 from megatron.training.training_state import TrainingState
-from megatron.training.user_errors import UserInputError
+from megatron.training.user_errors import UserInputError, one_line
 from megatron.training.utils import print_rank_0
 
 CHECKPOINT_VERSION = 3.0
@@ -204,6 +205,14 @@ def get_rng_state(data_parallel_random_init=False):
 
 
 def _set_rng_state(rng_state, checkpoint_name):
+    try:
+        _apply_rng_state(rng_state, checkpoint_name)
+    except (TypeError, ValueError, RuntimeError, AttributeError) as exc:  # not the states torch saves
+        raise CheckpointContentError(f"unable to load rng state from checkpoint {checkpoint_name} ({type(exc).__name__}: "
+                                     f"{one_line(exc)[:160]}); specify --no-load-rng to skip it") from exc
+
+
+def _apply_rng_state(rng_state, checkpoint_name):
     random.setstate(_as_python_rng_state(rng_state["random_rng_state"]))
     np.random.set_state(rng_state["np_rng_state"])
     torch.set_rng_state(rng_state["torch_rng_state"])
@@ -692,8 +701,9 @@ def load_state_dict_file(path, context=None):
     where = f"{path} ({context})" if context else f"{path}"
     try:
         with torch.serialization.safe_globals(_safe_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except MemoryError:  # too big for this host, not damaged
+            return checked_tensor_load(lambda: torch.load(path, map_location="cpu", weights_only=True),
+                                       f"checkpoint file {where}")
+    except (MemoryError, CheckpointFileError):  # too big for this host (not damaged); or already named
         raise
     except Exception as exc:  # torch.load reports damage as EOFError, OSError(EINVAL), KeyError, RuntimeError...
         refused = refused_by_weights_only(exc)

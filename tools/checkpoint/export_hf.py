@@ -37,12 +37,21 @@ class ExportError(Exception):
 
 
 def _tokenizer_args(ckpt_args, cli) -> argparse.Namespace:
-    """The checkpoint's tokenizer flags, with the ones given on this command line taking precedence."""
+    """The checkpoint's tokenizer flags, with the ones given on this command line taking precedence.
+
+    Whether a Hugging Face tokenizer may run code of its own comes from this command line only
+    (``--trust-remote-code``), never from the checkpoint: a checkpoint's saved args would otherwise choose
+    both the tokenizer folder and that its Python files run.
+    """
     args = argparse.Namespace(**vars(ckpt_args))
     for name in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file"):
         value = getattr(cli, name)
         if value is not None:
             setattr(args, name, value)
+    args.trust_remote_code = cli.trust_remote_code
+    if cli.trust_remote_code and cli.tokenizer_model is None:
+        raise ExportError("--trust-remote-code needs --tokenizer-model: the checkpoint's saved tokenizer path "
+                          f"({getattr(ckpt_args, 'tokenizer_model', None)}) is not trusted to choose code to run")
     args.rank = 1  # silences build_tokenizer's messages
     return args
 
@@ -84,7 +93,7 @@ def save_tokenizer_files(args, save_dir: str) -> Optional[str]:
         tokenizer = _gpt2_hf_tokenizer(args.vocab_file, args.merge_file)
     elif kind == "HuggingFaceTokenizer":
         tokenizer = transformers.AutoTokenizer.from_pretrained(
-            args.tokenizer_model, trust_remote_code=getattr(args, "trust_remote_code", False))
+            args.tokenizer_model, trust_remote_code=args.trust_remote_code)
     else:
         return None
     tokenizer.save_pretrained(save_dir)
@@ -142,6 +151,9 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
                         help="dtype of the saved weights (default: the checkpoint's)")
     parser.add_argument("--no-tokenizer", action="store_true", help="do not write tokenizer files")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="let the HuggingFaceTokenizer given by --tokenizer-model run its own Python code "
+                             "(never taken from the checkpoint)")
     parser.add_argument("--no-verify-checkpoint", action="store_true",
                         help="do not check the checkpoint's files against its integrity manifest (CRC-32)")
     return parser.parse_args(argv)

@@ -133,6 +133,9 @@ def read_dcp_metadata(path: str) -> Metadata:
     if not isinstance(metadata, Metadata) or not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
         raise CheckpointFileError(f"cannot read {where}: it holds a {type(metadata).__name__}, not the Metadata "
                                   "torch.distributed.checkpoint writes")
+    if not isinstance(metadata.storage_data or {}, dict):
+        raise CheckpointFileError(f"cannot read {where}: its storage_data is a {type(metadata.storage_data).__name__}, "
+                                  "not the mapping torch.distributed.checkpoint writes")
     for info in (metadata.storage_data or {}).values():
         name = getattr(info, "relative_path", None)
         if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
@@ -144,6 +147,51 @@ def read_dcp_metadata(path: str) -> Metadata:
 
 _REFUSED = (re.compile(r"GLOBAL ([\w.]+)"), re.compile(r"unrecognized function (.+?)(?: which belongs|$)"),
             re.compile(r"(?:Can only create new object|Can only build).* got (.+)$"))
+
+
+def checked_tensor_load(load, where: str) -> Any:
+    """``load()`` (a weights-only ``torch.load``) with torch's sparse-tensor checks on, then
+    :func:`check_dense_tensors` on what it returned.
+
+    torch skips the index checks of loaded sparse tensors unless asked, and a sparse tensor whose indices
+    point outside its size writes out of bounds when copied into a dense one; checkpoints hold dense
+    tensors only. Raises CheckpointFileError naming ``where``; what ``load`` raises passes through.
+    """
+    with torch.sparse.check_sparse_tensor_invariants(enable=True):
+        loaded = load()
+    check_dense_tensors(loaded, where)
+    return loaded
+
+
+def check_dense_tensors(obj: Any, where: str) -> None:
+    """Raise CheckpointFileError naming ``where`` and the entry when ``obj`` (nested dicts, lists, tuples,
+    Namespaces) holds a tensor that is not dense (sparse, quantized...) or that repeats one element along
+    a dimension (stride 0: a few bytes on disk that expand to any size when copied, e.g. terabytes)."""
+    stack, seen = [(obj, "")], set()
+    while stack:
+        value, key = stack.pop()
+        if id(value) in seen:  # pickle's memo can make a container hold itself
+            continue
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            if value.layout != torch.strided or value.is_quantized:
+                problem = f"a {value.layout} tensor"
+            elif any(stride == 0 and size > 1 for size, stride in zip(value.shape, value.stride())):
+                problem = f"a tensor of shape {list(value.shape)} that repeats one element (stride 0)"
+            else:
+                continue
+            raise CheckpointFileError(f"cannot read {where}: it holds {problem} at {key or 'its top level'}; "
+                                      "checkpoints hold dense tensors only")
+        if isinstance(value, dict):
+            stack.extend((item, _entry(key, name)) for name, item in value.items())
+        elif isinstance(value, (list, tuple)):
+            stack.extend((item, _entry(key, index)) for index, item in enumerate(value))
+        elif hasattr(value, "__dict__") and not isinstance(value, type):
+            stack.extend((item, _entry(key, name)) for name, item in vars(value).items())
+
+
+def _entry(parent: str, name: Any) -> str:
+    return f"{parent}/{name}" if parent else f"entry {name}"
 
 
 def refused_by_weights_only(exc: BaseException) -> Optional[str]:
@@ -164,8 +212,8 @@ def weights_only_load(stream, where: str, safe_globals: Iterable[Any] = ()) -> A
     data in errors. Raises UnsafeCheckpointError naming what was refused, CheckpointFileError otherwise."""
     try:
         with torch.serialization.safe_globals(list(safe_globals)):
-            return torch.load(stream, map_location="cpu", weights_only=True)
-    except MemoryError:
+            return checked_tensor_load(lambda: torch.load(stream, map_location="cpu", weights_only=True), where)
+    except (MemoryError, CheckpointFileError):
         raise
     except Exception as exc:
         refused = refused_by_weights_only(exc)
@@ -205,7 +253,8 @@ class SafeFileSystemReader(FileSystemReader):
 
     def read_data(self, plan, planner):
         try:
-            return super().read_data(plan, planner)
+            with torch.sparse.check_sparse_tensor_invariants(enable=True):  # see checked_tensor_load
+                return super().read_data(plan, planner)
         except MemoryError:
             raise
         except Exception as exc:  # torch.load of a tensor item, a planner's load_bytes, a short file...
