@@ -63,7 +63,7 @@ def _plant_remote_code_tokenizer(ckpt, fmt, marker):
     ("torch_dist", ["--vocab-size", "100", "--trust-remote-code"]),  # trust given, but not for the saved folder
 ])
 def test_export_hf_takes_no_trust_remote_code_from_the_checkpoint(checkpoints, tmp_path, fmt, flags):
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="export_hf and Hugging Face tokenizers need the [hf] extra")
     ckpt = _copy(checkpoints, fmt, tmp_path)
     marker = tmp_path / "MARKER"
     _plant_remote_code_tokenizer(ckpt, fmt, marker)
@@ -75,7 +75,7 @@ def test_export_hf_takes_no_trust_remote_code_from_the_checkpoint(checkpoints, t
 
 
 def test_run_text_generation_takes_the_tokenizer_folder_to_trust_from_the_command_line(checkpoints, tmp_path):
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="export_hf and Hugging Face tokenizers need the [hf] extra")
     ckpt = _copy(checkpoints, "torch_dist", tmp_path)
     marker = tmp_path / "MARKER"
     _plant_remote_code_tokenizer(ckpt, "torch_dist", marker)

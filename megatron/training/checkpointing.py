@@ -933,7 +933,7 @@ def _load_torch_format(args, checkpoint_name, iteration, release, context, model
             iteration = state_dict["iteration"]
         except KeyError:
             raise CheckpointContentError(f"checkpoint {checkpoint_name} has no 'iteration' entry; load it with "
-                               "--finetune to start from iteration 0") from None
+                                         "--finetune to start from iteration 0") from None
 
     if args.finetune:
         num_floating_point_operations_so_far = 0
@@ -961,7 +961,7 @@ def _load_torch_format(args, checkpoint_name, iteration, release, context, model
                 opt_param_scheduler.load_state_dict(state_dict["opt_param_scheduler"])
         except KeyError as exc:
             raise CheckpointContentError(f"unable to load optimizer state ({exc} missing) from checkpoint {checkpoint_name}; "
-                               "specify --no-load-optim or --finetune to skip it") from None
+                                         "specify --no-load-optim or --finetune to skip it") from None
     elif (args.fp16 or args.bf16) and optimizer is not None and hasattr(optimizer, "reload_model_params"):
         # Fresh fp32 main params must start from the loaded (low-precision) weights.
         optimizer.reload_model_params()
@@ -975,7 +975,7 @@ def _load_torch_format(args, checkpoint_name, iteration, release, context, model
             _set_rng_state(rng_states[index], checkpoint_name)
         except (KeyError, IndexError) as exc:
             raise CheckpointContentError(f"unable to load rng state ({exc} missing) from checkpoint {checkpoint_name}; "
-                               "specify --no-load-rng or --finetune to skip it") from None
+                                         "specify --no-load-rng or --finetune to skip it") from None
 
     return iteration
 
@@ -1024,7 +1024,7 @@ def _load_torch_dist(args, iteration_dir, iteration, release, context, model, op
     load_optim = optimizer is not None and not release and not args.finetune and not args.no_load_optim
     if load_optim and "optimizer" not in common:
         raise CheckpointContentError(f"unable to load optimizer state from checkpoint {iteration_dir} (saved with "
-                           "--no-save-optim); specify --no-load-optim or --finetune to skip it")
+                                     "--no-save-optim); specify --no-load-optim or --finetune to skip it")
     metadata = serialization.read_metadata(iteration_dir)
     legacy = mo.is_per_layer_layout(metadata.state_dict_metadata)
     if legacy:
@@ -1056,7 +1056,7 @@ def _load_torch_dist(args, iteration_dir, iteration, release, context, model, op
         if opt_param_scheduler is not None:
             if "opt_param_scheduler" not in common:
                 raise CheckpointContentError(f"unable to load the scheduler state from checkpoint {iteration_dir}; specify "
-                                   "--no-load-optim or --finetune to skip it")
+                                             "--no-load-optim or --finetune to skip it")
             opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
 
     if not release and not args.finetune and not args.no_load_rng:
@@ -1077,7 +1077,7 @@ def _load_torch_dist_rng(args, iteration_dir, common, context):
     name = _rng_file_name(iteration_dir, _world_rank())
     if not os.path.isfile(name):
         raise CheckpointContentError(f"unable to load rng state from checkpoint {iteration_dir}: {name} does not exist "
-                           "(saved with --no-save-rng?); specify --no-load-rng or --finetune to skip it")
+                                     "(saved with --no-save-rng?); specify --no-load-rng or --finetune to skip it")
     _set_rng_state(load_state_dict_file(name, context)["rng_state"][0], name)
 
 

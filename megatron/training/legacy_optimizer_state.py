@@ -27,7 +27,6 @@ from megatron.core.optimizer import PARAM_GROUP_KEYS, param_group_key
 from megatron.training.user_errors import UserInputError
 
 
-
 class OptimizerStateMismatch(UserInputError):
     """The optimizer state of a checkpoint does not fit this run's params (count, names or shapes); a
     ValueError that pretrain_gpt.py prints as one line."""
