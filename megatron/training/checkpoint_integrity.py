@@ -46,6 +46,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import sys
 import time
 import zlib
@@ -113,10 +114,35 @@ def _first_error_everywhere(error):
 # Digests and manifest
 # ---------------------------------------------------------------------------------------------------
 
+class NotARegularFileError(OSError):
+    """A path that names something else than a regular file (a FIFO, device, directory, socket)."""
+
+
+def _kind(mode):
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
 def file_digest(path):
-    """``(size in bytes, CRC-32 as 8 lower-case hex digits)`` of the file ``path``, read in 8 MiB chunks."""
+    """``(size in bytes, CRC-32 as 8 lower-case hex digits)`` of the regular file ``path``, read in 8 MiB chunks.
+
+    Raises NotARegularFileError (an OSError) for anything else: it is opened without blocking and checked
+    after the open, so a FIFO or a device (``/dev/zero`` never ends) is refused before any read.
+    """
     crc, size = 0, 0
-    with open(path, "rb") as f:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotARegularFileError(errno.EINVAL, f"not a regular file ({_kind(mode)})", path)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as f:
         while True:
             chunk = f.read(_CHUNK_BYTES)
             if not chunk:
@@ -124,6 +150,29 @@ def file_digest(path):
             crc = zlib.crc32(chunk, crc)
             size += len(chunk)
     return size, f"{crc & 0xFFFFFFFF:08x}"
+
+
+def manifest_entry_path(directory, rel):
+    """The path of the manifest entry ``rel`` of the iteration directory ``directory``, or a reason (a string)
+    why it may not be read: an entry must be a relative path without ``..`` that stays inside
+    ``directory`` once links are resolved, and must name a regular file. Returns ``(path, None)`` or
+    ``(None, reason)``; the reason names the entry, never anything read from the file it names."""
+    shown = f"{MANIFEST_FILENAME} of {directory} lists {rel[:200]!r}"
+    if not rel or "\0" in rel or "\\" in rel or os.path.isabs(rel) or \
+            any(part in ("..", "") for part in rel.split("/")):
+        return None, f"{shown}, which is not a relative path inside the checkpoint directory"
+    path = os.path.join(directory, rel)
+    root = os.path.realpath(directory)
+    real = os.path.realpath(path)
+    if os.path.commonpath([root, real]) != root or real == root:
+        return None, f"{shown}, which leads to {real}, outside the checkpoint directory"
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return path, None  # reported as missing by the caller
+    if not stat.S_ISREG(mode):
+        return None, f"{shown}, which is {_kind(mode)}, not a regular file"
+    return path, None
 
 
 def _list_files(root):
@@ -210,12 +259,22 @@ def read_manifest(directory):
     naming the manifest when it is unreadable or malformed."""
     path = os.path.join(directory, MANIFEST_FILENAME)
     try:
-        with open(path, "rb") as f:
-            text = f.read()
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         return None
     except OSError as exc:
         raise CheckpointIntegrityError(f"checkpoint manifest {path} cannot be read ({exc})") from exc
+    try:  # a FIFO or a device (a link to /dev/zero) would block or never end
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointIntegrityError(f"checkpoint manifest {path} is {_kind(info.st_mode)}, not a regular file")
+        os.set_blocking(fd, True)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            text = f.read(info.st_size)
+    except OSError as exc:
+        raise CheckpointIntegrityError(f"checkpoint manifest {path} cannot be read ({exc})") from exc
+    finally:
+        os.close(fd)
     try:
         manifest = json.loads(text.decode("utf-8"))
         files = manifest["files"]
@@ -250,7 +309,10 @@ def verify_directory(directory, full=True):
                 has_manifest = False
             else:
                 for rel, info in manifest["files"].items():
-                    path = os.path.join(directory, rel)
+                    path, refused = manifest_entry_path(directory, rel)
+                    if refused is not None:
+                        problems.append(refused)
+                        continue
                     try:
                         size = os.path.getsize(path)
                     except OSError:

@@ -544,6 +544,16 @@ def _per_layer_tensors(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tens
     return out
 
 
+def _is_tensor_key(key: str) -> bool:
+    """Whether a torch_dist entry ``key`` names a model or optimizer tensor (which this tool reads) rather than
+    a pickled object (the ``_extra_state`` of a layer, the RNG state, Megatron-LM's other objects)."""
+    base = key.split("/", 1)[0]
+    return base.startswith(_MODEL_PREFIXES + (mo.OPTIMIZER_PREFIX,)) and not base.endswith("_extra_state")
+
+
+_MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+
+
 def _read_torch_dist(load_dir, iteration, with_optimizer) -> FullCheckpoint:
     """Read a torch_dist checkpoint (torch.distributed.checkpoint files + ``common.pt``) as one FullCheckpoint,
     with ``megatron.core.dist_checkpointing``'s reader, in one process: every tensor is read whole.
@@ -565,7 +575,11 @@ def _read_torch_dist(load_dir, iteration, with_optimizer) -> FullCheckpoint:
     args = common.get("args")
     if args is None:
         raise ConvertError(f"{common_name}: no saved 'args' (the model shape is unknown)")
-    stored = serialization.read_metadata(iteration_dir).state_dict_metadata
+    stored = serialization.read_metadata(iteration_dir).state_dict_metadata  # sizes checked against the files
+    for key, md in stored.items():
+        if not isinstance(md, TensorStorageMetadata) and _is_tensor_key(key):
+            raise ConvertError(f"{os.path.join(iteration_dir, serialization.METADATA_FILENAME)}: entry {key} is a "
+                               f"{type(md).__name__}, not the tensor a model or optimizer state holds")
     tensors = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in stored.items()
                if isinstance(md, TensorStorageMetadata)
                and (with_optimizer or not key.startswith(mo.OPTIMIZER_PREFIX))}

@@ -10,16 +10,25 @@ object is built. Its data reads name the ``.distcp`` file an unsafe or damaged i
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import io
+import math
 import os
 import pickle
 import re
+import stat
+import types
+from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Optional
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+                                                   TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import SavePlan
 
 
@@ -86,10 +95,70 @@ def _resolve(key: str, where: str) -> Any:
     return target
 
 
-class _RestrictedUnpickler(pickle.Unpickler):
+def _describe(obj: Any) -> str:
+    """``class m.C``, ``function m.f``, ``module m`` or ``a m.C object``: what a refused pickle instruction aimed at."""
+    if isinstance(obj, type):
+        return f"class {obj.__module__}.{obj.__qualname__}"
+    if isinstance(obj, types.ModuleType):
+        return f"module {obj.__name__}"
+    if callable(obj) and hasattr(obj, "__qualname__"):
+        return f"function {getattr(obj, '__module__', '?')}.{obj.__qualname__}"
+    return f"a {type(obj).__module__}.{type(obj).__qualname__} object"
+
+
+def _buildable_types() -> tuple:
+    """The classes whose instances a ``.metadata`` may fill by pickle's BUILD: the admitted dataclasses (what
+    DCP and Megatron-LM pickle with a state). Never a class, function, module, enum member or path, which
+    exist once per process: BUILD on them would change them for every later user."""
+    found = []
+    for key in METADATA_GLOBALS:
+        target = _resolve(key, "")
+        if isinstance(target, type) and dataclasses.is_dataclass(target):
+            found.append(target)
+    return tuple(found)
+
+
+class _BoundedReader:
+    """Reads of the in-memory bytes of a file that never ask for more than is left: a length declared in the
+    pickle (a frame, bytes, a string) larger than the file raises CheckpointFileError naming the file,
+    instead of allocating it first (a 25-byte file declaring 2**62 bytes is a MemoryError for pickle)."""
+
+    def __init__(self, data: bytes, where: str):
+        self._stream, self._size, self._where = io.BytesIO(data), len(data), where
+
+    def _check(self, n: int) -> None:
+        left = self._size - self._stream.tell()
+        if n > left:
+            raise CheckpointFileError(f"cannot read {self._where}: it declares {n} bytes at byte {self._stream.tell()} "
+                                      f"but only {left} follow (truncated or corrupt)")
+
+    def read(self, n: int = -1) -> bytes:
+        if n is not None and n >= 0:
+            self._check(n)
+        return self._stream.read(n)
+
+    def readinto(self, buffer) -> int:
+        self._check(len(buffer))
+        return self._stream.readinto(buffer)
+
+    def readline(self) -> bytes:
+        return self._stream.readline()
+
+
+class _RestrictedUnpickler(pickle._Unpickler):  # the Python implementation: its opcodes can be checked one by one
+    """An unpickler that admits only :data:`METADATA_GLOBALS` and changes only objects it built itself.
+
+    As torch's weights-only unpickler does: BUILD (setting attributes) only on instances of admitted
+    dataclasses, items only into dicts, list items only into lists, set items only into sets; copyreg
+    extension codes never (they are looked up in a process-wide cache, not through ``find_class``).
+    """
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
     def __init__(self, stream, where: str):
         super().__init__(stream)
         self._where = where
+        self._buildable = _buildable_types()
 
     def find_class(self, module: str, name: str) -> Any:
         return _resolve(f"{module}.{name}", self._where)
@@ -97,52 +166,294 @@ class _RestrictedUnpickler(pickle.Unpickler):
     def persistent_load(self, pid: Any) -> Any:
         raise UnsafeCheckpointError(self._where, f"persistent id {str(pid)[:40]}", "a persistent reference")
 
+    def _refuse_change(self, opcode: str, target: Any) -> None:
+        raise UnsafeCheckpointError(self._where, f"pickle {opcode} on {_describe(target)}",
+                                    "an instruction that would change an object it did not build")
+
+    def _target(self) -> Any:
+        """The object below the topmost MARK (what APPENDS/SETITEMS/ADDITEMS change)."""
+        return self.metastack[-1][-1] if self.metastack else None
+
+    def load_build(self) -> None:
+        if len(self.stack) < 2:
+            raise pickle.UnpicklingError("BUILD with an empty stack")
+        target = self.stack[-2]
+        if type(target) not in self._buildable:
+            self._refuse_change("BUILD", target)
+        super().load_build()
+
+    def load_setitem(self) -> None:
+        if len(self.stack) < 3 or type(self.stack[-3]) not in (dict, OrderedDict):
+            self._refuse_change("SETITEM", self.stack[-3] if len(self.stack) >= 3 else None)
+        super().load_setitem()
+
+    def load_setitems(self) -> None:
+        if type(self._target()) not in (dict, OrderedDict):
+            self._refuse_change("SETITEMS", self._target())
+        super().load_setitems()
+
+    def load_append(self) -> None:
+        if len(self.stack) < 2 or type(self.stack[-2]) is not list:
+            self._refuse_change("APPEND", self.stack[-2] if len(self.stack) >= 2 else None)
+        super().load_append()
+
+    def load_appends(self) -> None:
+        if type(self._target()) is not list:
+            self._refuse_change("APPENDS", self._target())
+        super().load_appends()
+
+    def load_additems(self) -> None:
+        if type(self._target()) is not set:
+            self._refuse_change("ADDITEMS", self._target())
+        super().load_additems()
+
+    def load_extension(self) -> None:
+        raise UnsafeCheckpointError(self._where, "a copyreg extension code", "a reference to a registered global")
+
+    dispatch[pickle.BUILD[0]] = load_build
+    dispatch[pickle.SETITEM[0]] = load_setitem
+    dispatch[pickle.SETITEMS[0]] = load_setitems
+    dispatch[pickle.APPEND[0]] = load_append
+    dispatch[pickle.APPENDS[0]] = load_appends
+    dispatch[pickle.ADDITEMS[0]] = load_additems
+    for _opcode in (pickle.EXT1, pickle.EXT2, pickle.EXT4):
+        dispatch[_opcode[0]] = load_extension
+    del _opcode
+
 
 def restricted_unpickle(stream, where: str) -> Any:
-    """Unpickle ``stream`` admitting only the globals of :data:`METADATA_GLOBALS` (and torch dtypes/layouts/
-    memory formats); ``where`` names the file in errors.
+    """Unpickle ``stream`` (bytes or a binary file, read whole) admitting only the globals of
+    :data:`METADATA_GLOBALS` (and torch dtypes/layouts/memory formats) and changing only objects it built
+    (:class:`_RestrictedUnpickler`); ``where`` names the file in errors.
 
-    Raises UnsafeCheckpointError naming the refused global (nothing was executed), CheckpointFileError for
-    data that is not a complete pickle (empty, truncated, damaged).
+    Raises UnsafeCheckpointError naming the refused global or instruction (nothing was executed, no
+    class or function was changed), CheckpointFileError for data that is not a complete pickle (empty,
+    truncated, damaged, or declaring more bytes than it holds).
     """
+    data = stream if isinstance(stream, (bytes, bytearray)) else stream.read()
     try:
-        return _RestrictedUnpickler(stream, where).load()
-    except UnsafeCheckpointError:
+        return _RestrictedUnpickler(_BoundedReader(bytes(data), where), where).load()
+    except (UnsafeCheckpointError, CheckpointFileError):
         raise
-    except MemoryError:
-        raise
+    except RecursionError as exc:
+        raise CheckpointFileError(f"cannot read {where}: it is nested too deeply") from exc
     except Exception as exc:  # pickle reports damage as UnpicklingError, EOFError, UnicodeDecodeError, ValueError...
         raise CheckpointFileError(f"cannot read {where}: it is empty, truncated or corrupt "
                                   f"({type(exc).__name__}: {str(exc)[:120]})") from exc
 
 
+def read_regular_file(path: str, where: str) -> bytes:
+    """The bytes of ``path``, which must be a regular file: opened without blocking (a FIFO or device would
+    never end a read) and checked after the open. Raises FileNotFoundError, CheckpointFileError naming
+    ``where`` for anything else (a directory, FIFO, device, socket; a read error)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise CheckpointFileError(f"cannot read {where} ({exc.strerror or exc})") from exc
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointFileError(f"cannot read {where}: it is not a regular file ({_file_kind(info.st_mode)})")
+        chunks, left = [], info.st_size
+        while left > 0:
+            chunk = os.read(fd, min(left, 8 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    except OSError as exc:
+        raise CheckpointFileError(f"cannot read {where} ({exc.strerror or exc})") from exc
+    finally:
+        os.close(fd)
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
 def read_dcp_metadata(path: str) -> Metadata:
-    """The DCP :class:`Metadata` pickled in the file ``path``, read by :func:`restricted_unpickle`.
+    """The DCP :class:`Metadata` pickled in the file ``path``, read by :func:`restricted_unpickle` and checked
+    by :func:`check_metadata` (what it holds is well formed, each tensor's chunks cover it exactly).
 
     Raises FileNotFoundError, UnsafeCheckpointError, CheckpointFileError (also when the file holds
-    something else than a Metadata), each naming ``path``.
+    something else than a Metadata, or is not a regular file), each naming ``path``.
     """
     where = f"checkpoint metadata {path}"
     try:
-        with open(path, "rb") as stream:
-            metadata = restricted_unpickle(stream, where)
+        data = read_regular_file(path, where)
     except FileNotFoundError:
         raise FileNotFoundError(f"torch_dist checkpoint metadata {path} does not exist") from None
-    except OSError as exc:
-        raise CheckpointFileError(f"cannot read {where} ({exc.strerror or exc})") from exc
+    metadata = restricted_unpickle(data, where)
     if not isinstance(metadata, Metadata) or not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
         raise CheckpointFileError(f"cannot read {where}: it holds a {type(metadata).__name__}, not the Metadata "
                                   "torch.distributed.checkpoint writes")
     if not isinstance(metadata.storage_data or {}, dict):
         raise CheckpointFileError(f"cannot read {where}: its storage_data is a {type(metadata.storage_data).__name__}, "
                                   "not the mapping torch.distributed.checkpoint writes")
-    for info in (metadata.storage_data or {}).values():
+    check_metadata(metadata, where)
+    return metadata
+
+
+def _is_size(value: Any, ndim: Optional[int] = None) -> bool:
+    return (isinstance(value, tuple) and all(type(d) is int and d >= 0 for d in value)
+            and (ndim is None or len(value) == ndim))
+
+
+def check_metadata(metadata: Metadata, where: str) -> None:
+    """Check what a DCP ``metadata`` (read from ``where``) holds before anything is read or allocated.
+
+    - every data item names a file beside ``.metadata`` (another path would read outside the checkpoint),
+      at a non-negative offset and length, with no ``transform_descriptors`` (this project writes none;
+      a ``stream.zstd`` one would inflate a small item into gigabytes);
+    - every tensor entry has a dtype, a size of non-negative integers, and chunks that lie inside that
+      size and cover it exactly, without gaps or overlaps (otherwise a load would leave part of the
+      tensor at its initial values and report success).
+
+    Raises CheckpointFileError naming ``where`` and the key.
+    """
+    for index, info in (metadata.storage_data or {}).items():
         name = getattr(info, "relative_path", None)
-        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", "..") or "\0" in name:
             # Data files sit beside .metadata; another path would read files outside the checkpoint.
             raise CheckpointFileError(f"cannot read {where}: it names the data file {name!r}, which is not a file "
                                       "of the checkpoint directory")
-    return metadata
+        key = getattr(index, "fqn", index)
+        if type(getattr(info, "offset", None)) is not int or type(getattr(info, "length", None)) is not int \
+                or info.offset < 0 or info.length < 0:
+            raise CheckpointFileError(f"cannot read {where}: the data item of {key} has offset "
+                                      f"{getattr(info, 'offset', None)!r} and length {getattr(info, 'length', None)!r}, "
+                                      "not two non-negative integers")
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointFileError(f"cannot read {where}: the data item of {key} is stored with the transforms "
+                                      f"{list(info.transform_descriptors)[:4]!r} (e.g. compression), which this "
+                                      "project never writes")
+    for key, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            _check_chunks(key, md, where)
+        elif not isinstance(md, BytesStorageMetadata):
+            raise CheckpointFileError(f"cannot read {where}: its entry {key} is a {type(md).__name__}, neither a "
+                                      "tensor nor a pickled object")
+
+
+def _check_chunks(key: str, md: TensorStorageMetadata, where: str) -> None:
+    """Raise CheckpointFileError unless the chunks of the tensor entry ``md`` tile its size exactly."""
+    size = getattr(md, "size", None)
+    if not _is_size(size) or not isinstance(getattr(getattr(md, "properties", None), "dtype", None), torch.dtype):
+        raise CheckpointFileError(f"cannot read {where}: tensor {key} has the size {size!r} and dtype "
+                                  f"{getattr(getattr(md, 'properties', None), 'dtype', None)!r}; a tensor needs "
+                                  "non-negative integer sizes and a torch dtype")
+    chunks = getattr(md, "chunks", None)
+    if not isinstance(chunks, list):
+        raise CheckpointFileError(f"cannot read {where}: the chunks of tensor {key} are a {type(chunks).__name__}, "
+                                  "not a list")
+    ndim, boxes, volume = len(size), [], 0
+    for chunk in chunks:
+        offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+        if not (_is_size(offsets, ndim) and _is_size(sizes, ndim)) or \
+                any(o + s > d for o, s, d in zip(offsets, sizes, size)):
+            raise CheckpointFileError(f"cannot read {where}: tensor {key} of size {list(size)} has a chunk at offsets "
+                                      f"{_shown(offsets)} of sizes {_shown(sizes)}, which does not lie inside it")
+        count = math.prod(sizes)
+        if count:
+            volume += count
+            boxes.append((tuple(offsets), tuple(sizes)))
+    total = math.prod(size)
+    overlap = _overlapping(boxes, ndim)
+    if overlap is not None:
+        (o1, s1), (o2, s2) = overlap
+        raise CheckpointFileError(f"cannot read {where}: tensor {key} has overlapping chunks (at offsets {list(o1)} "
+                                  f"of sizes {list(s1)} and at {list(o2)} of sizes {list(s2)})")
+    if volume != total:
+        raise CheckpointFileError(f"cannot read {where}: the chunks of tensor {key} hold {volume} of its {total} "
+                                  f"elements (size {list(size)}); part of it is not in the checkpoint")
+
+
+def _shown(value: Any) -> str:
+    return str(list(value)) if isinstance(value, tuple) else repr(value)[:80]
+
+
+def _overlapping(boxes, ndim: int):
+    """Two of ``boxes`` (``(offsets, sizes)``, all non-empty) that overlap, or None: a sweep along the dimension
+    with the most distinct offsets, comparing each box with those still open there."""
+    if len(boxes) < 2:
+        return None
+    if ndim == 0:
+        return boxes[0], boxes[1]  # two chunks of one element
+    axis = max(range(ndim), key=lambda d: len({offsets[d] for offsets, _ in boxes}))
+    active = []
+    for box in sorted(boxes, key=lambda b: b[0][axis]):
+        start = box[0][axis]
+        active = [a for a in active if a[0][axis] + a[1][axis] > start]
+        for other in active:
+            if all(other[0][d] < box[0][d] + box[1][d] and box[0][d] < other[0][d] + other[1][d] for d in range(ndim)):
+                return other, box
+        active.append(box)
+    return None
+
+
+def check_data_files(metadata: Metadata, checkpoint_dir: str) -> None:
+    """Check the DCP ``metadata`` of ``checkpoint_dir`` against its data files before anything is allocated.
+
+    Each data file must be a regular file inside ``checkpoint_dir`` (not a link out of it, a FIFO or a
+    device); each item must lie inside its file, apart from the others; each tensor chunk must have a data item at least as
+    large as the chunk's bytes (so a declared size of 2**40 elements, which no data file holds, is refused
+    here rather than allocated). Raises CheckpointFileError naming the file and key.
+    """
+    where = f"checkpoint metadata {os.path.join(checkpoint_dir, '.metadata')}"
+    root = os.path.realpath(checkpoint_dir)
+    sizes: Dict[str, int] = {}
+    items: Dict[str, list] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        name = info.relative_path
+        if name not in sizes:
+            path = os.path.join(checkpoint_dir, name)
+            try:
+                status = os.stat(path)
+            except OSError as exc:
+                raise CheckpointFileError(f"cannot read checkpoint file {path} (named by {where}): "
+                                          f"{exc.strerror or exc}") from None
+            if os.path.dirname(os.path.realpath(path)) != root:
+                raise CheckpointFileError(f"cannot read checkpoint file {path}: it is a link to "
+                                          f"{os.path.realpath(path)}, outside the checkpoint directory")
+            if not stat.S_ISREG(status.st_mode):
+                raise CheckpointFileError(f"cannot read checkpoint file {path}: it is not a regular file "
+                                          f"({_file_kind(status.st_mode)})")
+            sizes[name] = status.st_size
+        if info.offset + info.length > sizes[name]:
+            raise CheckpointFileError(f"cannot read {where}: the data item of {getattr(index, 'fqn', index)} ends at "
+                                      f"byte {info.offset + info.length} of {name}, which has {sizes[name]} bytes")
+        items.setdefault(name, []).append((info.offset, info.length, getattr(index, "fqn", index)))
+    for name, spans in items.items():  # DCP writes items one after another: shared bytes would let
+        spans.sort(key=lambda span: span[:2])  # many large chunks claim one small item
+        for (start, length, key), (next_start, next_length, next_key) in zip(spans, spans[1:]):
+            if length and next_length and next_start < start + length:
+                raise CheckpointFileError(f"cannot read {where}: the data items of {key} and {next_key} overlap "
+                                          f"in {name} (bytes {start}-{start + length} and {next_start}-"
+                                          f"{next_start + next_length})")
+    storage = metadata.storage_data or {}
+    for key, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        itemsize = torch.empty((), dtype=md.properties.dtype).element_size()
+        for chunk in md.chunks:
+            count = math.prod(chunk.sizes)
+            if not count:
+                continue
+            info = storage.get(MetadataIndex(key, chunk.offsets))
+            if info is None:
+                raise CheckpointFileError(f"cannot read {where}: tensor {key} has no data item for its chunk at "
+                                          f"offsets {list(chunk.offsets)}")
+            if info.length < count * itemsize:
+                raise CheckpointFileError(f"cannot read {where}: tensor {key} declares a chunk of {count} elements "
+                                          f"({count * itemsize} bytes) at offsets {list(chunk.offsets)}, but its data "
+                                          f"item in {info.relative_path} holds {info.length} bytes")
 
 
 _REFUSED = (re.compile(r"GLOBAL ([\w.]+)"), re.compile(r"unrecognized function (.+?)(?: which belongs|$)"),
@@ -224,6 +535,29 @@ def weights_only_load(stream, where: str, safe_globals: Iterable[Any] = ()) -> A
                                   ) from exc
 
 
+class _RegularFileSystem(FileSystem):
+    """DCP's local file system whose streams open regular files only, without blocking on a FIFO or device."""
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        if mode != "rb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        fd = os.open(os.fspath(path), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        try:
+            mode_bits = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode_bits):
+                raise CheckpointFileError(f"cannot read checkpoint file {os.fspath(path)}: it is not a regular file "
+                                          f"({_file_kind(mode_bits)})")
+            os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
+        with os.fdopen(fd, "rb") as stream:
+            yield stream
+
+
 class SafeFileSystemReader(FileSystemReader):
     """DCP's FileSystemReader whose ``.metadata`` read is :func:`read_dcp_metadata` (no code runs) and whose
     data reads name the ``.distcp`` file an unsafe or damaged item came from.
@@ -233,6 +567,7 @@ class SafeFileSystemReader(FileSystemReader):
 
     def __init__(self, path, metadata: Optional[Metadata] = None):
         super().__init__(path)
+        self.fs = _RegularFileSystem()
         self._metadata = metadata
         self._reading = None
 
@@ -242,6 +577,7 @@ class SafeFileSystemReader(FileSystemReader):
             metadata = self._metadata
         else:
             metadata = read_dcp_metadata(os.fspath(self._get_metadata_path(rank)))
+            check_data_files(metadata, os.fspath(self.path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id  # as FileSystemReader does
