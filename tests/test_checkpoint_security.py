@@ -104,8 +104,9 @@ def _plant(kind, ckpt, marker):
         target.write_bytes(pickle.dumps(_PayloadThenMetadata(marker, target.read_bytes())))
     elif kind == "distcp":  # one tensor item of the data file replaced (the .metadata stays benign)
         metadata = read_metadata(str(iteration_dir))
-        index = next(index for index in metadata.storage_data
-                     if isinstance(metadata.state_dict_metadata[index.fqn], TensorStorageMetadata))
+        # A small tensor (32 elements): an item smaller than its chunk's bytes is refused before any read.
+        index = next(index for index in metadata.storage_data if index.fqn == "decoder.final_layernorm.bias"
+                     and isinstance(metadata.state_dict_metadata[index.fqn], TensorStorageMetadata))
         info = metadata.storage_data[index]
         target = iteration_dir / info.relative_path
         buffer = io.BytesIO()
