@@ -241,6 +241,28 @@ def test_data_file_linked_to_a_device_is_refused_without_the_manifest(checkpoint
     assert "outside the checkpoint directory" in line, line
 
 
+@pytest.mark.parametrize("loader,kind", [("run_text_generation", "common_fifo"), ("pretrain_gpt", "rng_dev_zero")])
+def test_torch_files_that_are_not_regular_files_are_refused_without_the_manifest(checkpoints, tmp_path, loader,
+                                                                                 kind):
+    """--no-verify-checkpoint: ``common.pt`` replaced by a FIFO (an open would wait for a writer for ever) or
+    an RNG file linked to /dev/zero (a read would never end) ends the loader with one line naming it."""
+    ckpt = _copy(checkpoints, "torch_dist", tmp_path)
+    iteration_dir = _iteration_dir(ckpt)
+    if kind == "common_fifo":
+        target = iteration_dir / "common.pt"
+        target.unlink()
+        os.mkfifo(target)
+    else:
+        target = iteration_dir / "rng" / "rank_00000.pt"
+        target.unlink()
+        target.symlink_to("/dev/zero")
+    (iteration_dir / MANIFEST).unlink()
+    status, out = _run(loader, _loader_command(loader, ckpt, "torch_dist", tmp_path, False)[1])
+    line = _assert_one_error_line(status, out, target)
+    if kind == "common_fifo":  # the RNG reader looks for a regular file first and calls it missing
+        assert "not a regular file" in line, line
+
+
 def test_file_digest_refuses_what_is_not_a_regular_file(tmp_path):
     from megatron.training.checkpoint_integrity import NotARegularFileError, file_digest, manifest_entry_path
 

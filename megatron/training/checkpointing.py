@@ -20,6 +20,7 @@ from megatron.core.dist_checkpointing.safe_loading import (
     CheckpointFileError,
     UnsafeCheckpointError,
     checked_tensor_load,
+    not_a_regular_file,
     refused_by_weights_only,
 )
 from megatron.core.optimizer_param_scheduler import SchedulerMismatchError
@@ -699,6 +700,9 @@ def load_state_dict_file(path, context=None):
     written by torch.save.
     """
     where = f"{path} ({context})" if context else f"{path}"
+    kind = not_a_regular_file(path)
+    if kind is not None:  # torch.load would block on a FIFO and never end on a device
+        raise CheckpointReadError(f"cannot read checkpoint file {where}: it is {kind}, not a regular file")
     try:
         with torch.serialization.safe_globals(_safe_globals()):
             return checked_tensor_load(lambda: torch.load(path, map_location="cpu", weights_only=True),

@@ -270,6 +270,17 @@ def read_regular_file(path: str, where: str) -> bytes:
         os.close(fd)
 
 
+def not_a_regular_file(path: str) -> Optional[str]:
+    """What ``path`` is when it exists but is not a regular file (after links): ``"a FIFO"``, ``"a character
+    device"``..., else None. A reader checks it before an open that would block (a FIFO) or never end (a
+    link to ``/dev/zero``)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None  # missing or unreadable: the open that follows reports it
+    return None if stat.S_ISREG(mode) else _file_kind(mode)
+
+
 def _file_kind(mode: int) -> str:
     for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
                        (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
