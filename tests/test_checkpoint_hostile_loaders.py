@@ -153,6 +153,30 @@ def test_build_on_an_admitted_class_or_function_is_refused_and_changes_nothing(c
     assert _attribute(target) is before
 
 
+_METADATA_INSTANCE = b"\x80\x02" + _global("torch.distributed.checkpoint.metadata", "Metadata") + b")\x81"
+
+
+@pytest.mark.parametrize("data,refused", [
+    (_METADATA_INSTANCE + b"}" + _unicode("__class__") + _global("torch.distributed.checkpoint.metadata",
+                                                                   "StorageMeta") + b"sb.", "with a dict state"),
+    (_METADATA_INSTANCE + b"N}" + _unicode("x") + b"K\x01s\x86b.", "with a tuple state"),
+    (b"\x80\x02\x82\x01.", "copyreg extension code"),
+    (b"\x80\x02" + _global("collections", "OrderedDict") + b"(" + _unicode("a") + b"K\x01u.",
+     "SETITEMS on class collections.OrderedDict"),
+    (b"\x80\x02" + _global("builtins", "set") + b"(K\x01e.", "APPENDS on class builtins.set"),
+    (b"\x80\x04" + _global("builtins", "frozenset") + b"(K\x01\x90.", "ADDITEMS on class builtins.frozenset"),
+], ids=["dunder_state", "slot_state", "EXT1", "SETITEMS_on_class", "APPENDS_on_class", "ADDITEMS_on_class"])
+def test_other_changes_to_objects_the_unpickler_did_not_build_are_refused(tmp_path, data, refused):
+    """Besides BUILD on a class: BUILD that would set ``__class__`` or slots of a built object, copyreg
+    extension codes (looked up in a process-wide cache) and container opcodes aimed at an admitted class."""
+    from megatron.core.dist_checkpointing.safe_loading import UnsafeCheckpointError, read_dcp_metadata
+
+    path = tmp_path / ".metadata"
+    path.write_bytes(data)
+    with pytest.raises(UnsafeCheckpointError, match=refused):
+        read_dcp_metadata(str(path))
+
+
 @pytest.mark.parametrize("loader,target", [
     ("pretrain_gpt", "PurePosixPath"), ("convert", "PurePosixPath"), ("export_hf", "PurePosixPath"),
     ("run_text_generation", "PurePosixPath"), ("pretrain_gpt", "_get_layout"), ("convert", "Metadata"),

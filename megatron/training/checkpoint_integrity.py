@@ -14,7 +14,9 @@ A save writes its files into a hidden temporary directory ``<dir>/.iter_NNNNNNN.
 3. replaces ``latest_checkpointed_iteration.txt`` atomically (write a temporary, fsync, rename, fsync dir).
 
 At load, :func:`choose_checkpoint` checks the iteration named by the tracker against its manifest (file
-presence and sizes always; CRC-32 unless ``--no-verify-checkpoint``) and falls back to the newest
+presence and sizes always; CRC-32 unless ``--no-verify-checkpoint``; an entry must name a regular file
+inside the iteration directory, :func:`manifest_entry_path`, so a manifest can neither make a loader read
+outside the checkpoint nor block it on a FIFO or device) and falls back to the newest
 complete older one with a warning naming both; ``--ckpt-step N`` on a damaged iteration raises
 :class:`CheckpointIntegrityError` naming the file. It also compares with the newest non-persistent
 checkpoint (``--non-persistent-save-interval``) and picks the newer.

@@ -6,7 +6,12 @@ code on load. :class:`SafeFileSystemReader` is DCP's FileSystemReader with that 
 :func:`restricted_unpickle`, which admits only the classes torch (and Megatron-LM core_v0.14, whose
 ``.metadata`` also holds its save plans) write into it (:data:`METADATA_GLOBALS`); anything else raises
 :class:`UnsafeCheckpointError` naming the file and the refused global (``module.name``), before any
-object is built. Its data reads name the ``.distcp`` file an unsafe or damaged item came from.
+object is built. It changes only objects it built (pickle's BUILD on an admitted class or function would
+change it for the whole process) and never allocates more than the file holds. What the metadata
+declares is then checked before anything is read or allocated (:func:`check_metadata`: chunks that tile
+each tensor, no compression transforms; :func:`check_data_files`: items inside regular data files of
+the checkpoint, as large as the chunks they hold). Its data reads open regular files only and name the
+``.distcp`` file an unsafe or damaged item came from.
 """
 from __future__ import annotations
 
@@ -177,9 +182,16 @@ class _RestrictedUnpickler(pickle._Unpickler):  # the Python implementation: its
     def load_build(self) -> None:
         if len(self.stack) < 2:
             raise pickle.UnpicklingError("BUILD with an empty stack")
-        target = self.stack[-2]
+        state, target = self.stack[-1], self.stack[-2]
         if type(target) not in self._buildable:
             self._refuse_change("BUILD", target)
+        if getattr(type(target), "__setstate__", None) is None:
+            # As torch's weights-only unpickler: a plain __dict__ update, never setattr (no slot state), and
+            # only attribute names (a dunder such as __class__ would change what the object is).
+            if not isinstance(state, dict) or not all(type(k) is str and not k.startswith("__") for k in state):
+                raise UnsafeCheckpointError(self._where, f"pickle BUILD on {_describe(target)} with a "
+                                            f"{type(state).__name__} state", "an instruction that sets more than "
+                                            "the attributes of an object it built")
         super().load_build()
 
     def load_setitem(self) -> None:
