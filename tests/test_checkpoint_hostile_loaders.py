@@ -8,12 +8,14 @@ process with a 30 s limit: it must end, exit non-zero, print exactly one ``error
 entry and no traceback, and never print what it read outside the checkpoint. The four loaders share the
 manifest check and the ``.metadata`` reader, so each case runs on the loaders whose code paths differ.
 """
+import json
 import os
 import pathlib
 import pickle
 import shutil
 import struct
 import subprocess
+import sys
 import zlib
 
 import pytest
@@ -21,7 +23,7 @@ import torch
 
 from dist_utils import fork_ranks, free_port, rank_env, use_torchrun
 from pretrain_utils import REPO, run_python
-from test_checkpoint_security import (ITERATION, _assert_one_error_line, _copy, _iteration_dir,  # noqa: F401
+from test_checkpoint_security import (_assert_one_error_line, _copy, _iteration_dir,  # noqa: F401
                                       _loader_command, _ship_matching_manifest, checkpoints)
 
 pytestmark = pytest.mark.timeout(300)
@@ -41,7 +43,6 @@ def _run(loader, argv):
         log = pathlib.Path(argv[argv.index("--load") + 1]).parent / f"{loader}.log"
         env = rank_env(dict(os.environ, OMP_NUM_THREADS="1"), 0, 1, free_port())
         if use_torchrun():
-            import sys
             with open(log, "w") as out:
                 status = subprocess.run([sys.executable, *map(str, argv)], cwd=REPO, env=env, stdout=out,
                                         stderr=subprocess.STDOUT, timeout=LIMIT_S).returncode
@@ -66,7 +67,6 @@ def _write_metadata(ckpt, metadata):
 def _manifest_entry(ckpt, rel, size, crc="00000000"):
     """Add ``rel`` to the copy's manifest with the given size and CRC-32."""
     path = _iteration_dir(ckpt) / MANIFEST
-    import json
     manifest = json.loads(path.read_text())
     manifest["files"][rel] = {"size": size, "crc32": crc}
     path.write_text(json.dumps(manifest))
@@ -285,6 +285,21 @@ def test_torch_files_that_are_not_regular_files_are_refused_without_the_manifest
     line = _assert_one_error_line(status, out, target)
     if kind == "common_fifo":  # the RNG reader looks for a regular file first and calls it missing
         assert "not a regular file" in line, line
+
+
+def test_metadata_linked_out_of_the_checkpoint_is_not_read(checkpoints, tmp_path):
+    """Without a manifest: a ``.metadata`` that is a link to a file elsewhere (here a valid one) is refused
+    before it is read."""
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.safe_loading import CheckpointFileError
+
+    ckpt = _copy(checkpoints, "torch_dist", tmp_path)
+    path = _iteration_dir(ckpt) / ".metadata"
+    outside = tmp_path / "elsewhere"
+    shutil.move(path, outside)
+    path.symlink_to(outside)
+    with pytest.raises(CheckpointFileError, match=f"{path}: it is a link to {outside}, outside"):
+        serialization.read_metadata(str(_iteration_dir(ckpt)))
 
 
 def test_file_digest_refuses_what_is_not_a_regular_file(tmp_path):

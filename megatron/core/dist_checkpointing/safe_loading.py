@@ -350,9 +350,9 @@ def check_metadata(metadata: Metadata, where: str) -> None:
         key = getattr(index, "fqn", index)
         if type(getattr(info, "offset", None)) is not int or type(getattr(info, "length", None)) is not int \
                 or info.offset < 0 or info.length < 0:
-            raise CheckpointFileError(f"cannot read {where}: the data item of {key} has offset "
-                                      f"{getattr(info, 'offset', None)!r} and length {getattr(info, 'length', None)!r}, "
-                                      "not two non-negative integers")
+            offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+            raise CheckpointFileError(f"cannot read {where}: the data item of {key} has offset {offset!r} and "
+                                      f"length {length!r}, not two non-negative integers")
         if getattr(info, "transform_descriptors", None):
             raise CheckpointFileError(f"cannot read {where}: the data item of {key} is stored with the transforms "
                                       f"{list(info.transform_descriptors)[:4]!r} (e.g. compression), which this "
@@ -421,16 +421,25 @@ def _overlapping(boxes, ndim: int):
     return None
 
 
+def check_inside(checkpoint_dir: str, name: str) -> None:
+    """Raise CheckpointFileError naming the file unless ``checkpoint_dir/name`` (a file of the directory) is
+    still inside ``checkpoint_dir`` once links are resolved: a link out of it would read another file."""
+    path = os.path.join(checkpoint_dir, name)
+    real = os.path.realpath(path)
+    if os.path.dirname(real) != os.path.realpath(checkpoint_dir):
+        raise CheckpointFileError(f"cannot read checkpoint file {path}: it is a link to {real}, outside the "
+                                  "checkpoint directory")
+
+
 def check_data_files(metadata: Metadata, checkpoint_dir: str) -> None:
     """Check the DCP ``metadata`` of ``checkpoint_dir`` against its data files before anything is allocated.
 
     Each data file must be a regular file inside ``checkpoint_dir`` (not a link out of it, a FIFO or a
-    device); each item must lie inside its file, apart from the others; each tensor chunk must have a data item at least as
-    large as the chunk's bytes (so a declared size of 2**40 elements, which no data file holds, is refused
-    here rather than allocated). Raises CheckpointFileError naming the file and key.
+    device); each item must lie inside its file, apart from the others; each tensor chunk must have a data
+    item at least as large as the chunk's bytes (so a declared size of 2**40 elements, which no data file
+    holds, is refused here rather than allocated). Raises CheckpointFileError naming the file and key.
     """
     where = f"checkpoint metadata {os.path.join(checkpoint_dir, '.metadata')}"
-    root = os.path.realpath(checkpoint_dir)
     sizes: Dict[str, int] = {}
     items: Dict[str, list] = {}
     for index, info in (metadata.storage_data or {}).items():
@@ -442,9 +451,7 @@ def check_data_files(metadata: Metadata, checkpoint_dir: str) -> None:
             except OSError as exc:
                 raise CheckpointFileError(f"cannot read checkpoint file {path} (named by {where}): "
                                           f"{exc.strerror or exc}") from None
-            if os.path.dirname(os.path.realpath(path)) != root:
-                raise CheckpointFileError(f"cannot read checkpoint file {path}: it is a link to "
-                                          f"{os.path.realpath(path)}, outside the checkpoint directory")
+            check_inside(checkpoint_dir, name)
             if not stat.S_ISREG(status.st_mode):
                 raise CheckpointFileError(f"cannot read checkpoint file {path}: it is not a regular file "
                                           f"({_file_kind(status.st_mode)})")
@@ -464,7 +471,7 @@ def check_data_files(metadata: Metadata, checkpoint_dir: str) -> None:
     for key, md in metadata.state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):
             continue
-        itemsize = torch.empty((), dtype=md.properties.dtype).element_size()
+        itemsize = md.properties.dtype.itemsize
         for chunk in md.chunks:
             count = math.prod(chunk.sizes)
             if not count:
@@ -599,7 +606,9 @@ class SafeFileSystemReader(FileSystemReader):
         if self._metadata is not None and rank is None:
             metadata = self._metadata
         else:
-            metadata = read_dcp_metadata(os.fspath(self._get_metadata_path(rank)))
+            path = os.fspath(self._get_metadata_path(rank))
+            check_inside(os.fspath(self.path), os.path.basename(path))
+            metadata = read_dcp_metadata(path)
             check_data_files(metadata, os.fspath(self.path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()

@@ -42,8 +42,9 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 
 from megatron.core.collective_device import get_collective_device
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-from megatron.core.dist_checkpointing.safe_loading import (SafeFileSystemReader, check_data_files, read_dcp_metadata,
-                                                          weights_only_load)
+from megatron.core.dist_checkpointing.safe_loading import (
+    SafeFileSystemReader, check_data_files, check_inside, read_dcp_metadata, weights_only_load,
+)
 
 METADATA_FILENAME = ".metadata"
 # Megatron core_v0.14's description of a torch_dist checkpoint, which its loader reads first.
@@ -185,12 +186,14 @@ def read_metadata(checkpoint_dir: str) -> Metadata:
     """DCP's ``.metadata`` of ``checkpoint_dir`` (global shapes, dtypes and stored chunks of every key), read
     by the allow-list unpickler of :mod:`safe_loading` (torch's reader would run any code it holds).
 
-    Its entries are checked (safe_loading.check_metadata: chunks that tile each tensor, no transforms) and
+    ``.metadata`` must not be a link out of ``checkpoint_dir``. Its entries are checked
+    (safe_loading.check_metadata: chunks that tile each tensor, no transforms) and
     so are its data files (safe_loading.check_data_files: regular files inside ``checkpoint_dir``, items
     inside them and as large as the chunks they hold), before anything is allocated.
 
     Raises FileNotFoundError, safe_loading.UnsafeCheckpointError / CheckpointFileError naming the file.
     """
+    check_inside(checkpoint_dir, METADATA_FILENAME)
     metadata = read_dcp_metadata(os.path.join(checkpoint_dir, METADATA_FILENAME))
     check_data_files(metadata, checkpoint_dir)
     return metadata
