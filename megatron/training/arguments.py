@@ -9,6 +9,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from megatron.core.datasets.utils import parse_and_normalize_split
 from megatron.training.tokenizer import add_tokenizer_args
 from megatron.training.user_errors import UserInputError, report_and_exit
 
@@ -735,6 +736,10 @@ def _validate_data_sources(args):
         args.split = "969, 30, 1"
         _print_rank_0(args, "WARNING: Please specify --split when using --data-path. "
                             f'Using legacy default value of "{args.split}"')
+    if args.split is not None:
+        # Parsed here, once, so that a malformed --split stops the run with one line (rank 0) before any rank
+        # builds a dataset; the datasets parse the same string again.
+        parse_and_normalize_split(args.split)  # ValueError naming --split and the value
     _require(args.num_dataset_builder_threads > 0,
              f"--num-dataset-builder-threads must be > 0, got {args.num_dataset_builder_threads}")
     if args.dataloader_type is None:
