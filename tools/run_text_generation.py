@@ -32,6 +32,7 @@ from megatron.core.collective_device import get_collective_device  # noqa: E402
 from megatron.core.inference.sampling import sample_logits  # noqa: E402
 from megatron.training.arguments import parse_args  # noqa: E402
 from megatron.training.checkpoint_errors import checkpoint_errors_as_user_errors  # noqa: E402
+from megatron.training.checkpoint_integrity import tracker_exists  # noqa: E402
 from megatron.training.checkpointing import (  # noqa: E402
     get_checkpoint_tracker_filename,
     load_checkpoint,
@@ -87,7 +88,7 @@ def _checkpoint_args(load_dir: str) -> argparse.Namespace:
     read_metadata and load_state_dict_file (a malformed tracker, an unsafe or damaged file).
     """
     tracker = get_checkpoint_tracker_filename(load_dir)
-    if not os.path.isfile(tracker):
+    if not tracker_exists(tracker):  # CheckpointTrackerError for a FIFO, a device...
         raise UserInputError(f"--load {load_dir}: no checkpoint there (missing {tracker})")
     iteration, release = read_metadata(tracker)
     folder = "release" if release else f"iter_{iteration:07d}"

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 import torch  # noqa: E402
 
-from megatron.training.checkpoint_integrity import CheckpointTrackerError, read_tracker  # noqa: E402
+from megatron.training.checkpoint_integrity import CheckpointTrackerError, read_tracker, tracker_exists  # noqa: E402
 from megatron.training.checkpointing import (  # noqa: E402
     CHECKPOINT_BASENAME,
     CHECKPOINT_VERSION,
@@ -48,9 +48,9 @@ def find_iteration_dir(load_dir: str, iteration: Optional[int] = None) -> str:
         path = os.path.join(load_dir, f"iter_{iteration:07d}")
     else:
         tracker = os.path.join(load_dir, TRACKER_FILENAME)
-        if not os.path.isfile(tracker):
-            raise CheckpointLayoutError(f"--load {load_dir}: no {TRACKER_FILENAME} (not a checkpoint folder?)")
         try:
+            if not tracker_exists(tracker):
+                raise CheckpointLayoutError(f"--load {load_dir}: no {TRACKER_FILENAME} (not a checkpoint folder?)")
             found, release = read_tracker(tracker)
         except CheckpointTrackerError as error:
             raise CheckpointLayoutError(f"--load {load_dir}: {error}") from None
