@@ -38,6 +38,7 @@ from megatron.training.checkpointing import (  # noqa: E402
     load_checkpoint,
     load_state_dict_file,
     read_metadata,
+    saved_args,
 )
 from megatron.training.global_vars import get_tokenizer  # noqa: E402
 from megatron.training.initialize import initialize_megatron  # noqa: E402
@@ -98,8 +99,7 @@ def _checkpoint_args(load_dir: str) -> argparse.Namespace:
     if not files:
         raise UserInputError(f"--load {load_dir}: neither common.pt (torch_dist) nor mp_rank_*/model_optim_rng.pt "
                              f"(torch) under {folder}")
-    saved = load_state_dict_file(files[0], f"--load {load_dir}")
-    saved = saved.get("args") if isinstance(saved, dict) else None
+    saved = saved_args(load_state_dict_file(files[0], f"--load {load_dir}"), files[0], f"--load {load_dir}")
     if saved is None:
         raise UserInputError(f"--use-checkpoint-args: {files[0]} holds no training args; give the model flags")
     return saved

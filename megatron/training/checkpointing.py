@@ -712,6 +712,43 @@ def load_state_dict_file(path, context=None):
         raise CheckpointReadError(f"cannot read checkpoint file {where}: it {_unreadable_reason(path, exc)}") from exc
 
 
+# The model-shape flags a reader of a checkpoint's saved args needs (positive integers).
+MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "num_attention_heads")
+
+
+def _a(noun):
+    return ("an " if noun[:1] in "aeiou" else "a ") + noun
+
+
+def saved_args(state_dict, path, context=None, required=()):
+    """The training args a checkpoint file saved (its ``args`` entry, a Namespace), or None without one.
+
+    ``state_dict``: what :func:`load_state_dict_file` returned for ``path`` (``context`` as there).
+    ``required``: names of args that must be there as positive integers (e.g. :data:`MODEL_SHAPE_ARGS`
+    for a reader that rebuilds the model's shape from them); checked only when the args are there.
+    Raises CheckpointReadError naming the file when it is not a dict, its ``args`` is not a Namespace
+    (e.g. a number), or a ``required`` entry is missing or not a positive integer.
+    """
+    where = f"{path} ({context})" if context else f"{path}"
+    if not isinstance(state_dict, dict):
+        raise CheckpointReadError(f"cannot read checkpoint file {where}: it is not a checkpoint: it holds "
+                                  f"{_a(type(state_dict).__name__)}, not the dict that save_checkpoint writes")
+    args = state_dict.get("args")
+    if args is None:
+        return None
+    if not isinstance(args, (argparse.Namespace, types.SimpleNamespace)):
+        raise CheckpointReadError(f"cannot read checkpoint file {where}: its 'args' entry is "
+                                  f"{_a(type(args).__name__)}, not the Namespace of training flags that "
+                                  "save_checkpoint writes")
+    for name in required:
+        value = getattr(args, name, None)
+        if type(value) is not int or value <= 0:  # bool is not a size either
+            found = "missing" if value is None else f"{value!r}"[:40]
+            raise CheckpointReadError(f"cannot read checkpoint file {where}: its saved args have {name} {found}, "
+                                      "not a positive integer")
+    return args
+
+
 def _layout_hint(iteration_dir):
     found = sorted(e for e in os.listdir(iteration_dir) if e.startswith("mp_rank_"))
     return ", ".join(found) if found else "no mp_rank_* directories"
@@ -917,12 +954,9 @@ def _load_torch_format(args, checkpoint_name, iteration, release, context, model
                        strict, restored):
     """Load a legacy per-rank file into model, optimizer, scheduler, RNG and ``restored``; returns the iteration."""
     state_dict = load_state_dict_file(checkpoint_name, context)
-    if not isinstance(state_dict, dict):
-        raise CheckpointReadError(f"cannot read checkpoint file {checkpoint_name} ({context}): it is not a checkpoint: "
-                                  f"it holds a {type(state_dict).__name__}, not the dict that save_checkpoint writes")
+    checkpoint_args = saved_args(state_dict, checkpoint_name, context)
     set_checkpoint_version(state_dict.get("checkpoint_version", 0))
 
-    checkpoint_args = state_dict.get("args")
     if checkpoint_args is not None:
         _check_layout(checkpoint_args, checkpoint_name)
 
@@ -999,8 +1033,8 @@ def _load_torch_dist(args, iteration_dir, iteration, release, context, model, op
     if not isinstance(common, dict) or common.get("ckpt_format", "torch_dist") != "torch_dist":
         raise CheckpointReadError(f"cannot read checkpoint file {common_name} ({context}): it is not the "
                                   f"{COMMON_BASENAME} of a torch_dist checkpoint")
+    checkpoint_args = saved_args(common, common_name, context)
     set_checkpoint_version(common.get("checkpoint_version", 0))
-    checkpoint_args = common.get("args")
     warn_if_vocab_padding_differs(checkpoint_args, iteration_dir)
     if args.finetune or release:
         iteration = 0
@@ -1134,7 +1168,7 @@ __all__ = [
     "get_rng_state", "generate_state_dict", "save_checkpoint", "get_distributed_optimizer_checkpoint_name",
     "load_checkpoint", "load_state_dict_file", "finalize_async_save", "async_save_pending",
     "wait_for_async_staging", "detect_checkpoint_format",
-    "CheckpointReadError", "check_checkpoint_args", "get_checkpoint_version", "set_checkpoint_version",
+    "CheckpointReadError", "check_checkpoint_args", "saved_args", "MODEL_SHAPE_ARGS", "get_checkpoint_version", "set_checkpoint_version",
 ]
 
 

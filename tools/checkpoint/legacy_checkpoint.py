@@ -23,8 +23,10 @@ from megatron.training.checkpoint_integrity import CheckpointTrackerError, read_
 from megatron.training.checkpointing import (  # noqa: E402
     CHECKPOINT_BASENAME,
     CHECKPOINT_VERSION,
+    MODEL_SHAPE_ARGS,
     TRACKER_FILENAME,
     load_state_dict_file,
+    saved_args,
 )
 
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
@@ -136,8 +138,9 @@ def read_checkpoint(load_dir: str, iteration: Optional[int] = None) -> Tuple[dic
         shards = []
         for rank in range(tp):
             checkpoint = load_state_dict_file(files[(rank, stage)], context=f"--load {load_dir}")
+            saved = saved_args(checkpoint, files[(rank, stage)], f"--load {load_dir}", MODEL_SHAPE_ARGS)
             if args is None:
-                args = checkpoint.get("args")
+                args = saved
                 if args is None:
                     raise CheckpointLayoutError(f"{files[(rank, stage)]}: no saved 'args' (model shape unknown)")
             shards.append(_model_state(checkpoint, files[(rank, stage)]))
