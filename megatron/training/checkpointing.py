@@ -2,6 +2,7 @@
 and Megatron-LM's legacy ``torch`` format (one file per (tp, pp) rank)."""
 import argparse
 import enum
+import errno
 import io
 import os
 import pathlib
@@ -22,6 +23,7 @@ from megatron.core.dist_checkpointing.safe_loading import (
     checked_tensor_load,
     refused_by_weights_only,
 )
+from megatron.core.dist_checkpointing.serialization import SaveFailedOnAnotherRankError
 from megatron.core.optimizer_param_scheduler import SchedulerMismatchError
 from megatron.core.transformer.enums import AttnBackend, ModelType
 from megatron.training import checkpoint_integrity, legacy_optimizer_state
@@ -342,11 +344,64 @@ class _ErrorRecordingWriter(io.RawIOBase):
             raise
 
 
+# What a failed write's errno most likely means for a checkpoint save.
+_WRITE_FAILURE_HINTS = {errno.ENOSPC: "disk full", errno.EFBIG: "disk full or file-size limit, see ulimit -f",
+                        errno.EDQUOT: "disk quota exceeded"}
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint file or directory that could not be written: the message names it and the cause.
+
+    ``errno`` is the failed call's (ENOSPC, EFBIG, EACCES...), ``path`` the file or directory.
+    """
+
+    def __init__(self, message, error_number=None, path=None):
+        super().__init__(message)
+        self.errno, self.path = error_number, path
+
+    def __str__(self):
+        return self.args[0]
+
+
+def _not_a_directory(path):
+    """The nearest existing ancestor of ``path`` (itself included) that is not a directory, or None."""
+    path = os.path.abspath(path)
+    while True:
+        if os.path.lexists(path):
+            return None if os.path.isdir(path) else path
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+
+
+def write_failure(cause: OSError, path=None) -> CheckpointWriteError:
+    """``cause`` (a failed write, open or mkdir) as a CheckpointWriteError naming the file (``path``, else the
+    error's own file name) and the cause: ``could not write PATH: File too large (disk full or file-size
+    limit, see ulimit -f)``; a directory that cannot be created under a file names that file."""
+    if isinstance(cause, CheckpointWriteError):
+        return cause
+    path = path or cause.filename
+    reason = cause.strerror or str(cause)
+    if cause.errno in _WRITE_FAILURE_HINTS:
+        reason += f" ({_WRITE_FAILURE_HINTS[cause.errno]})"
+    if cause.errno in (errno.ENOTDIR, errno.EEXIST) and path is not None:
+        blocker = _not_a_directory(path)
+        if blocker is not None:
+            return CheckpointWriteError(f"could not create directory {path}: {blocker} is a file, not a directory",
+                                        cause.errno, path)
+    message = f"could not write {path}: {reason}" if path is not None else f"could not write: {reason}"
+    return CheckpointWriteError(message, cause.errno, path)
+
+
 def _write_durably(state_dict, path):
-    """torch.save ``state_dict`` to ``path`` and fsync it; an OSError (e.g. ENOSPC) is raised as such, naming
-    ``path``."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    f = open(path, "wb")
+    """torch.save ``state_dict`` to ``path`` and fsync it; an OSError (e.g. ENOSPC) is raised as a
+    CheckpointWriteError naming ``path``."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        f = open(path, "wb")
+    except OSError as exc:
+        raise write_failure(exc) from exc
     writer = _ErrorRecordingWriter(f)
     try:
         torch.save(state_dict, writer)
@@ -361,8 +416,7 @@ def _write_durably(state_dict, path):
         cause = exc if isinstance(exc, OSError) else writer.error
         if cause is None:
             raise
-        raise OSError(cause.errno, f"{cause.strerror or cause}: writing checkpoint file {path} failed",
-                      path) from exc
+        raise write_failure(cause, path) from exc
     _fsync_dir(os.path.dirname(path))
 
 
@@ -416,7 +470,7 @@ def _prepare_save_directory(save_dir, dirname, iteration):
         except Exception as exc:  # reported to every rank below instead of leaving them in a barrier
             error = exc
     if _any_rank(error is not None):
-        _raise_save_failure(error, iteration, final_dir)
+        _raise_save_failure(error, iteration, final_dir, _failure_reports(error))
     return tmp_dir, final_dir
 
 
@@ -435,9 +489,10 @@ def _publish_checkpoint(save_dir, iteration, tmp_dir, final_dir, write_error=Non
     """
     rank = _world_rank()
     if _any_rank(write_error is not None):
+        failures = _failure_reports(write_error)
         if rank == 0:
             shutil.rmtree(tmp_dir, ignore_errors=True)
-        _raise_save_failure(write_error, iteration, final_dir)
+        _raise_save_failure(write_error, iteration, final_dir, failures)
     try:
         # Manifest, then the directory, and the tracker last: it never names an incomplete directory.
         checkpoint_integrity.publish_iteration(
@@ -614,15 +669,42 @@ def _torch_dist_common_state(args, optimizer, opt_param_scheduler, state):
     return common
 
 
-def _raise_save_failure(error, iteration, final_dir):
-    if isinstance(error, OSError) and error.errno is not None:
-        raise OSError(error.errno, f"{error.strerror or error}: saving checkpoint at iteration {iteration} to "
-                      f"{final_dir} failed; the previous checkpoint and tracker were left unchanged",
-                      error.filename) from error
+class CheckpointSaveError(CheckpointWriteError):
+    """A save that failed on this rank (a file that could not be written, named with the cause) or on
+    another rank (named); the previous checkpoint and tracker were left unchanged. The entry points
+    report it as one line (training.checkpoint_save_errors_as_user_errors)."""
+
+
+def _raise_save_failure(error, iteration, final_dir, failures=None):
+    """Raise on this rank after a failed save: ``error`` is this rank's (None when another rank failed),
+    ``failures`` ``{rank: one-line report}`` of the failing ranks when known. A file-system error becomes
+    a CheckpointSaveError naming the file and the cause, another rank's failure one naming that rank; any
+    other error of this rank (an internal one) is raised unchanged, with its traceback."""
+    outcome = (f"saving checkpoint at iteration {iteration} to {final_dir} failed; the previous checkpoint and "
+               "tracker were left unchanged")
+    if isinstance(error, OSError):
+        cause = write_failure(error)
+        raise CheckpointSaveError(f"{cause}; {outcome}", cause.errno, cause.path) from error
+    if isinstance(error, (SaveFailedOnAnotherRankError, checkpoint_integrity.FailedOnAnotherRankError)):
+        raise CheckpointSaveError(f"{error}; {outcome}") from error
     if error is not None:
         raise error
-    raise RuntimeError(f"saving checkpoint at iteration {iteration} to {final_dir} failed on another rank; "
-                       "the previous checkpoint and tracker were left unchanged")
+    others = sorted((failures or {}).items())
+    if others:
+        rank, report = others[0]
+        raise CheckpointSaveError(f"{outcome} (rank {rank}: {report})")
+    raise CheckpointSaveError(f"{outcome} (on another rank)")
+
+
+def _failure_reports(error):
+    """``{rank: one-line report}`` of the ranks whose ``error`` is not None (all ranks call it, after they
+    agreed that one failed)."""
+    report = None if error is None else one_line(error)[:400]
+    if not dist.is_initialized():
+        return {0: report} if report is not None else {}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, report)
+    return {rank: text for rank, text in enumerate(gathered) if text is not None}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1168,7 +1250,8 @@ __all__ = [
     "get_rng_state", "generate_state_dict", "save_checkpoint", "get_distributed_optimizer_checkpoint_name",
     "load_checkpoint", "load_state_dict_file", "finalize_async_save", "async_save_pending",
     "wait_for_async_staging", "detect_checkpoint_format",
-    "CheckpointReadError", "check_checkpoint_args", "saved_args", "MODEL_SHAPE_ARGS", "get_checkpoint_version", "set_checkpoint_version",
+    "CheckpointReadError", "check_checkpoint_args", "saved_args", "MODEL_SHAPE_ARGS",
+    "CheckpointWriteError", "CheckpointSaveError", "write_failure", "get_checkpoint_version", "set_checkpoint_version",
 ]
 
 
