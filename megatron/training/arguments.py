@@ -1049,9 +1049,25 @@ def _validate_model(args):
     check_attention_backend(args.attention_backend)
 
 
+def non_directory_ancestor(path):
+    """The nearest existing entry on ``path`` (itself or an ancestor) when it is not a directory (a regular
+    file, say), else None: no directory can be created at ``path`` then."""
+    path = os.path.abspath(path)
+    while not os.path.lexists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+    return None if os.path.isdir(path) else path
+
+
 def _validate_checkpointing(args):
     if args.save is not None:
         _require(args.save_interval is not None, "--save requires --save-interval")
+        # Found now rather than at the first save, after the training it was meant to keep.
+        blocker = non_directory_ancestor(args.save)
+        _require(blocker is None, f"--save {args.save}: {blocker} is a file, not a directory; no checkpoint "
+                                  "directory can be created there")
     if args.save_interval is not None:
         _require(args.save_interval > 0, f"--save-interval must be > 0, got {args.save_interval}")
     _validate_non_persistent(args)

@@ -27,6 +27,7 @@ from megatron.core.dist_checkpointing.serialization import SaveFailedOnAnotherRa
 from megatron.core.optimizer_param_scheduler import SchedulerMismatchError
 from megatron.core.transformer.enums import AttnBackend, ModelType
 from megatron.training import checkpoint_integrity, legacy_optimizer_state
+from megatron.training.arguments import non_directory_ancestor
 from megatron.training.checkpoint_errors import CheckpointContentError
 from megatron.training.global_vars import get_args
 from megatron.training.training_state import TrainingState
@@ -363,18 +364,6 @@ class CheckpointWriteError(OSError):
         return self.args[0]
 
 
-def _not_a_directory(path):
-    """The nearest existing ancestor of ``path`` (itself included) that is not a directory, or None."""
-    path = os.path.abspath(path)
-    while True:
-        if os.path.lexists(path):
-            return None if os.path.isdir(path) else path
-        parent = os.path.dirname(path)
-        if parent == path:
-            return None
-        path = parent
-
-
 def write_failure(cause: OSError, path=None) -> CheckpointWriteError:
     """``cause`` (a failed write, open or mkdir) as a CheckpointWriteError naming the file (``path``, else the
     error's own file name) and the cause: ``could not write PATH: File too large (disk full or file-size
@@ -386,7 +375,7 @@ def write_failure(cause: OSError, path=None) -> CheckpointWriteError:
     if cause.errno in _WRITE_FAILURE_HINTS:
         reason += f" ({_WRITE_FAILURE_HINTS[cause.errno]})"
     if cause.errno in (errno.ENOTDIR, errno.EEXIST) and path is not None:
-        blocker = _not_a_directory(path)
+        blocker = non_directory_ancestor(path)
         if blocker is not None:
             return CheckpointWriteError(f"could not create directory {path}: {blocker} is a file, not a directory",
                                         cause.errno, path)
