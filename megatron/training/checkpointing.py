@@ -791,12 +791,13 @@ def _a(noun):
     return ("an " if noun[:1] in "aeiou" else "a ") + noun
 
 
-def saved_args(state_dict, path, context=None, required=()):
+def saved_args(state_dict, path, context=None, required=(), positive_if_set=()):
     """The training args a checkpoint file saved (its ``args`` entry, a Namespace), or None without one.
 
     ``state_dict``: what :func:`load_state_dict_file` returned for ``path`` (``context`` as there).
     ``required``: names of args that must be there as positive integers (e.g. :data:`MODEL_SHAPE_ARGS`
-    for a reader that rebuilds the model's shape from them); checked only when the args are there.
+    for a reader that rebuilds the model's shape from them), ``positive_if_set`` names that may be
+    missing or None but are otherwise positive integers; checked only when the args are there.
     Raises CheckpointReadError naming the file when it is not a dict, its ``args`` is not a Namespace
     (e.g. a number), or a ``required`` entry is missing or not a positive integer.
     """
@@ -811,8 +812,10 @@ def saved_args(state_dict, path, context=None, required=()):
         raise CheckpointReadError(f"cannot read checkpoint file {where}: its 'args' entry is "
                                   f"{_a(type(args).__name__)}, not the Namespace of training flags that "
                                   "save_checkpoint writes")
-    for name in required:
+    for name in (*required, *positive_if_set):
         value = getattr(args, name, None)
+        if value is None and name not in required:
+            continue
         if type(value) is not int or value <= 0:  # bool is not a size either
             found = "missing" if value is None else f"{value!r}"[:40]
             raise CheckpointReadError(f"cannot read checkpoint file {where}: its saved args have {name} {found}, "
