@@ -237,9 +237,9 @@ def save(sharded: Sequence, checkpoint_dir: str, process_group=None, thread_coun
     Megatron's ``metadata.json``.
 
     Raises on every rank when a write fails on any: the failing rank its own error (an OSError naming
-    the file for a failed write: a full disk, a file-size limit), the others a SaveFailedOnAnotherRankError
-    (a RuntimeError) naming the failing rank and its error (instead of DCP's CheckpointException, a BaseException carrying every
-    rank's traceback).
+    the file for a failed write: a full disk, a file-size limit), the others a
+    SaveFailedOnAnotherRankError (a RuntimeError) naming the failing rank and its error, instead of
+    DCP's CheckpointException (a BaseException carrying every rank's traceback).
     """
     planner = ShardedSavePlanner(sharded)
     writer = _ErrorNamingWriter(checkpoint_dir, thread_count=thread_count, sync_files=True, overwrite=True)
@@ -358,8 +358,9 @@ def _missing_data_file(checkpoint_dir: str, metadata: Metadata) -> Optional[File
     for name in listed:
         path = os.path.join(checkpoint_dir, name)
         if not os.path.exists(path):
-            return FileNotFoundError(f"checkpoint data file {path} does not exist (listed in "
-                                     f"{os.path.join(checkpoint_dir, METADATA_FILENAME)}): the checkpoint is incomplete")
+            listing = os.path.join(checkpoint_dir, METADATA_FILENAME)
+            return FileNotFoundError(f"checkpoint data file {path} does not exist (listed in {listing}): the "
+                                     "checkpoint is incomplete")
     return None
 
 
