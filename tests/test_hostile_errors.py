@@ -226,14 +226,16 @@ def _tree_digests(directory):
 @pytest.mark.parametrize("ckpt_format", sorted(_SAVE_FORMATS))
 def test_save_past_a_file_size_limit_is_one_line_per_rank_and_keeps_the_previous_checkpoint(tmp_path, ckpt_format):
     """Two ranks train 2 iterations and save; a resumed run under ``ulimit -f`` fails writing iteration 4 (with
-    --async-save: in the background, reported at the publish). Every rank exits non-zero with one error line and
-    no traceback (rank 0 names the file and the cause, or the other rank's failure); the checkpoint directory is
+    --async-save: in the background, reported at the publish). Every rank exits non-zero, within 30 s of when the
+    clean run of the same length ended, with one error line and no traceback (rank 0 names the file and the cause, or the other rank's failure); the checkpoint directory is
     byte for byte what it was (tracker and iteration 2, no leftovers); resuming without the limit loads 2 and
     saves 4."""
     ckpt = tmp_path / "ckpt"
     flags = ["--train-iters", "4", "--save", ckpt, "--load", ckpt, "--save-interval", "2", "--global-batch-size", "4",
              *_SAVE_FORMATS[ckpt_format]]
+    start = time.monotonic()
     first = _pretrain_ranks(2, [*flags, "--exit-interval", "2"])
+    clean_run_s = time.monotonic() - start
     assert [status for status, _ in first] == [0, 0], first[0][1][-3000:]
     largest = max(path.stat().st_size for path in ckpt.rglob("*") if path.is_file())
     assert largest > _LIMIT_KIB * 1024, f"the checkpoint's largest file ({largest} bytes) is under the limit"
@@ -242,7 +244,10 @@ def test_save_past_a_file_size_limit_is_one_line_per_rank_and_keeps_the_previous
 
     start = time.monotonic()
     ranks = _pretrain_ranks(2, flags, file_size_limit_kib=_LIMIT_KIB)
-    assert time.monotonic() - start < ENDS_WITHIN_S, "the failing run took too long"
+    # The same start-up and 2 iterations as the clean run, then the failed save: it must end within
+    # ENDS_WITHIN_S of that (start-up alone can take longer than 30 s on a loaded machine).
+    failing_run_s = time.monotonic() - start
+    assert failing_run_s < clean_run_s + ENDS_WITHIN_S, (failing_run_s, clean_run_s)
     for rank, (status, out) in enumerate(ranks):
         assert status == 1, f"rank {rank} exit {status}: {out[-3000:]}"
         assert "Traceback" not in out and "terminate called" not in out, f"rank {rank}: {out[-4000:]}"
