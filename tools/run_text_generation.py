@@ -21,6 +21,7 @@ import glob
 import json
 import os
 import sys
+from typing import Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,14 +33,18 @@ from megatron.core.collective_device import get_collective_device  # noqa: E402
 from megatron.core.inference.sampling import sample_logits  # noqa: E402
 from megatron.training.arguments import parse_args  # noqa: E402
 from megatron.training.checkpoint_errors import checkpoint_errors_as_user_errors  # noqa: E402
+from megatron.training.checkpoint_integrity import tracker_exists  # noqa: E402
 from megatron.training.checkpointing import (  # noqa: E402
+    MODEL_SHAPE_ARGS,
     get_checkpoint_tracker_filename,
     load_checkpoint,
     load_state_dict_file,
     read_metadata,
+    saved_args,
 )
 from megatron.training.global_vars import get_tokenizer  # noqa: E402
 from megatron.training.initialize import initialize_megatron  # noqa: E402
+from megatron.training.theoretical_memory_usage import model_memory_refusal  # noqa: E402
 from megatron.training.training import get_model  # noqa: E402
 from megatron.training.user_errors import UserInputError, run_reporting_user_errors  # noqa: E402
 from megatron.training.utils import get_device  # noqa: E402
@@ -80,14 +85,20 @@ def add_text_generation_args(parser: argparse.ArgumentParser) -> argparse.Argume
     return parser
 
 
-def _checkpoint_args(load_dir: str) -> argparse.Namespace:
-    """The training args saved in the newest checkpoint of ``load_dir`` (its first rank file).
+# Sizes among CHECKPOINT_MODEL_ARGS: positive integers when the checkpoint has them.
+_SIZE_ARGS = ("ffn_hidden_size", "kv_channels", "num_query_groups", "seq_length", "max_position_embeddings",
+              "padded_vocab_size", "make_vocab_size_divisible_by", "tensor_model_parallel_size")
+
+
+def _checkpoint_args(load_dir: str) -> Tuple[argparse.Namespace, str]:
+    """The training args saved in the newest checkpoint of ``load_dir`` (its first rank file) and that file.
 
     Raises UserInputError naming --load when there is no tracker or no rank file; the errors of
-    read_metadata and load_state_dict_file (a malformed tracker, an unsafe or damaged file).
+    read_metadata, load_state_dict_file and saved_args (a malformed tracker, an unsafe or damaged file,
+    args that are not a Namespace or whose sizes are not positive integers).
     """
     tracker = get_checkpoint_tracker_filename(load_dir)
-    if not os.path.isfile(tracker):
+    if not tracker_exists(tracker):  # CheckpointTrackerError for a FIFO, a device...
         raise UserInputError(f"--load {load_dir}: no checkpoint there (missing {tracker})")
     iteration, release = read_metadata(tracker)
     folder = "release" if release else f"iter_{iteration:07d}"
@@ -97,11 +108,11 @@ def _checkpoint_args(load_dir: str) -> argparse.Namespace:
     if not files:
         raise UserInputError(f"--load {load_dir}: neither common.pt (torch_dist) nor mp_rank_*/model_optim_rng.pt "
                              f"(torch) under {folder}")
-    saved = load_state_dict_file(files[0], f"--load {load_dir}")
-    saved = saved.get("args") if isinstance(saved, dict) else None
+    saved = saved_args(load_state_dict_file(files[0], f"--load {load_dir}"), files[0], f"--load {load_dir}",
+                       required=MODEL_SHAPE_ARGS, positive_if_set=_SIZE_ARGS)
     if saved is None:
         raise UserInputError(f"--use-checkpoint-args: {files[0]} holds no training args; give the model flags")
-    return saved
+    return saved, files[0]
 
 
 def parse_generation_args(argv=None) -> argparse.Namespace:
@@ -111,7 +122,7 @@ def parse_generation_args(argv=None) -> argparse.Namespace:
         raise UserInputError("--load is required: the checkpoint directory written by pretrain_gpt.py --save")
     if args.use_checkpoint_args:
         with checkpoint_errors_as_user_errors():
-            saved = _checkpoint_args(args.load)
+            saved, args.checkpoint_args_file = _checkpoint_args(args.load)
         given_tokenizer_model = args.tokenizer_model
         for name in CHECKPOINT_MODEL_ARGS:
             if hasattr(saved, name) and not (name in _USER_TOKENIZER_FILES and getattr(args, name) is not None):
@@ -198,6 +209,14 @@ def main(argv=None) -> None:
         if not value:
             raise UserInputError(flag, exit_status=2, same_on_every_rank=True)
     initialize_megatron(parsed_args=args)
+    if args.use_checkpoint_args:  # a checkpoint's args chose the shape: refuse one this host cannot hold
+        device = get_device()
+        refusal = model_memory_refusal(
+            args, f"--use-checkpoint-args: {args.checkpoint_args_file}",
+            local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+            device_memory=torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)
+        if refusal is not None:
+            raise UserInputError(refusal, same_on_every_rank=True)
     model = get_model(model_provider, wrap_with_ddp=False)
     with checkpoint_errors_as_user_errors():
         load_checkpoint(model, None, None, strict=True)

@@ -9,6 +9,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from megatron.core.datasets.utils import parse_and_normalize_split
 from megatron.training.tokenizer import add_tokenizer_args
 from megatron.training.user_errors import UserInputError, report_and_exit
 
@@ -735,6 +736,10 @@ def _validate_data_sources(args):
         args.split = "969, 30, 1"
         _print_rank_0(args, "WARNING: Please specify --split when using --data-path. "
                             f'Using legacy default value of "{args.split}"')
+    if args.split is not None:
+        # Parsed here, once, so that a malformed --split stops the run with one line (rank 0) before any rank
+        # builds a dataset; the datasets parse the same string again.
+        parse_and_normalize_split(args.split)  # ValueError naming --split and the value
     _require(args.num_dataset_builder_threads > 0,
              f"--num-dataset-builder-threads must be > 0, got {args.num_dataset_builder_threads}")
     if args.dataloader_type is None:
@@ -1044,9 +1049,25 @@ def _validate_model(args):
     check_attention_backend(args.attention_backend)
 
 
+def non_directory_ancestor(path):
+    """The nearest existing entry on ``path`` (itself or an ancestor) when it is not a directory (a regular
+    file, say), else None: no directory can be created at ``path`` then."""
+    path = os.path.abspath(path)
+    while not os.path.lexists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+    return None if os.path.isdir(path) else path
+
+
 def _validate_checkpointing(args):
     if args.save is not None:
         _require(args.save_interval is not None, "--save requires --save-interval")
+        # Found now rather than at the first save, after the training it was meant to keep.
+        blocker = non_directory_ancestor(args.save)
+        _require(blocker is None, f"--save {args.save}: {blocker} is a file, not a directory; no checkpoint "
+                                  "directory can be created there")
     if args.save_interval is not None:
         _require(args.save_interval > 0, f"--save-interval must be > 0, got {args.save_interval}")
     _validate_non_persistent(args)

@@ -573,17 +573,64 @@ class CheckpointTrackerError(ValueError):
     """A ``latest_checkpointed_iteration.txt`` that holds neither a positive iteration nor ``release``."""
 
 
+def _file_kind(mode):
+    for test, kind in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def _not_regular_tracker(path, mode):
+    target = f" (a symbolic link to {os.path.realpath(path)})" if os.path.islink(path) else ""
+    return CheckpointTrackerError(f"checkpoint tracker file {path}{target} is {_file_kind(mode)}, not a regular file; "
+                                  "only a regular file holding the iteration is read: replace it or remove it")
+
+
+def tracker_exists(path):
+    """Whether a tracker file is at ``path``: False when nothing is there, True for a regular file (or a
+    symbolic link to one).
+
+    Raises CheckpointTrackerError naming it when something else is there (a FIFO, a device, a
+    directory, a broken symbolic link): it is neither read (a FIFO would block the reader for ever)
+    nor taken as missing (the run would silently start from scratch).
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise CheckpointTrackerError(f"checkpoint tracker file {path} is a broken symbolic link (to "
+                                         f"{os.readlink(path)}); replace it or remove it") from None
+        return False
+    except OSError as exc:
+        raise CheckpointTrackerError(f"checkpoint tracker file {path} cannot be read ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(mode):
+        raise _not_regular_tracker(path, mode)
+    return True
+
+
 def read_tracker(path):
     """``(iteration, release)`` from the tracker file ``path``. Raises FileNotFoundError when it is missing,
-    CheckpointTrackerError naming it when it cannot be read or holds neither a positive integer nor
-    ``release`` (empty, garbage, binary, negative)."""
+    CheckpointTrackerError naming it when it is not a regular file (see :func:`tracker_exists`), cannot be
+    read or holds neither a positive integer nor ``release`` (empty, garbage, binary, negative)."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(4096)
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; a regular file reads as usual.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
     except FileNotFoundError:
+        if os.path.islink(path):
+            tracker_exists(path)  # a broken symbolic link: raises naming it
         raise
     except OSError as exc:
         raise CheckpointTrackerError(f"checkpoint tracker file {path} cannot be read ({exc.strerror or exc})") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular_tracker(path, mode)
+        raw = os.read(fd, 4096)
+    except OSError as exc:
+        raise CheckpointTrackerError(f"checkpoint tracker file {path} cannot be read ({exc.strerror or exc})") from None
+    finally:
+        os.close(fd)
     try:
         text = raw.decode("ascii").strip()
     except UnicodeDecodeError:
@@ -604,7 +651,7 @@ def read_tracker(path):
 def _read_tracker(directory):
     """``(iteration, release)`` from the tracker of ``directory`` (rank 0's view), or None without one."""
     path = os.path.join(directory, TRACKER_FILENAME)
-    if not os.path.isfile(path):
+    if not tracker_exists(path):
         return None
     return read_tracker(path)
 

@@ -2,6 +2,7 @@
 and Megatron-LM's legacy ``torch`` format (one file per (tp, pp) rank)."""
 import argparse
 import enum
+import errno
 import io
 import os
 import pathlib
@@ -23,9 +24,11 @@ from megatron.core.dist_checkpointing.safe_loading import (
     not_a_regular_file,
     refused_by_weights_only,
 )
+from megatron.core.dist_checkpointing.serialization import SaveFailedOnAnotherRankError
 from megatron.core.optimizer_param_scheduler import SchedulerMismatchError
 from megatron.core.transformer.enums import AttnBackend, ModelType
 from megatron.training import checkpoint_integrity, legacy_optimizer_state
+from megatron.training.arguments import non_directory_ancestor
 from megatron.training.checkpoint_errors import CheckpointContentError
 from megatron.training.global_vars import get_args
 from megatron.training.training_state import TrainingState
@@ -343,11 +346,52 @@ class _ErrorRecordingWriter(io.RawIOBase):
             raise
 
 
+# What a failed write's errno most likely means for a checkpoint save.
+_WRITE_FAILURE_HINTS = {errno.ENOSPC: "disk full", errno.EFBIG: "disk full or file-size limit, see ulimit -f",
+                        errno.EDQUOT: "disk quota exceeded"}
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint file or directory that could not be written: the message names it and the cause.
+
+    ``errno`` is the failed call's (ENOSPC, EFBIG, EACCES...), ``path`` the file or directory.
+    """
+
+    def __init__(self, message, error_number=None, path=None):
+        super().__init__(message)
+        self.errno, self.path = error_number, path
+
+    def __str__(self):
+        return self.args[0]
+
+
+def write_failure(cause: OSError, path=None) -> CheckpointWriteError:
+    """``cause`` (a failed write, open or mkdir) as a CheckpointWriteError naming the file (``path``, else the
+    error's own file name) and the cause: ``could not write PATH: File too large (disk full or file-size
+    limit, see ulimit -f)``; a directory that cannot be created under a file names that file."""
+    if isinstance(cause, CheckpointWriteError):
+        return cause
+    path = path or cause.filename
+    reason = cause.strerror or str(cause)
+    if cause.errno in _WRITE_FAILURE_HINTS:
+        reason += f" ({_WRITE_FAILURE_HINTS[cause.errno]})"
+    if cause.errno in (errno.ENOTDIR, errno.EEXIST) and path is not None:
+        blocker = non_directory_ancestor(path)
+        if blocker is not None:
+            return CheckpointWriteError(f"could not create directory {path}: {blocker} is a file, not a directory",
+                                        cause.errno, path)
+    message = f"could not write {path}: {reason}" if path is not None else f"could not write: {reason}"
+    return CheckpointWriteError(message, cause.errno, path)
+
+
 def _write_durably(state_dict, path):
-    """torch.save ``state_dict`` to ``path`` and fsync it; an OSError (e.g. ENOSPC) is raised as such, naming
-    ``path``."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    f = open(path, "wb")
+    """torch.save ``state_dict`` to ``path`` and fsync it; an OSError (e.g. ENOSPC) is raised as a
+    CheckpointWriteError naming ``path``."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        f = open(path, "wb")
+    except OSError as exc:
+        raise write_failure(exc) from exc
     writer = _ErrorRecordingWriter(f)
     try:
         torch.save(state_dict, writer)
@@ -362,8 +406,7 @@ def _write_durably(state_dict, path):
         cause = exc if isinstance(exc, OSError) else writer.error
         if cause is None:
             raise
-        raise OSError(cause.errno, f"{cause.strerror or cause}: writing checkpoint file {path} failed",
-                      path) from exc
+        raise write_failure(cause, path) from exc
     _fsync_dir(os.path.dirname(path))
 
 
@@ -417,7 +460,7 @@ def _prepare_save_directory(save_dir, dirname, iteration):
         except Exception as exc:  # reported to every rank below instead of leaving them in a barrier
             error = exc
     if _any_rank(error is not None):
-        _raise_save_failure(error, iteration, final_dir)
+        _raise_save_failure(error, iteration, final_dir, _failure_reports(error))
     return tmp_dir, final_dir
 
 
@@ -436,9 +479,10 @@ def _publish_checkpoint(save_dir, iteration, tmp_dir, final_dir, write_error=Non
     """
     rank = _world_rank()
     if _any_rank(write_error is not None):
+        failures = _failure_reports(write_error)
         if rank == 0:
             shutil.rmtree(tmp_dir, ignore_errors=True)
-        _raise_save_failure(write_error, iteration, final_dir)
+        _raise_save_failure(write_error, iteration, final_dir, failures)
     try:
         # Manifest, then the directory, and the tracker last: it never names an incomplete directory.
         checkpoint_integrity.publish_iteration(
@@ -615,15 +659,42 @@ def _torch_dist_common_state(args, optimizer, opt_param_scheduler, state):
     return common
 
 
-def _raise_save_failure(error, iteration, final_dir):
-    if isinstance(error, OSError) and error.errno is not None:
-        raise OSError(error.errno, f"{error.strerror or error}: saving checkpoint at iteration {iteration} to "
-                      f"{final_dir} failed; the previous checkpoint and tracker were left unchanged",
-                      error.filename) from error
+class CheckpointSaveError(CheckpointWriteError):
+    """A save that failed on this rank (a file that could not be written, named with the cause) or on
+    another rank (named); the previous checkpoint and tracker were left unchanged. The entry points
+    report it as one line (training.checkpoint_save_errors_as_user_errors)."""
+
+
+def _raise_save_failure(error, iteration, final_dir, failures=None):
+    """Raise on this rank after a failed save: ``error`` is this rank's (None when another rank failed),
+    ``failures`` ``{rank: one-line report}`` of the failing ranks when known. A file-system error becomes
+    a CheckpointSaveError naming the file and the cause, another rank's failure one naming that rank; any
+    other error of this rank (an internal one) is raised unchanged, with its traceback."""
+    outcome = (f"saving checkpoint at iteration {iteration} to {final_dir} failed; the previous checkpoint and "
+               "tracker were left unchanged")
+    if isinstance(error, OSError):
+        cause = write_failure(error)
+        raise CheckpointSaveError(f"{cause}; {outcome}", cause.errno, cause.path) from error
+    if isinstance(error, (SaveFailedOnAnotherRankError, checkpoint_integrity.FailedOnAnotherRankError)):
+        raise CheckpointSaveError(f"{error}; {outcome}") from error
     if error is not None:
         raise error
-    raise RuntimeError(f"saving checkpoint at iteration {iteration} to {final_dir} failed on another rank; "
-                       "the previous checkpoint and tracker were left unchanged")
+    others = sorted((failures or {}).items())
+    if others:
+        rank, report = others[0]
+        raise CheckpointSaveError(f"{outcome} (rank {rank}: {report})")
+    raise CheckpointSaveError(f"{outcome} (on another rank)")
+
+
+def _failure_reports(error):
+    """``{rank: one-line report}`` of the ranks whose ``error`` is not None (all ranks call it, after they
+    agreed that one failed)."""
+    report = None if error is None else one_line(error)[:400]
+    if not dist.is_initialized():
+        return {0: report} if report is not None else {}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, report)
+    return {rank: text for rank, text in enumerate(gathered) if text is not None}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -714,6 +785,46 @@ def load_state_dict_file(path, context=None):
         if refused is not None:
             raise UnsafeCheckpointError(f"checkpoint {where}", refused) from exc
         raise CheckpointReadError(f"cannot read checkpoint file {where}: it {_unreadable_reason(path, exc)}") from exc
+
+
+# The model-shape flags a reader of a checkpoint's saved args needs (positive integers).
+MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "num_attention_heads")
+
+
+def _a(noun):
+    return ("an " if noun[:1] in "aeiou" else "a ") + noun
+
+
+def saved_args(state_dict, path, context=None, required=(), positive_if_set=()):
+    """The training args a checkpoint file saved (its ``args`` entry, a Namespace), or None without one.
+
+    ``state_dict``: what :func:`load_state_dict_file` returned for ``path`` (``context`` as there).
+    ``required``: names of args that must be there as positive integers (e.g. :data:`MODEL_SHAPE_ARGS`
+    for a reader that rebuilds the model's shape from them), ``positive_if_set`` names that may be
+    missing or None but are otherwise positive integers; checked only when the args are there.
+    Raises CheckpointReadError naming the file when it is not a dict, its ``args`` is not a Namespace
+    (e.g. a number), or a ``required`` entry is missing or not a positive integer.
+    """
+    where = f"{path} ({context})" if context else f"{path}"
+    if not isinstance(state_dict, dict):
+        raise CheckpointReadError(f"cannot read checkpoint file {where}: it is not a checkpoint: it holds "
+                                  f"{_a(type(state_dict).__name__)}, not the dict that save_checkpoint writes")
+    args = state_dict.get("args")
+    if args is None:
+        return None
+    if not isinstance(args, (argparse.Namespace, types.SimpleNamespace)):
+        raise CheckpointReadError(f"cannot read checkpoint file {where}: its 'args' entry is "
+                                  f"{_a(type(args).__name__)}, not the Namespace of training flags that "
+                                  "save_checkpoint writes")
+    for name in (*required, *positive_if_set):
+        value = getattr(args, name, None)
+        if value is None and name not in required:
+            continue
+        if type(value) is not int or value <= 0:  # bool is not a size either
+            found = "missing" if value is None else f"{value!r}"[:40]
+            raise CheckpointReadError(f"cannot read checkpoint file {where}: its saved args have {name} {found}, "
+                                      "not a positive integer")
+    return args
 
 
 def _layout_hint(iteration_dir):
@@ -921,12 +1032,9 @@ def _load_torch_format(args, checkpoint_name, iteration, release, context, model
                        strict, restored):
     """Load a legacy per-rank file into model, optimizer, scheduler, RNG and ``restored``; returns the iteration."""
     state_dict = load_state_dict_file(checkpoint_name, context)
-    if not isinstance(state_dict, dict):
-        raise CheckpointReadError(f"cannot read checkpoint file {checkpoint_name} ({context}): it is not a checkpoint: "
-                                  f"it holds a {type(state_dict).__name__}, not the dict that save_checkpoint writes")
+    checkpoint_args = saved_args(state_dict, checkpoint_name, context)
     set_checkpoint_version(state_dict.get("checkpoint_version", 0))
 
-    checkpoint_args = state_dict.get("args")
     if checkpoint_args is not None:
         _check_layout(checkpoint_args, checkpoint_name)
 
@@ -1003,8 +1111,8 @@ def _load_torch_dist(args, iteration_dir, iteration, release, context, model, op
     if not isinstance(common, dict) or common.get("ckpt_format", "torch_dist") != "torch_dist":
         raise CheckpointReadError(f"cannot read checkpoint file {common_name} ({context}): it is not the "
                                   f"{COMMON_BASENAME} of a torch_dist checkpoint")
+    checkpoint_args = saved_args(common, common_name, context)
     set_checkpoint_version(common.get("checkpoint_version", 0))
-    checkpoint_args = common.get("args")
     warn_if_vocab_padding_differs(checkpoint_args, iteration_dir)
     if args.finetune or release:
         iteration = 0
@@ -1138,7 +1246,8 @@ __all__ = [
     "get_rng_state", "generate_state_dict", "save_checkpoint", "get_distributed_optimizer_checkpoint_name",
     "load_checkpoint", "load_state_dict_file", "finalize_async_save", "async_save_pending",
     "wait_for_async_staging", "detect_checkpoint_format",
-    "CheckpointReadError", "check_checkpoint_args", "get_checkpoint_version", "set_checkpoint_version",
+    "CheckpointReadError", "check_checkpoint_args", "saved_args", "MODEL_SHAPE_ARGS",
+    "CheckpointWriteError", "CheckpointSaveError", "write_failure", "get_checkpoint_version", "set_checkpoint_version",
 ]
 
 

@@ -358,3 +358,56 @@ def report_theoretical_memory(args, num_microbatches: Optional[int] = None, verb
     print(f"Theoretical memory footprints: weight and optimizer={weight_and_optimizer:.2f} MB, "
           f"activation={activation:.2f} MB, total={weight_and_optimizer + activation:.2f} MB\n", flush=True)
     return footprint
+
+
+# ---------------------------------------------------------------------------------------------------
+# Will the model fit at all? (a shape read from a checkpoint's saved args)
+# ---------------------------------------------------------------------------------------------------
+
+def available_host_memory() -> Optional[int]:
+    """Bytes of memory this host can still give: ``MemAvailable`` of /proc/meminfo, else the free
+    physical pages (``os.sysconf``); None when neither is known."""
+    import os
+
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def model_memory_refusal(args, source: str, local_ranks: int = 1, device_memory: Optional[int] = None,
+                         host_memory: Optional[int] = None) -> Optional[str]:
+    """Why the model ``args`` describe cannot be built here, or None when its parameters fit.
+
+    The decision for every tool that takes the model's shape from a checkpoint (``source`` names the
+    file): the parameters of one rank (:func:`num_parameters_in_model` over TP x PP, at 2 bytes for
+    bf16/fp16 and 4 for fp32) times the ``local_ranks`` this host runs must fit in ``host_memory``
+    (default :func:`available_host_memory`), or, on a GPU, one rank's in ``device_memory`` (bytes of
+    that GPU; None without one). Only the parameters count, so a refusal is certain, not a guess about
+    activations. ``args`` must be validated (``kv_channels``, ``ffn_hidden_size`` and
+    ``padded_vocab_size`` set).
+    """
+    total = num_parameters_in_model(args)
+    ranks_per_model = max(1, args.tensor_model_parallel_size) * max(1, args.pipeline_model_parallel_size)
+    element = 2 if (args.fp16 or args.bf16) else 4
+    per_rank = -(-total // ranks_per_model) * element
+    shape = (f"{total:,} parameters (--num-layers {args.num_layers}, --hidden-size {args.hidden_size}, "
+             f"--ffn-hidden-size {args.ffn_hidden_size}, vocabulary {args.padded_vocab_size})")
+    if device_memory is not None:  # the parameters live on the GPU
+        if per_rank > device_memory:
+            return (f"{source} describes a model of {shape}: {per_rank / 2**30:,.1f} GiB per rank, more than the "
+                    f"{device_memory / 2**30:,.1f} GiB of this GPU; refusing to build it")
+        return None
+    host_memory = available_host_memory() if host_memory is None else host_memory
+    if host_memory is not None and per_rank * local_ranks > host_memory:
+        return (f"{source} describes a model of {shape}: {per_rank * local_ranks / 2**30:,.1f} GiB for the "
+                f"{local_ranks} rank(s) of this host, more than its {host_memory / 2**30:,.1f} GiB of available "
+                "memory; refusing to build it")
+    return None

@@ -1,4 +1,5 @@
 """The pretraining driver: build model, optimizer and data, run the training loop, evaluate, checkpoint, exit."""
+import contextlib
 import dataclasses
 import gc
 import inspect
@@ -26,6 +27,7 @@ from megatron.core.utils import get_model_config
 from megatron.training import telemetry_hooks as telemetry
 from megatron.training.checkpoint_errors import checkpoint_errors_as_user_errors
 from megatron.training.checkpointing import (
+    CheckpointSaveError,
     async_save_pending,
     finalize_async_save,
     load_checkpoint,
@@ -38,7 +40,7 @@ from megatron.training.global_vars import get_args, get_telemetry, get_tensorboa
 from megatron.training.initialize import initialize_megatron
 from megatron.training.step_breakdown import StepBreakdown, wrap_data_iterator
 from megatron.training.training_state import TrainingState
-from megatron.training.user_errors import UserInputError
+from megatron.training.user_errors import UserInputError, one_line
 from megatron.training.training_log import (
     LogAccumulator,
     log_operator_message,
@@ -502,12 +504,25 @@ def _any_rank(flag: bool) -> bool:
     return bool(value.item())
 
 
+@contextlib.contextmanager
+def checkpoint_save_errors_as_user_errors():
+    """A checkpoint save that failed (CheckpointSaveError: a file that could not be written, e.g. a full disk,
+    a file-size limit or a --save under a file; or another rank's failure) ends the run with one line on
+    each rank naming the file and the cause (exit status 1) instead of a traceback; the previous
+    checkpoint and tracker were left unchanged. Other exceptions pass unchanged."""
+    try:
+        yield
+    except CheckpointSaveError as error:
+        raise UserInputError(one_line(error)) from error
+
+
 def _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state=None, non_persistent=False):
     timers = get_timers()
     with telemetry.span("checkpoint", "megatron.save_checkpoint", iteration=iteration):
         timers("save-checkpoint", log_level=0).start(barrier=True)
-        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state=train_state,
-                        non_persistent_ckpt=non_persistent)
+        with checkpoint_save_errors_as_user_errors():
+            save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state=train_state,
+                            non_persistent_ckpt=non_persistent)
         timers("save-checkpoint").stop(barrier=True)
         timers.log(["save-checkpoint"])
     where = non_persistent_checkpoint_dir(get_args()) if non_persistent else get_args().save
@@ -596,7 +611,8 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             num_microbatches = get_num_microbatches()
             args.curr_iteration = iteration
             if async_save_pending():  # every rank has the same pending save: publish it once all wrote it
-                finalize_async_save(blocking=False)
+                with checkpoint_save_errors_as_user_errors():
+                    finalize_async_save(blocking=False)
             if breakdown is not None:
                 breakdown.step_begin()
             with telemetry.step_span(iteration + 1, first=(iteration == args.start_iteration)) as step_span:
@@ -710,7 +726,8 @@ def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fun
             if args.do_test:
                 evaluate_and_print_results(f"iteration {iteration} on test set", forward_step_func, test_it,
                                            model, iteration, verbose=True, split="test")
-    finalize_async_save(blocking=True)  # an --async-save still being written is published before exit
+    with checkpoint_save_errors_as_user_errors():
+        finalize_async_save(blocking=True)  # an --async-save still being written is published before exit
     _shutdown()
     if exited:
         sys.exit(0)

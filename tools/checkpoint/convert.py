@@ -75,7 +75,9 @@ from megatron.training.checkpointing import (  # noqa: E402
     CHECKPOINT_BASENAME,
     CHECKPOINT_VERSION,
     DISTRIBUTED_OPTIMIZER_BASENAME,
+    MODEL_SHAPE_ARGS,
     load_state_dict_file,
+    saved_args,
 )
 
 CKPT_FORMATS = ("torch", "torch_dist")
@@ -216,6 +218,8 @@ def read_legacy(load_dir: str, iteration: Optional[int] = None, with_optimizer: 
     pp = 1 + max(p for _, p in files)
     context = f"--load-dir {load_dir}"
     loaded = {rank: load_state_dict_file(path, context) for rank, path in files.items()}
+    for rank, checkpoint in loaded.items():
+        saved_args(checkpoint, files[rank], context, MODEL_SHAPE_ARGS)  # each a dict; args (if any) a Namespace
     first = loaded[(0, 0)]
     args = first.get("args")
     if args is None:
@@ -572,7 +576,7 @@ def _read_torch_dist(load_dir, iteration, with_optimizer) -> FullCheckpoint:
     if not os.path.isfile(common_name):
         raise ConvertError(f"--load-dir {load_dir}: torch_dist checkpoint {iteration_dir} has no {COMMON_BASENAME}")
     common = load_state_dict_file(common_name, f"--load-dir {load_dir}")
-    args = common.get("args")
+    args = saved_args(common, common_name, f"--load-dir {load_dir}", MODEL_SHAPE_ARGS)
     if args is None:
         raise ConvertError(f"{common_name}: no saved 'args' (the model shape is unknown)")
     stored = serialization.read_metadata(iteration_dir).state_dict_metadata  # sizes checked against the files

@@ -19,12 +19,14 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 import torch  # noqa: E402
 
-from megatron.training.checkpoint_integrity import CheckpointTrackerError, read_tracker  # noqa: E402
+from megatron.training.checkpoint_integrity import CheckpointTrackerError, read_tracker, tracker_exists  # noqa: E402
 from megatron.training.checkpointing import (  # noqa: E402
     CHECKPOINT_BASENAME,
     CHECKPOINT_VERSION,
+    MODEL_SHAPE_ARGS,
     TRACKER_FILENAME,
     load_state_dict_file,
+    saved_args,
 )
 
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
@@ -48,9 +50,9 @@ def find_iteration_dir(load_dir: str, iteration: Optional[int] = None) -> str:
         path = os.path.join(load_dir, f"iter_{iteration:07d}")
     else:
         tracker = os.path.join(load_dir, TRACKER_FILENAME)
-        if not os.path.isfile(tracker):
-            raise CheckpointLayoutError(f"--load {load_dir}: no {TRACKER_FILENAME} (not a checkpoint folder?)")
         try:
+            if not tracker_exists(tracker):
+                raise CheckpointLayoutError(f"--load {load_dir}: no {TRACKER_FILENAME} (not a checkpoint folder?)")
             found, release = read_tracker(tracker)
         except CheckpointTrackerError as error:
             raise CheckpointLayoutError(f"--load {load_dir}: {error}") from None
@@ -136,8 +138,9 @@ def read_checkpoint(load_dir: str, iteration: Optional[int] = None) -> Tuple[dic
         shards = []
         for rank in range(tp):
             checkpoint = load_state_dict_file(files[(rank, stage)], context=f"--load {load_dir}")
+            saved = saved_args(checkpoint, files[(rank, stage)], f"--load {load_dir}", MODEL_SHAPE_ARGS)
             if args is None:
-                args = checkpoint.get("args")
+                args = saved
                 if args is None:
                     raise CheckpointLayoutError(f"{files[(rank, stage)]}: no saved 'args' (model shape unknown)")
             shards.append(_model_state(checkpoint, files[(rank, stage)]))

@@ -110,25 +110,36 @@ def get_blend_from_list(blend: Optional[Sequence[str]]) -> Optional[Tuple[List[s
     return [prefix.strip() for prefix in raw_prefixes], weights
 
 
+# One weight of --split: digits with an optional fraction ("969", "0.5", ".5"); no sign, no exponent.
+_SPLIT_NUMBER = r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
+# The whole --split: up to three weights separated by ',' or '/' (Megatron-LM's forms), '-' or blanks
+# (which Megatron-LM's number search also reads as separators: "98-2", "98 2").
+_SPLIT_FORM = re.compile(rf"\s*{_SPLIT_NUMBER}(?:(?:\s*[,/-]\s*|\s+){_SPLIT_NUMBER})*\s*")
+
+
 def parse_and_normalize_split(split: str) -> List[float]:
     """Parse a ``--split`` string such as ``"969, 30, 1"`` into three fractions summing to 1.
 
-    Every number matching the regex ``[.0-9]+`` counts (any separator works); fewer than three
-    numbers are padded with 0.0. A ``-`` directly before a number that does not follow a digit is a
-    minus sign: such a weight is refused rather than read as positive.
+    Accepts one to three non-negative numbers (``"969,30,1"``, ``"98,2"``, ``"1"``) separated by ``,``
+    or ``/`` as Megatron-LM documents them, or by ``-`` or blanks, which Megatron-LM's number search
+    reads as separators too; fewer than three numbers are padded with 0.0. Anything else (a word, a
+    stray character such as the ``x`` of ``"98,2,x"``) is refused rather than skipped. A ``-``
+    directly before a number that does not follow a digit is a minus sign: such a weight is refused
+    rather than read as positive.
 
     Raises:
-        ValueError: a negative weight, more than three numbers, a malformed number, or all numbers zero.
+        ValueError: naming ``--split`` and the value: a negative weight, anything but numbers and
+            separators, more than three numbers, or all numbers zero.
     """
     for minus in re.finditer(r"-\s*([.0-9]+)", split):
         before = split[:minus.start()].rstrip()
         if not before or before[-1] not in ".0123456789":  # not "98-2" (a '-' separator)
             raise ValueError(f"--split {split!r}: the weight -{minus.group(1)} is negative; "
                              "split weights must be >= 0")
-    try:
-        values = [float(token) for token in re.findall(r"[.0-9]+", split)]
-    except ValueError:
-        raise ValueError(f"--split {split!r}: could not parse the numbers in it") from None
+    if not _SPLIT_FORM.fullmatch(split):
+        raise ValueError(f"--split {split!r}: expected one to three non-negative numbers (train, valid, test "
+                         "weights) separated by ',' or '/', e.g. '969,30,1', '98,2' or '1'")
+    values = [float(token) for token in re.findall(_SPLIT_NUMBER, split)]
     if len(values) > len(Split):
         raise ValueError(f"--split {split!r}: expected at most {len(Split)} numbers (train, valid, test)")
     values += [0.0] * (len(Split) - len(values))

@@ -10,6 +10,7 @@ through torch's plain ``pickle.load``.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -21,6 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -162,24 +164,123 @@ class ShardedLoadPlanner(LoadPlanner):
         pass  # read in place into the view returned by resolve_tensor
 
 
+class _WriteErrorRecorder:
+    """A stream of DCP's writer that remembers the OSError of a failed write and the file it was writing:
+    torch.save reports such a failure only as "unexpected pos", without the file or the cause (a full disk,
+    a file-size limit). Everything but ``write``/``flush``/``close`` is the stream's own."""
+
+    def __init__(self, stream, path, errors: list):
+        self._stream, self._path, self._errors = stream, path, errors
+
+    def _recorded(self, method, *args):
+        try:
+            return getattr(self._stream, method)(*args)
+        except OSError as exc:
+            self._errors.append((os.fspath(self._path), exc))
+            raise
+
+    def write(self, data):
+        return self._recorded("write", data)
+
+    def flush(self):
+        return self._recorded("flush")
+
+    def close(self):
+        return self._recorded("close")
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+class _ErrorNamingFileSystem(FileSystem):
+    """DCP's local file system whose write streams record their OSErrors (see :class:`_WriteErrorRecorder`)."""
+
+    def __init__(self, errors: list):
+        super().__init__()
+        self._errors = errors
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with super().create_stream(path, mode) as stream:
+            yield _WriteErrorRecorder(stream, path, self._errors) if "w" in mode or "a" in mode else stream
+
+
+class _ErrorNamingWriter(dcp.FileSystemWriter):
+    """DCP's FileSystemWriter whose failed data or ``.metadata`` write raises an OSError naming the file
+    and the cause (errno and strerror of the failed write) instead of torch.save's "unexpected pos"."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._errors: list = []
+        self.fs = _ErrorNamingFileSystem(self._errors)
+
+    def _named(self, exc: Exception) -> Exception:
+        if not self._errors:
+            return exc
+        path, cause = self._errors[0]
+        return OSError(cause.errno, cause.strerror or str(cause), path)
+
+    def write_data(self, plan, planner):
+        try:
+            return super().write_data(plan, planner)
+        except Exception as exc:
+            raise self._named(exc) from exc
+
+    def finish(self, metadata, results):
+        try:
+            return super().finish(metadata, results)
+        except Exception as exc:
+            raise self._named(exc) from exc
+
+
 def save(sharded: Sequence, checkpoint_dir: str, process_group=None, thread_count: int = 1) -> None:
     """Write ``sharded`` (this rank's :class:`ShardedTensor` chunks and :class:`ShardedObject` entries)
     into ``checkpoint_dir``; every rank of ``process_group`` calls it. The coordinator also writes
-    Megatron's ``metadata.json``."""
+    Megatron's ``metadata.json``.
+
+    Raises on every rank when a write fails on any: the failing rank its own error (an OSError naming
+    the file for a failed write: a full disk, a file-size limit), the others a
+    SaveFailedOnAnotherRankError (a RuntimeError) naming the failing rank and its error, instead of
+    DCP's CheckpointException (a BaseException carrying every rank's traceback).
+    """
     planner = ShardedSavePlanner(sharded)
-    writer = dcp.FileSystemWriter(checkpoint_dir, thread_count=thread_count, sync_files=True, overwrite=True)
-    dcp.save({}, storage_writer=writer, planner=planner, process_group=process_group)
+    writer = _ErrorNamingWriter(checkpoint_dir, thread_count=thread_count, sync_files=True, overwrite=True)
+    try:
+        dcp.save({}, storage_writer=writer, planner=planner, process_group=process_group)
+    except CheckpointException as exc:
+        raise _save_failure(exc, process_group) from None
     if not dist.is_initialized() or dist.get_rank(process_group) == 0:
         write_megatron_metadata(checkpoint_dir)
+
+
+def _save_failure(exc: CheckpointException, process_group=None) -> Exception:
+    """This rank's own error out of DCP's gathered save failures, else a RuntimeError naming the first failing rank."""
+    rank = dist.get_rank(process_group) if dist.is_initialized() else 0
+    failures = exc.failures
+    if rank in failures and isinstance(failures[rank][0], Exception):
+        return failures[rank][0]
+    first = rank if rank in failures else min(failures)
+    error = failures[first][0]
+    summary = (str(error).splitlines() or [""])[0][:300]
+    return SaveFailedOnAnotherRankError(f"writing the checkpoint failed on rank {first} "
+                                        f"({type(error).__name__}: {summary})")
+
+
+class SaveFailedOnAnotherRankError(RuntimeError):
+    """A :func:`save` that failed on another rank of its process group (the message names it and its error;
+    that rank raises its own)."""
 
 
 def write_megatron_metadata(checkpoint_dir: str) -> None:
     """Write ``metadata.json`` (Megatron core_v0.14's backend description) into ``checkpoint_dir``, fsynced."""
     name = os.path.join(checkpoint_dir, MEGATRON_METADATA_FILENAME)
-    with open(name, "w") as f:
-        json.dump(MEGATRON_METADATA, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(name, "w") as f:
+            json.dump(MEGATRON_METADATA, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:  # a failed write names no file
+        raise OSError(exc.errno, exc.strerror or str(exc), name) from exc
 
 
 def read_metadata(checkpoint_dir: str) -> Metadata:
@@ -245,8 +346,8 @@ def load(sharded: Sequence[ShardedTensor], checkpoint_dir: str, metadata: Option
             continue
         targets[(key, offset)] = data
         chunks.append((key, ChunkStorageMetadata(offsets=torch.Size(offset), sizes=torch.Size(sizes))))
-    problem = None
-    if missing or mismatched:
+    problem = _missing_data_file(checkpoint_dir, metadata)
+    if problem is None and (missing or mismatched):
         parts = []
         if missing:
             unique = sorted(set(missing))
@@ -257,6 +358,20 @@ def load(sharded: Sequence[ShardedTensor], checkpoint_dir: str, metadata: Option
     _agree_or_raise(problem, process_group, checkpoint_dir)
     load_with_planner(checkpoint_dir, ShardedLoadPlanner(targets, chunks), metadata, process_group)
     return sorted(set(skipped))
+
+
+def _missing_data_file(checkpoint_dir: str, metadata: Metadata) -> Optional[FileNotFoundError]:
+    """A FileNotFoundError naming the first data file ``metadata`` lists that is not in ``checkpoint_dir``, or
+    None. Checked before DCP reads: its reader fails on a missing file before knowing which file it opened."""
+    listed = sorted({info.relative_path for info in (metadata.storage_data or {}).values()
+                     if isinstance(getattr(info, "relative_path", None), str)})
+    for name in listed:
+        path = os.path.join(checkpoint_dir, name)
+        if not os.path.exists(path):
+            listing = os.path.join(checkpoint_dir, METADATA_FILENAME)
+            return FileNotFoundError(f"checkpoint data file {path} does not exist (listed in {listing}): the "
+                                     "checkpoint is incomplete")
+    return None
 
 
 def load_with_planner(checkpoint_dir: str, planner: LoadPlanner, metadata: Optional[Metadata] = None,
