@@ -448,6 +448,9 @@ def check_data_files(metadata: Metadata, checkpoint_dir: str) -> None:
             path = os.path.join(checkpoint_dir, name)
             try:
                 status = os.stat(path)
+            except FileNotFoundError:
+                raise CheckpointFileError(f"checkpoint data file {path} does not exist (listed in {where}): "
+                                          "the checkpoint is incomplete") from None
             except OSError as exc:
                 raise CheckpointFileError(f"cannot read checkpoint file {path} (named by {where}): "
                                           f"{exc.strerror or exc}") from None

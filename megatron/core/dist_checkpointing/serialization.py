@@ -346,8 +346,8 @@ def load(sharded: Sequence[ShardedTensor], checkpoint_dir: str, metadata: Option
             continue
         targets[(key, offset)] = data
         chunks.append((key, ChunkStorageMetadata(offsets=torch.Size(offset), sizes=torch.Size(sizes))))
-    problem = _missing_data_file(checkpoint_dir, metadata)
-    if problem is None and (missing or mismatched):
+    problem = None
+    if missing or mismatched:
         parts = []
         if missing:
             unique = sorted(set(missing))
@@ -358,20 +358,6 @@ def load(sharded: Sequence[ShardedTensor], checkpoint_dir: str, metadata: Option
     _agree_or_raise(problem, process_group, checkpoint_dir)
     load_with_planner(checkpoint_dir, ShardedLoadPlanner(targets, chunks), metadata, process_group)
     return sorted(set(skipped))
-
-
-def _missing_data_file(checkpoint_dir: str, metadata: Metadata) -> Optional[FileNotFoundError]:
-    """A FileNotFoundError naming the first data file ``metadata`` lists that is not in ``checkpoint_dir``, or
-    None. Checked before DCP reads: its reader fails on a missing file before knowing which file it opened."""
-    listed = sorted({info.relative_path for info in (metadata.storage_data or {}).values()
-                     if isinstance(getattr(info, "relative_path", None), str)})
-    for name in listed:
-        path = os.path.join(checkpoint_dir, name)
-        if not os.path.exists(path):
-            listing = os.path.join(checkpoint_dir, METADATA_FILENAME)
-            return FileNotFoundError(f"checkpoint data file {path} does not exist (listed in {listing}): the "
-                                     "checkpoint is incomplete")
-    return None
 
 
 def load_with_planner(checkpoint_dir: str, planner: LoadPlanner, metadata: Optional[Metadata] = None,
