@@ -592,7 +592,11 @@ def _write_torch_format(args, tmp_dir, final_dir, model, optimizer, opt_param_sc
 
 def _torch_dist_common_state(args, optimizer, opt_param_scheduler, state):
     """``common.pt`` of a torch_dist checkpoint (written by rank 0; the same on every rank)."""
-    from megatron.core.dist_checkpointing.model_and_optimizer import optimizer_common_state
+    from megatron.core.dist_checkpointing.model_and_optimizer import (
+        CONTENT_METADATA_KEY,
+        content_metadata,
+        optimizer_common_state,
+    )
 
     saved_args = _sanitized_args(args)
     for name in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
@@ -605,6 +609,7 @@ def _torch_dist_common_state(args, optimizer, opt_param_scheduler, state):
         "train_state": state.state_dict(),
         "num_floating_point_operations_so_far": state.num_floating_point_operations_so_far,
         "parallel_layout": _parallel_layout(args),
+        CONTENT_METADATA_KEY: content_metadata(bool(getattr(args, "use_distributed_optimizer", False))),
     }
     if not args.no_save_optim:
         if optimizer is not None:

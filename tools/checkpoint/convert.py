@@ -960,7 +960,9 @@ def _torch_dist_common(full: FullCheckpoint, target: "TargetLayout", keep_rng: b
               "num_floating_point_operations_so_far": counters["num_floating_point_operations_so_far"],
               # With RNG files: the layout they belong to; without: None, which no run's layout equals, so a
               # load keeps its seeded RNG (with a warning) instead of looking for them.
-              "parallel_layout": _torch_dist_layout(target.tp, target.pp, target.vp) if keep_rng else None}
+              "parallel_layout": _torch_dist_layout(target.tp, target.pp, target.vp) if keep_rng else None,
+              # written with the plain (non-distributed) optimizer's layout
+              mo.CONTENT_METADATA_KEY: mo.content_metadata(distributed_optimizer=False)}
     optimizer = full.optimizer
     if optimizer is not None:
         params = [(name, name, optimizer.param_state[name], None) for name in full.model
