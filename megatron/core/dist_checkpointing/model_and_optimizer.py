@@ -135,9 +135,13 @@ def entry_key(chunk: torch.nn.Module, name: str, numbers: Optional[Dict[int, int
 def _layout(tensor: torch.Tensor) -> TPLayout:
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    if getattr(tensor, "tensor_model_parallel", False) and tp_size > 1:
+    stride = int(getattr(tensor, "partition_stride", 1))
+    # A strided split (the gated MLP's fc1, weight and bias: [gate; up]) keeps its pieces even at TP 1:
+    # Megatron's apply_swiglu_sharded_factory cuts fc1 into gate and up at any TP size, so its
+    # distributed-optimizer tensors have 2 * TP fragments along that dimension ([L, 2, 1, ffn * h] at TP 1).
+    if getattr(tensor, "tensor_model_parallel", False) and (tp_size > 1 or stride > 1):
         dim = int(getattr(tensor, "partition_dim", 0))
-        return TPLayout(tuple(tensor.shape), dim, int(getattr(tensor, "partition_stride", 1)), tp_rank, tp_size)
+        return TPLayout(tuple(tensor.shape), dim, stride, tp_rank, tp_size)
     return TPLayout(tuple(tensor.shape), None, 1, tp_rank, tp_size)
 
 
