@@ -190,9 +190,16 @@ def test_saved_dict_keys_and_sanitized_args(tmp_path):
     assert not hasattr(state["args"], "weird") and not hasattr(state["args"], "activation_func")
     rng = state["rng_state"]
     assert isinstance(rng, list) and len(rng) == 1
-    expected_rng_keys = {"random_rng_state", "np_rng_state", "torch_rng_state", "rng_tracker_states"}
-    if torch.cuda.is_available():
-        expected_rng_keys.add("cuda_rng_state")
+    expected_rng_keys = {"random_rng_state", "np_rng_state", "torch_rng_state", "rng_tracker_states", "cuda_rng_state"}
+    if not torch.cuda.is_available():
+        # Megatron-LM's loader needs CUDA states: those of the seeds (1234), the CPU ones kept beside them.
+        expected_rng_keys.add("cpu_rng_tracker_states")
+        assert torch.equal(rng[0]["cuda_rng_state"],
+                           torch.tensor([210, 4] + [0] * 14, dtype=torch.uint8))  # uint64 1234, int64 offset 0
+        assert {name: state.tolist()[:2] for name, state in rng[0]["rng_tracker_states"].items()} == \
+            {"data-parallel-rng": [210, 4], "model-parallel-rng": [112, 15], "expert-parallel-rng": [210, 8]}
+        assert {state.numel() for state in rng[0]["rng_tracker_states"].values()} == {16}
+        assert rng[0]["cpu_rng_tracker_states"].keys() == rng[0]["rng_tracker_states"].keys()
     assert set(rng[0]) == expected_rng_keys
 
 

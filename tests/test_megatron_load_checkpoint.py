@@ -2,7 +2,8 @@
 
 pretrain_gpt.py saves a GPT-2 shape (LayerNorm, biases, GeLU, learned positions, tied embeddings; one
 rank) and a Llama shape (RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases, untied output;
-two data-parallel ranks) with ``--use-distributed-optimizer --ckpt-format torch_dist`` on the CPU.
+two data-parallel ranks) with ``--use-distributed-optimizer --ckpt-format torch_dist`` on the CPU, and
+the Llama shape once more in the legacy ``torch`` format (Adam, not distributed).
 tests/mcore_reference/megatron_load_checkpoint.py then runs Megatron-LM's code path for
 ``pretrain_gpt.py --load`` on each (its parse_args, model_provider with the local spec,
 DistributedDataParallel, get_megatron_optimizer's DistributedOptimizer, the scheduler and
@@ -41,14 +42,16 @@ COMMON = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "
           "--max-position-embeddings", "32", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
           "--attention-dropout", "0", "--hidden-dropout", "0", "--global-batch-size", "4", "--lr", "1e-3",
           "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--weight-decay", "0.1",
-          "--clip-grad", "0", "--seed", str(SEED), "--train-iters", "3", "--ckpt-format", "torch_dist",
-          "--use-distributed-optimizer"]
+          "--clip-grad", "0", "--seed", str(SEED), "--train-iters", "3"]
+DIST_OPT = ["--ckpt-format", "torch_dist", "--use-distributed-optimizer"]
+LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--group-query-attention",
+         "--num-query-groups", "2", "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
 SHAPES = {
-    # name: (model flags, ranks that save, micro batch size)
-    "gpt2": ([], 1, 4),
-    "llama": (["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-               "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
-               "--untie-embeddings-and-output-weights"], 2, 2),
+    # name: (model and format flags, ranks that save, micro batch size)
+    "gpt2": (DIST_OPT, 1, 4),
+    "llama": ([*DIST_OPT, *LLAMA], 2, 2),
+    # the legacy format too (Adam, not distributed): Megatron reads the same RNG states from model_optim_rng.pt
+    "llama-torch-format": (["--ckpt-format", "torch", *LLAMA], 1, 4),
 }
 # Megatron-LM on a CPU without Transformer Engine or Apex: the local spec and no fused kernels.
 MEGATRON_ONLY = ["--transformer-impl", "local", "--use-cpu-initialization", "--no-gradient-accumulation-fusion",
@@ -73,18 +76,16 @@ def _saved_tensors(iteration_dir):
     ``{model name: tensor}``, ``{model name: {state: tensor}}`` (the distributed optimizer's fragments
     put back in parameter shape)."""
     convert = load_checkpoint_tool("convert")
-    full = convert._read_torch_dist(str(Path(iteration_dir).parent), None, True)
+    full = convert.read_checkpoint(str(Path(iteration_dir).parent))
     weights = {k: v for k, v in full.model.items() if torch.is_tensor(v)}
     return weights, full.optimizer.param_state
 
 
 def _our_logits(rank, world, flags, save_dir):
-    """This project's model for ``flags``, its weights read from ``save_dir``; logits on REFERENCE."""
+    """This project's model for ``flags`` with the weights saved in ``save_dir``; its logits on REFERENCE."""
     import importlib.util
 
     from megatron.core import parallel_state
-    from megatron.core.dist_checkpointing import model_and_optimizer as mo
-    from megatron.core.dist_checkpointing import serialization
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.global_vars import set_args
 
@@ -98,8 +99,9 @@ def _our_logits(rank, world, flags, save_dir):
     spec.loader.exec_module(module)
     torch.manual_seed(7)
     model = module.model_provider()
-    iteration_dir = os.path.join(save_dir, "iter_0000003")
-    serialization.load(mo.model_sharded_state([model]), iteration_dir)
+    weights, _ = _saved_tensors(os.path.join(save_dir, "iter_0000003"))
+    model.load_state_dict(weights, strict=False)  # strict=False: the linears' _extra_state
+    assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters())
     reference = torch.load(REFERENCE, weights_only=True)
     mask = torch.tril(torch.ones(32, 32)).view(1, 1, 32, 32) < 0.5
     model.eval()
@@ -113,7 +115,7 @@ def _cuda_state(seed):
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_megatron_load_checkpoint_reads_our_distributed_optimizer_checkpoint(shape, megatron_paths, tmp_path):
+def test_megatron_load_checkpoint_reads_our_checkpoint(shape, megatron_paths, tmp_path):
     model_flags, ranks, micro = SHAPES[shape]
     save = tmp_path / "ckpt"
     result = run_ranks(ranks, ["pretrain_gpt.py", *COMMON, *model_flags, "--micro-batch-size", str(micro),
@@ -133,9 +135,10 @@ def test_megatron_load_checkpoint_reads_our_distributed_optimizer_checkpoint(sha
     megatron = torch.load(out, weights_only=True)
 
     assert megatron["iteration"] == 3
-    assert eval(megatron["content_metadata"]) == {  # noqa: S307 (a dict repr written by the test's own driver)
-        "distrib_optim_sharding_type": "fully_sharded_model_space", "chained_optim_avoid_prefix": True,
-        "singleton_local_shards": False}
+    if "--use-distributed-optimizer" in model_flags:
+        assert eval(megatron["content_metadata"]) == {  # noqa: S307 (a dict repr written by the test's own driver)
+            "distrib_optim_sharding_type": "fully_sharded_model_space", "chained_optim_avoid_prefix": True,
+            "singleton_local_shards": False}
     assert megatron["steps"] and set(megatron["steps"]) == {3.0}
     assert megatron["scheduler_num_steps"] == 3 * 4
     assert megatron["consumed_train_samples"] == 3 * 4

@@ -184,9 +184,15 @@ def get_rng_state(data_parallel_random_init=False):
     """RNG states of this rank as Megatron stores them: a list of dicts.
 
     Each dict holds ``random_rng_state`` (python), ``np_rng_state``, ``torch_rng_state``
-    (CPU), ``cuda_rng_state`` (only when CUDA is available) and ``rng_tracker_states``
-    (the tensor-parallel RNG tracker). The list has one entry, or one per data-parallel
-    rank (gathered over the data-parallel group) with ``data_parallel_random_init``.
+    (CPU), ``cuda_rng_state`` and ``rng_tracker_states`` (the tensor-parallel RNG tracker's
+    states). The list has one entry, or one per data-parallel rank (gathered over the
+    data-parallel group) with ``data_parallel_random_init``.
+
+    Without CUDA the tracker runs on the CPU generator, whose states a CUDA generator refuses,
+    and Megatron-LM's loader stops without ``cuda_rng_state``: then ``cuda_rng_state`` and
+    ``rng_tracker_states`` are the CUDA states a GPU run seeded the same way starts from
+    (offset 0, :func:`megatron.core.tensor_parallel.seeded_cuda_rng_states`) and the CPU tracker
+    states are kept under ``cpu_rng_tracker_states``, which a CPU resume restores.
     """
     state = {
         "random_rng_state": random.getstate(),
@@ -196,6 +202,13 @@ def get_rng_state(data_parallel_random_init=False):
     }
     if torch.cuda.is_available():
         state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    else:
+        from megatron.core.tensor_parallel import seeded_cuda_rng_states
+
+        seeded = seeded_cuda_rng_states()
+        if seeded is not None:
+            state["cpu_rng_tracker_states"] = state["rng_tracker_states"]
+            state.update(seeded)
     if (data_parallel_random_init and dist.is_initialized()
             and parallel_state.get_data_parallel_world_size() > 1):
         states = [None] * parallel_state.get_data_parallel_world_size()
@@ -216,14 +229,17 @@ def _apply_rng_state(rng_state, checkpoint_name):
     random.setstate(_as_python_rng_state(rng_state["random_rng_state"]))
     np.random.set_state(rng_state["np_rng_state"])
     torch.set_rng_state(rng_state["torch_rng_state"])
+    tracker_states = rng_state.get("rng_tracker_states")
     if torch.cuda.is_available():
         if "cuda_rng_state" in rng_state:
             torch.cuda.set_rng_state(rng_state["cuda_rng_state"])
         else:
             print_rank_0(f"WARNING: {checkpoint_name} has no CUDA RNG state (saved without CUDA); "
                          "the CUDA generator keeps its current state")
-    if rng_state.get("rng_tracker_states"):
-        _rng_tracker().set_states(rng_state["rng_tracker_states"])
+    elif "cpu_rng_tracker_states" in rng_state:  # saved on a CPU: the tracker's own (CPU generator) states
+        tracker_states = rng_state["cpu_rng_tracker_states"]
+    if tracker_states:
+        _rng_tracker().set_states(tracker_states)
 
 
 def _as_python_rng_state(value):

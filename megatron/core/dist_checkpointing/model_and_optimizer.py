@@ -186,37 +186,15 @@ def extra_state_bytes(value) -> bytes:
     return buffer.getvalue()
 
 
-def megatron_rng_states(rng_state: List[Dict]) -> List[Dict]:
-    """``get_rng_state()``'s list as Megatron-LM's loader needs it on a GPU.
-
-    Megatron core_v0.14's ``load_checkpoint`` restores ``cuda_rng_state`` with
-    ``torch.cuda.set_rng_state`` and stops when it is missing or ``rng_tracker_states`` is empty; its
-    tracker later sets those states on the CUDA generator. An entry saved without CUDA has neither
-    (its tracker states are CPU generator states, 5056 bytes, which a CUDA generator refuses), so it
-    gets the CUDA states of the same seeds (:func:`seeded_cuda_rng_states`, offset 0). Entries
-    written with CUDA are returned as they are."""
-    from megatron.core.tensor_parallel import seeded_cuda_rng_states
-
-    out = []
-    for entry in rng_state:
-        if isinstance(entry, dict) and "cuda_rng_state" not in entry:
-            seeded = seeded_cuda_rng_states()
-            if seeded is not None:
-                entry = {**entry, **seeded}
-        out.append(entry)
-    return out
-
-
 def rng_state_object(rng_state) -> ShardedObject:
     """This rank's RNG states (``get_rng_state()``'s list) as Megatron's ``rng_state`` ShardedObject:
-    key ``rng_state/shard_<pp rank>.<tp rank>_<pp size>.<tp size>``, written by data-parallel rank 0,
-    in CUDA's format even when saved on a CPU (:func:`megatron_rng_states`)."""
+    key ``rng_state/shard_<pp rank>.<tp rank>_<pp size>.<tp size>``, written by data-parallel rank 0."""
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     return ShardedObject(f"rng_state/shard_{pp_rank}.{tp_rank}_{pp_size}.{tp_size}",
-                         extra_state_bytes(megatron_rng_states(rng_state)),
+                         extra_state_bytes(rng_state),
                          replica=parallel_state.get_data_parallel_rank() != 0)
 
 
