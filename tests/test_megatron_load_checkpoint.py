@@ -3,7 +3,8 @@
 pretrain_gpt.py saves a GPT-2 shape (LayerNorm, biases, GeLU, learned positions, tied embeddings; one
 rank) and a Llama shape (RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases, untied output;
 two data-parallel ranks) with ``--use-distributed-optimizer --ckpt-format torch_dist`` on the CPU, and
-the Llama shape once more in the legacy ``torch`` format (Adam, not distributed).
+the Llama shape once more in the legacy ``torch`` format (Adam, not distributed), read as written and after
+tools/checkpoint/convert.py made a torch_dist checkpoint of it.
 tests/mcore_reference/megatron_load_checkpoint.py then runs Megatron-LM's code path for
 ``pretrain_gpt.py --load`` on each (its parse_args, model_provider with the local spec,
 DistributedDataParallel, get_megatron_optimizer's DistributedOptimizer, the scheduler and
@@ -47,11 +48,13 @@ DIST_OPT = ["--ckpt-format", "torch_dist", "--use-distributed-optimizer"]
 LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--group-query-attention",
          "--num-query-groups", "2", "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
 SHAPES = {
-    # name: (model and format flags, ranks that save, micro batch size)
-    "gpt2": (DIST_OPT, 1, 4),
-    "llama": ([*DIST_OPT, *LLAMA], 2, 2),
+    # name: (model and format flags, ranks that save, micro batch size, converted to torch_dist by convert.py)
+    "gpt2": (DIST_OPT, 1, 4, False),
+    "llama": ([*DIST_OPT, *LLAMA], 2, 2, False),
     # the legacy format too (Adam, not distributed): Megatron reads the same RNG states from model_optim_rng.pt
-    "llama-torch-format": (["--ckpt-format", "torch", *LLAMA], 1, 4),
+    "llama-torch-format": (["--ckpt-format", "torch", *LLAMA], 1, 4, False),
+    # and that checkpoint after tools/checkpoint/convert.py --target-ckpt-format torch_dist
+    "llama-converted": (["--ckpt-format", "torch", *LLAMA], 1, 4, True),
 }
 # Megatron-LM on a CPU without Transformer Engine or Apex: the local spec and no fused kernels.
 MEGATRON_ONLY = ["--transformer-impl", "local", "--use-cpu-initialization", "--no-gradient-accumulation-fusion",
@@ -116,12 +119,18 @@ def _cuda_state(seed):
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_megatron_load_checkpoint_reads_our_checkpoint(shape, megatron_paths, tmp_path):
-    model_flags, ranks, micro = SHAPES[shape]
+    model_flags, ranks, micro, converted = SHAPES[shape]
     save = tmp_path / "ckpt"
     result = run_ranks(ranks, ["pretrain_gpt.py", *COMMON, *model_flags, "--micro-batch-size", str(micro),
                                "--mock-data", "--distributed-backend", "gloo", "--eval-iters", "0",
                                "--log-interval", "1", "--save", str(save), "--save-interval", "3"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    if converted:
+        source, save = save, tmp_path / "converted"
+        assert load_checkpoint_tool("convert").main(["--load-dir", str(source), "--save-dir", str(save),
+                                                     "--target-ckpt-format", "torch_dist"]) == 0
+        model_flags = [*model_flags[:model_flags.index("--ckpt-format")], "--ckpt-format", "torch_dist",
+                       *model_flags[model_flags.index("--ckpt-format") + 2:]]
 
     out = tmp_path / "megatron.pt"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
