@@ -238,8 +238,21 @@ def _apply_rng_state(rng_state, checkpoint_name):
                          "the CUDA generator keeps its current state")
     elif "cpu_rng_tracker_states" in rng_state:  # saved on a CPU: the tracker's own (CPU generator) states
         tracker_states = rng_state["cpu_rng_tracker_states"]
+    # States of the other device's generator (a checkpoint of an older CPU run read with CUDA, or of a
+    # GPU run read without) would fail at the tracker's first fork: keep the seeded ones instead.
+    size = _get_device_rng_size()
+    values = list(tracker_states.values()) if isinstance(tracker_states, dict) else []
+    if values and all(isinstance(v, torch.Tensor) for v in values) and any(v.numel() != size for v in values):
+        print_rank_0(f"WARNING: {checkpoint_name} holds RNG tracker states of another device's generator; "
+                     "the tracker keeps its seeded states")
+        tracker_states = None
     if tracker_states:
         _rng_tracker().set_states(tracker_states)
+
+
+def _get_device_rng_size() -> int:
+    """Bytes of a state of the generator the RNG tracker uses (CUDA's, else the CPU's)."""
+    return (torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.get_rng_state()).numel()
 
 
 def _as_python_rng_state(value):
