@@ -21,7 +21,7 @@ OUT.pt receives (tensors, strings and numbers only): ``iteration``, ``names`` (M
 ``named_parameters()`` order), ``weights`` / ``exp_avg`` / ``exp_avg_sq`` (lists in that order,
 parameter-shaped; the distributed optimizer's flat shards put back in shape), ``steps`` (Adam's step
 per param group), ``scheduler_num_steps``, ``consumed_train_samples``, ``logits`` for REFERENCE.pt's
-``input_ids`` / ``position_ids`` (causal mask), ``content_metadata`` (repr of what Megatron read),
+``input_ids`` / ``position_ids`` (causal mask), ``content_metadata`` (the dict Megatron read, or None),
 ``cuda_rng_state`` (the state Megatron handed to ``torch.cuda.set_rng_state``, or absent) and
 ``rng_tracker_states`` (name -> state Megatron's RNG tracker holds after the load).
 """
@@ -198,7 +198,7 @@ def main():
     out = {"iteration": iteration, "names": names, "weights": weights, "exp_avg": exp_avg,
            "exp_avg_sq": exp_avg_sq, "steps": steps, "scheduler_num_steps": scheduler.num_steps,
            "consumed_train_samples": args.consumed_train_samples, "logits": logits,
-           "content_metadata": repr(content_metadata[-1] if content_metadata else None),
+           "content_metadata": content_metadata[-1] if content_metadata else None,
            "rng_tracker_states": {k: v.clone() for k, v in tracker.items()}}
     if _SET_CUDA_STATES:
         out["cuda_rng_state"] = _SET_CUDA_STATES[-1]

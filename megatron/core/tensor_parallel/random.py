@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import struct
-import sys
 from typing import Any, Dict, Optional
 
 import torch
@@ -31,7 +30,7 @@ def cuda_generator_state(seed: int, offset: int = 0) -> torch.Tensor:
     ``offset`` Philox offsets were drawn: a uint8 CPU tensor of 16 bytes, the uint64 seed then the
     int64 offset in the machine's byte order (torch's CUDAGeneratorImpl::get_state). Built without
     CUDA, so a checkpoint written on a CPU carries CUDA states Megatron-LM can restore on a GPU."""
-    packed = struct.pack(("<" if sys.byteorder == "little" else ">") + "Qq", seed % 2**64, offset)
+    packed = struct.pack("=Qq", seed % 2**64, offset)  # "=": native byte order, standard sizes
     return torch.frombuffer(bytearray(packed), dtype=torch.uint8).clone()
 
 
