@@ -15,7 +15,11 @@ config ``get_model`` builds, ``get_megatron_optimizer`` (its DistributedOptimize
 ``megatron.training.checkpointing.load_checkpoint``: it reads ``common.pt`` and its
 ``content_metadata``, builds the sharded state dict for that metadata, loads it with
 ``dist_checkpointing.load`` and puts it into model, optimizer, scheduler and RNGs.
-One process, a one-rank gloo group, CPU.
+One process, a one-rank gloo group, CPU. Replaced (below): CPU stand-ins for the CUDA calls Megatron
+makes outside its kernels (``torch.cuda.get_rng_state`` gives a template, ``torch.cuda.set_rng_state``
+accepts only what a CUDA generator accepts, a uint8 tensor of 16 bytes, and records it), the RNG
+tracker's fork (dropout is 0), and ``DistributedOptimizer._set_main_param_and_optimizer_states``, which
+in 0.14 without Apex/Transformer Engine fails on every checkpoint (it copies Adam's ``step`` too).
 
 OUT.pt receives (tensors, strings and numbers only): ``iteration``, ``names`` (Megatron's
 ``named_parameters()`` order), ``weights`` / ``exp_avg`` / ``exp_avg_sq`` (lists in that order,
