@@ -1,10 +1,10 @@
 """Megatron-LM core_v0.14.0's own ``load_checkpoint`` loads our torch_dist distributed-optimizer checkpoints.
 
-pretrain_gpt.py saves a GPT-2 shape (LayerNorm, biases, GeLU, learned positions, tied embeddings; one
-rank) and a Llama shape (RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases, untied output;
-two data-parallel ranks) with ``--use-distributed-optimizer --ckpt-format torch_dist`` on the CPU, and
-the Llama shape once more in the legacy ``torch`` format (Adam, not distributed), read as written and after
-tools/checkpoint/convert.py made a torch_dist checkpoint of it.
+pretrain_gpt.py saves, on the CPU with ``--use-distributed-optimizer --ckpt-format torch_dist``, a GPT-2
+shape (LayerNorm, biases, GeLU, learned positions, tied embeddings; one rank) and a Llama shape (RMSNorm,
+SwiGLU, RoPE, grouped-query attention, no biases, untied output; two data-parallel ranks, and once two
+tensor-parallel ranks); then the Llama shape in the legacy ``torch`` format (Adam, not distributed), read
+as written and after tools/checkpoint/convert.py made a torch_dist checkpoint of it.
 tests/mcore_reference/megatron_load_checkpoint.py then runs Megatron-LM's code path for
 ``pretrain_gpt.py --load`` on each (its parse_args, model_provider with the local spec,
 DistributedDataParallel, get_megatron_optimizer's DistributedOptimizer, the scheduler and
@@ -48,13 +48,16 @@ DIST_OPT = ["--ckpt-format", "torch_dist", "--use-distributed-optimizer"]
 LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--group-query-attention",
          "--num-query-groups", "2", "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
 SHAPES = {
-    # name: (model and format flags, ranks that save, micro batch size, converted to torch_dist by convert.py)
-    "gpt2": (DIST_OPT, 1, 4, False),
-    "llama": ([*DIST_OPT, *LLAMA], 2, 2, False),
+    # name: (model and format flags, ranks that save, their micro batch size, flags of the save only,
+    #        converted to torch_dist by tools/checkpoint/convert.py)
+    "gpt2": (DIST_OPT, 1, 4, [], False),
+    "llama": ([*DIST_OPT, *LLAMA], 2, 2, [], False),
+    # saved at TP 2 (gate/up fragments of two ranks), read by Megatron at TP 1 (it ignores the RNG states then)
+    "llama-tp2": ([*DIST_OPT, *LLAMA], 2, 4, ["--tensor-model-parallel-size", "2"], False),
     # the legacy format too (Adam, not distributed): Megatron reads the same RNG states from model_optim_rng.pt
-    "llama-torch-format": (["--ckpt-format", "torch", *LLAMA], 1, 4, False),
+    "llama-torch-format": (["--ckpt-format", "torch", *LLAMA], 1, 4, [], False),
     # and that checkpoint after tools/checkpoint/convert.py --target-ckpt-format torch_dist
-    "llama-converted": (["--ckpt-format", "torch", *LLAMA], 1, 4, True),
+    "llama-converted": (["--ckpt-format", "torch", *LLAMA], 1, 4, [], True),
 }
 # Megatron-LM on a CPU without Transformer Engine or Apex: the local spec and no fused kernels.
 MEGATRON_ONLY = ["--transformer-impl", "local", "--use-cpu-initialization", "--no-gradient-accumulation-fusion",
@@ -119,9 +122,9 @@ def _cuda_state(seed):
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_megatron_load_checkpoint_reads_our_checkpoint(shape, megatron_paths, tmp_path):
-    model_flags, ranks, micro, converted = SHAPES[shape]
+    model_flags, ranks, micro, save_only, converted = SHAPES[shape]
     save = tmp_path / "ckpt"
-    result = run_ranks(ranks, ["pretrain_gpt.py", *COMMON, *model_flags, "--micro-batch-size", str(micro),
+    result = run_ranks(ranks, ["pretrain_gpt.py", *COMMON, *model_flags, *save_only, "--micro-batch-size", str(micro),
                                "--mock-data", "--distributed-backend", "gloo", "--eval-iters", "0",
                                "--log-interval", "1", "--save", str(save), "--save-interval", "3"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -163,6 +166,9 @@ def test_megatron_load_checkpoint_reads_our_checkpoint(shape, megatron_paths, tm
     ours = run_distributed(_our_logits, 1, [*COMMON, *model_flags], str(save))[0]
     assert torch.allclose(megatron["logits"], ours, atol=1e-5, rtol=0), (megatron["logits"] - ours).abs().max()
 
+    if save_only:  # another TP size: Megatron leaves the RNG states alone
+        assert "RNG state will be ignored" in run.stdout and "cuda_rng_state" not in megatron
+        return
     # The RNG states Megatron restored (without --no-load-rng): CUDA generator states of the run's seeds
     # (Megatron's model_parallel_cuda_manual_seed offsets), what a GPU run has right after seeding.
     assert torch.equal(megatron["cuda_rng_state"], _cuda_state(SEED))
