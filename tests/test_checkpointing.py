@@ -12,7 +12,7 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
-from megatron.training import checkpointing
+from megatron.training import checkpoint_integrity, checkpointing
 from megatron.training.checkpointing import (
     get_checkpoint_name,
     get_checkpoint_tracker_filename,
@@ -190,10 +190,42 @@ def test_saved_dict_keys_and_sanitized_args(tmp_path):
     assert not hasattr(state["args"], "weird") and not hasattr(state["args"], "activation_func")
     rng = state["rng_state"]
     assert isinstance(rng, list) and len(rng) == 1
-    expected_rng_keys = {"random_rng_state", "np_rng_state", "torch_rng_state", "rng_tracker_states"}
-    if torch.cuda.is_available():
-        expected_rng_keys.add("cuda_rng_state")
+    expected_rng_keys = {"random_rng_state", "np_rng_state", "torch_rng_state", "rng_tracker_states", "cuda_rng_state"}
+    if not torch.cuda.is_available():
+        # Megatron-LM's loader needs CUDA states: those of the seeds (1234), the CPU ones kept beside them.
+        expected_rng_keys.add("cpu_rng_tracker_states")
+        assert torch.equal(rng[0]["cuda_rng_state"],
+                           torch.tensor([210, 4] + [0] * 14, dtype=torch.uint8))  # uint64 1234, int64 offset 0
+        assert {name: state.tolist()[:2] for name, state in rng[0]["rng_tracker_states"].items()} == \
+            {"data-parallel-rng": [210, 4], "model-parallel-rng": [112, 15], "expert-parallel-rng": [210, 8]}
+        assert {state.numel() for state in rng[0]["rng_tracker_states"].values()} == {16}
+        assert rng[0]["cpu_rng_tracker_states"].keys() == rng[0]["rng_tracker_states"].keys()
     assert set(rng[0]) == expected_rng_keys
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="builds the CPU case: tracker states of a GPU run read on a CPU")
+def test_tracker_states_of_another_devices_generator_keep_the_seeded_ones(tmp_path, capsys):
+    # A GPU run's file holds only CUDA-format tracker states (16 bytes); a CPU tracker given them would fail
+    # at its first fork, so the load keeps the seeded states and says so. The CPU-written ones restore.
+    args = _make_args(tmp_path)
+    model, optimizer, scheduler = _trained()
+    save_checkpoint(3, model, optimizer, scheduler, num_floating_point_operations_so_far=0)
+    name = get_checkpoint_name(args.save, 3)
+    state = checkpointing.load_state_dict_file(name, "test")
+    saved_cpu_states = state["rng_state"][0]["cpu_rng_tracker_states"]
+    del state["rng_state"][0]["cpu_rng_tracker_states"]  # as a CUDA run writes it
+    torch.save(state, name)
+    os.remove(os.path.join(args.save, "iter_0000003", checkpoint_integrity.MANIFEST_FILENAME))  # edited on purpose
+    model_parallel_cuda_manual_seed(999)
+    seeded = get_cuda_rng_tracker().get_states()
+    capsys.readouterr()
+    load_checkpoint(*_fresh())
+    assert "holds RNG tracker states of another device's generator" in capsys.readouterr().out
+    restored = get_cuda_rng_tracker().get_states()
+    assert all(torch.equal(restored[k], seeded[k]) for k in seeded)
+    with get_cuda_rng_tracker().fork():
+        torch.rand(2)
+    assert not any(torch.equal(seeded[k], saved_cpu_states[k]) for k in seeded)
 
 
 def test_no_save_optim_and_rng(tmp_path):

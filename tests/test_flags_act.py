@@ -415,6 +415,21 @@ def test_deprecated_megatron_no_ops_warn_and_change_nothing(capsys, flags, warni
     assert args.use_dist_ckpt is plain_args.use_dist_ckpt is True
 
 
+@pytest.mark.parametrize("flag", ["--no-scatter-gather-tensors-in-pipeline", "--cross-entropy-loss-fusion"])
+def test_megatron_flags_without_effect_here_are_accepted_and_change_nothing(capsys, flag):
+    # Megatron-LM's example scripts pass them; core_v0.14 ignores the first one itself, and the second
+    # only picks a fused kernel for the same loss (this project has one cross entropy).
+    def settings(args):
+        config = core_transformer_config_from_args(args)
+        return {k: v for k, v in vars(config).items() if not callable(v)}, training._optimizer_config_from_args(args)
+
+    plain = settings(_args("--pipeline-model-parallel-size", "1"))
+    args = _args("--pipeline-model-parallel-size", "1", flag)
+    assert settings(args) == plain
+    assert (args.scatter_gather_tensors_in_pipeline, args.cross_entropy_loss_fusion) == \
+        ((False, False) if flag == "--no-scatter-gather-tensors-in-pipeline" else (True, True))
+
+
 def test_tensorboard_queue_size_reaches_the_writer(monkeypatch, tmp_path):
     import torch.utils.tensorboard
 

@@ -218,3 +218,71 @@ def _save_per_layer_then_load(rank, world, ckpt_dir):
 
 def test_checkpoints_of_the_earlier_per_layer_layout_still_load(tmp_path):
     assert run_distributed(_save_per_layer_then_load, 1, str(tmp_path / "ckpt"))[0]
+
+
+def _save_old_swiglu_layout_then_load(rank, world, ckpt_dir):
+    """A SwiGLU model's distributed-optimizer moments written in this project's earlier TP-1 layout
+    (fc1 one fragment, ``[L, 1, 1, 2 * ffn * h]``) load into a fresh distributed optimizer, which
+    writes Megatron's ``[L, 2, 1, ffn * h]`` (gate and up fragments) now."""
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing import model_and_optimizer as mo
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+
+    parallel_state.initialize_model_parallel()
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                               gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                               add_bias_linear=True, hidden_dropout=0.0, attention_dropout=0.0)
+
+    def build(seed):
+        torch.manual_seed(seed)
+        module = GPTModel(config, vocab_size=128, max_sequence_length=16)
+        model = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True), module)
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True),
+                                           [model])
+        mo.ensure_optimizer_state(optimizer)
+        for state in optimizer.optimizer.state.values():
+            for value in state.values():
+                value.normal_()
+        return model, optimizer
+
+    def moments(model, optimizer):
+        return {(mo.optimizer_key(t.name, t.info.entry), t.start): t.tensor.clone()
+                for t in mo._optimizer_targets([model], optimizer) if t.load}
+
+    model, optimizer = build(1)
+    new_shapes = {item.key: item.global_shape for item in mo.optimizer_sharded_state([model], optimizer)}
+    fc1 = "decoder.layers.mlp.linear_fc1"
+    assert new_shapes[f"optimizer.state.exp_avg.{fc1}.weight"] == (2, 2, 1, 64 * 32)
+    assert new_shapes[f"optimizer.state.exp_avg.{fc1}.bias"] == (2, 2, 64)
+    layout = mo._layout
+    try:  # the earlier layout: no fragments at TP 1
+        mo._layout = lambda tensor: mo.TPLayout(tuple(tensor.shape), None, 1, 0, 1)
+        old = mo.model_sharded_state([model]) + mo.optimizer_sharded_state([model], optimizer)
+    finally:
+        mo._layout = layout
+    assert {item.global_shape for item in old if item.key == f"optimizer.state.exp_avg.{fc1}.weight"} == \
+        {(2, 1, 1, 2 * 64 * 32)}
+    serialization.save(old, ckpt_dir)
+
+    fresh, fresh_optimizer = build(2)
+    stored = serialization.read_metadata(ckpt_dir).state_dict_metadata
+    reads, finishers = mo.optimizer_load_plan([fresh], fresh_optimizer, stored)
+    serialization.load(mo.model_sharded_state([fresh]) + reads, ckpt_dir)
+    for finish in finishers:
+        finish()
+    assert finishers  # the fc1 tensors were reassembled from the one-fragment form
+    for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(a, b), name
+    before, after = moments(model, optimizer), moments(fresh, fresh_optimizer)
+    assert before.keys() == after.keys()
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
+    return True
+
+
+def test_swiglu_distributed_optimizer_checkpoints_of_the_earlier_tp1_layout_still_load(tmp_path):
+    assert run_distributed(_save_old_swiglu_layout_then_load, 1, str(tmp_path / "ckpt"))[0]

@@ -233,6 +233,9 @@ def _add_training_args(parser):
     group.add_argument("--no-gradient-accumulation-fusion", action="store_false",
                        dest="gradient_accumulation_fusion", help="Disable fused weight-grad accumulation.")
     group.add_argument("--use-mcore-models", action="store_true", help="Deprecated no-op: core models are the default.")
+    group.add_argument("--cross-entropy-loss-fusion", action="store_true", dest="cross_entropy_loss_fusion",
+                       help="Accepted for Megatron-LM command lines; no effect: there is one vocab-parallel cross "
+                            "entropy here (Megatron's fused variant computes the same loss).")
     group.add_argument("--transformer-impl", type=str, default="local", choices=["local", "transformer_engine"],
                        help="Layer implementation. Default 'local' (Megatron's default transformer_engine is "
                             "not shipped in this version).")
@@ -381,6 +384,10 @@ def _add_distributed_args(parser):
     group = parser.add_argument_group(title="distributed")
     group.add_argument("--tensor-model-parallel-size", type=int, default=1, help="Tensor-parallel size.")
     group.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="Pipeline-parallel size.")
+    group.add_argument("--no-scatter-gather-tensors-in-pipeline", action="store_false",
+                       dest="scatter_gather_tensors_in_pipeline",
+                       help="Accepted for Megatron-LM command lines; no effect (Megatron-LM core_v0.14 does not "
+                            "use it either).")
     group.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
                        help="Layers on the first pipeline stage.")
     group.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,

@@ -188,9 +188,15 @@ def get_rng_state(data_parallel_random_init=False):
     """RNG states of this rank as Megatron stores them: a list of dicts.
 
     Each dict holds ``random_rng_state`` (python), ``np_rng_state``, ``torch_rng_state``
-    (CPU), ``cuda_rng_state`` (only when CUDA is available) and ``rng_tracker_states``
-    (the tensor-parallel RNG tracker). The list has one entry, or one per data-parallel
-    rank (gathered over the data-parallel group) with ``data_parallel_random_init``.
+    (CPU), ``cuda_rng_state`` and ``rng_tracker_states`` (the tensor-parallel RNG tracker's
+    states). The list has one entry, or one per data-parallel rank (gathered over the
+    data-parallel group) with ``data_parallel_random_init``.
+
+    Without CUDA the tracker runs on the CPU generator, whose states a CUDA generator refuses,
+    and Megatron-LM's loader stops without ``cuda_rng_state``: then ``cuda_rng_state`` and
+    ``rng_tracker_states`` are the CUDA states a GPU run seeded the same way starts from
+    (offset 0, :func:`megatron.core.tensor_parallel.seeded_cuda_rng_states`) and the CPU tracker
+    states are kept under ``cpu_rng_tracker_states``, which a CPU resume restores.
     """
     state = {
         "random_rng_state": random.getstate(),
@@ -200,6 +206,13 @@ def get_rng_state(data_parallel_random_init=False):
     }
     if torch.cuda.is_available():
         state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    else:
+        from megatron.core.tensor_parallel import seeded_cuda_rng_states
+
+        seeded = seeded_cuda_rng_states()
+        if seeded is not None:
+            state["cpu_rng_tracker_states"] = state["rng_tracker_states"]
+            state.update(seeded)
     if (data_parallel_random_init and dist.is_initialized()
             and parallel_state.get_data_parallel_world_size() > 1):
         states = [None] * parallel_state.get_data_parallel_world_size()
@@ -220,14 +233,30 @@ def _apply_rng_state(rng_state, checkpoint_name):
     random.setstate(_as_python_rng_state(rng_state["random_rng_state"]))
     np.random.set_state(rng_state["np_rng_state"])
     torch.set_rng_state(rng_state["torch_rng_state"])
+    tracker_states = rng_state.get("rng_tracker_states")
     if torch.cuda.is_available():
         if "cuda_rng_state" in rng_state:
             torch.cuda.set_rng_state(rng_state["cuda_rng_state"])
         else:
             print_rank_0(f"WARNING: {checkpoint_name} has no CUDA RNG state (saved without CUDA); "
                          "the CUDA generator keeps its current state")
-    if rng_state.get("rng_tracker_states"):
-        _rng_tracker().set_states(rng_state["rng_tracker_states"])
+    elif "cpu_rng_tracker_states" in rng_state:  # saved on a CPU: the tracker's own (CPU generator) states
+        tracker_states = rng_state["cpu_rng_tracker_states"]
+    # States of the other device's generator (a checkpoint of an older CPU run read with CUDA, or of a
+    # GPU run read without) would fail at the tracker's first fork: keep the seeded ones instead.
+    size = _get_device_rng_size()
+    values = list(tracker_states.values()) if isinstance(tracker_states, dict) else []
+    if values and all(isinstance(v, torch.Tensor) for v in values) and any(v.numel() != size for v in values):
+        print_rank_0(f"WARNING: {checkpoint_name} holds RNG tracker states of another device's generator; "
+                     "the tracker keeps its seeded states")
+        tracker_states = None
+    if tracker_states:
+        _rng_tracker().set_states(tracker_states)
+
+
+def _get_device_rng_size() -> int:
+    """Bytes of a state of the generator the RNG tracker uses (CUDA's, else the CPU's)."""
+    return (torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.get_rng_state()).numel()
 
 
 def _as_python_rng_state(value):
@@ -637,7 +666,11 @@ def _write_torch_format(args, tmp_dir, final_dir, model, optimizer, opt_param_sc
 
 def _torch_dist_common_state(args, optimizer, opt_param_scheduler, state):
     """``common.pt`` of a torch_dist checkpoint (written by rank 0; the same on every rank)."""
-    from megatron.core.dist_checkpointing.model_and_optimizer import optimizer_common_state
+    from megatron.core.dist_checkpointing.model_and_optimizer import (
+        CONTENT_METADATA_KEY,
+        content_metadata,
+        optimizer_common_state,
+    )
 
     saved_args = _sanitized_args(args)
     for name in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
@@ -650,6 +683,7 @@ def _torch_dist_common_state(args, optimizer, opt_param_scheduler, state):
         "train_state": state.state_dict(),
         "num_floating_point_operations_so_far": state.num_floating_point_operations_so_far,
         "parallel_layout": _parallel_layout(args),
+        CONTENT_METADATA_KEY: content_metadata(bool(getattr(args, "use_distributed_optimizer", False))),
     }
     if not args.no_save_optim:
         if optimizer is not None:

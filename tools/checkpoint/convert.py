@@ -969,6 +969,8 @@ def _torch_dist_common(full: FullCheckpoint, target: "TargetLayout", keep_rng: b
     """``common.pt`` of the converted torch_dist checkpoint (the format of
     ``megatron.training.checkpointing._torch_dist_common_state``)."""
     args = _target_args(full, target)
+    if not keep_rng:  # no RNG states written: Megatron-LM's loader then skips them instead of stopping
+        args.no_save_rng = True
     counters = {"iteration": full.iteration, "num_floating_point_operations_so_far":
                 int(full.num_floating_point_operations_so_far or 0)}
     for name in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
@@ -978,22 +980,24 @@ def _torch_dist_common(full: FullCheckpoint, target: "TargetLayout", keep_rng: b
               "num_floating_point_operations_so_far": counters["num_floating_point_operations_so_far"],
               # With RNG files: the layout they belong to; without: None, which no run's layout equals, so a
               # load keeps its seeded RNG (with a warning) instead of looking for them.
-              "parallel_layout": _torch_dist_layout(target.tp, target.pp, target.vp) if keep_rng else None}
+              "parallel_layout": _torch_dist_layout(target.tp, target.pp, target.vp) if keep_rng else None,
+              # written with the plain (non-distributed) optimizer's layout
+              mo.CONTENT_METADATA_KEY: mo.content_metadata(distributed_optimizer=False)}
     optimizer = full.optimizer
     if optimizer is not None:
         params = [(name, name, optimizer.param_state[name], None) for name in full.model
                   if name in optimizer.param_state]
         groups = _rank_optimizer(OptimizerState("fp32", optimizer.param_state, optimizer.groups, optimizer.group_of),
                                  params)["param_groups"]
-        saved_groups = []
-        for group in groups:
-            steps = [float(optimizer.param_state[name]["step"]) for name in group["params"]
-                     if torch.is_tensor(optimizer.param_state[name].get("step"))]
-            saved_groups.append({**{k: v for k, v in group.items() if k != "params"},
-                                 "step": max(steps) if steps else None})
-        common["optimizer"] = {"param_groups": saved_groups}
-        if optimizer.grad_scaler is not None:
-            common["optimizer"]["grad_scaler"] = optimizer.grad_scaler
+        steps = [float(optimizer.param_state[name]["step"]) for group in groups for name in group["params"]
+                 if torch.is_tensor(optimizer.param_state[name].get("step"))]
+        # Megatron core_v0.14's layout for the plain optimizer (optimizer_common_state's): one common step.
+        inner = {"state": {"common_step": torch.tensor(max(steps) if steps else 0.0)},
+                 "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in groups]}
+        if optimizer.main_params:  # fp16/bf16: the wrapper's state, beside the grad scaler
+            common["optimizer"] = {"optimizer": inner, "grad_scaler": optimizer.grad_scaler}
+        else:
+            common["optimizer"] = inner
         if full.scheduler is not None:
             common["opt_param_scheduler"] = full.scheduler
     return common
@@ -1032,6 +1036,10 @@ def write_torch_dist(full: FullCheckpoint, save_dir: str, target: "TargetLayout"
         for state_key, entries in by_state.items():
             for key, value in mo.stack_layers(entries).items():
                 items.append(sharded(f"{mo.OPTIMIZER_PREFIX}{state_key}.{key}", value))
+    if keep_rng:  # Megatron-LM's copy of the RNG states (pretrain_gpt.py writes the same object)
+        for (t, p), rng_state in full.rng_states.items():
+            items.append(ShardedObject(f"rng_state/shard_{p}.{t}_{target.pp}.{target.tp}",
+                                       mo.extra_state_bytes(rng_state)))
     dirname = checkpoint_integrity.iteration_dirname(full.iteration, full.release)
     checkpoint_integrity.prepare_save_dir(save_dir)
     tmp_dir = os.path.join(save_dir, f".{dirname}.tmp-{os.getpid()}")

@@ -50,6 +50,7 @@ OPTIMIZER_PREFIX = "optimizer.state."
 LAYER_PREFIX = "decoder.layers."
 MAIN_PARAM = "fp32_param"
 DISTRIB_OPTIM_SHARDING_TYPE = "fully_sharded_model_space"
+CONTENT_METADATA_KEY = "content_metadata"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 # Local-spec layer norms under the names Megatron's checkpoints give them (fused-norm style).
 _NORM_NAMES = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
@@ -134,9 +135,13 @@ def entry_key(chunk: torch.nn.Module, name: str, numbers: Optional[Dict[int, int
 def _layout(tensor: torch.Tensor) -> TPLayout:
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    if getattr(tensor, "tensor_model_parallel", False) and tp_size > 1:
+    stride = int(getattr(tensor, "partition_stride", 1))
+    # A strided split (the gated MLP's fc1, weight and bias: [gate; up]) keeps its pieces even at TP 1:
+    # Megatron's apply_swiglu_sharded_factory cuts fc1 into gate and up at any TP size, so its
+    # distributed-optimizer tensors have 2 * TP fragments along that dimension ([L, 2, 1, ffn * h] at TP 1).
+    if getattr(tensor, "tensor_model_parallel", False) and (tp_size > 1 or stride > 1):
         dim = int(getattr(tensor, "partition_dim", 0))
-        return TPLayout(tuple(tensor.shape), dim, int(getattr(tensor, "partition_stride", 1)), tp_rank, tp_size)
+        return TPLayout(tuple(tensor.shape), dim, stride, tp_rank, tp_size)
     return TPLayout(tuple(tensor.shape), None, 1, tp_rank, tp_size)
 
 
@@ -188,7 +193,8 @@ def rng_state_object(rng_state) -> ShardedObject:
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    return ShardedObject(f"rng_state/shard_{pp_rank}.{tp_rank}_{pp_size}.{tp_size}", extra_state_bytes(rng_state),
+    return ShardedObject(f"rng_state/shard_{pp_rank}.{tp_rank}_{pp_size}.{tp_size}",
+                         extra_state_bytes(rng_state),
                          replica=parallel_state.get_data_parallel_rank() != 0)
 
 
@@ -492,6 +498,16 @@ def optimizer_common_state(optimizer) -> Dict:
     if hasattr(optimizer, "fp32_from_float16_groups"):
         return {"optimizer": inner, "grad_scaler": None if scaler is None else scaler.state_dict()}
     return inner
+
+
+def content_metadata(distributed_optimizer: bool) -> Dict:
+    """``common.pt``'s ``content_metadata``: what Megatron-LM core_v0.14's ``save_checkpoint`` records
+    (``_build_sharded_state_dict_metadata``) and its ``load_checkpoint`` builds the sharded state dict
+    from. Without it Megatron assumes the ``dp_zero_gather_scatter`` distributed-optimizer layout,
+    which this project never writes; with it, the ``fully_sharded_model_space`` layout written here."""
+    metadata = {"distrib_optim_sharding_type": DISTRIB_OPTIM_SHARDING_TYPE} if distributed_optimizer else {}
+    metadata.update(chained_optim_avoid_prefix=True, singleton_local_shards=False)
+    return metadata
 
 
 def saved_groups_and_steps(state: Dict, source: str) -> Tuple[List[Dict], List[Optional[float]]]:

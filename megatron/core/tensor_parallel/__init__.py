@@ -23,11 +23,13 @@ from megatron.core.tensor_parallel.random import (
     CheckpointFunction,
     CudaRNGStatesTracker,
     checkpoint,
+    cuda_generator_state,
     get_cuda_rng_tracker,
     get_data_parallel_rng_tracker_name,
     get_expert_parallel_rng_tracker_name,
     model_init_rng,
     model_parallel_cuda_manual_seed,
+    seeded_cuda_rng_states,
     set_model_init_seed,
 )
 from megatron.core.tensor_parallel.utils import VocabUtility, divide, split_tensor_along_last_dim
@@ -44,6 +46,6 @@ __all__ = [
     "scatter_to_tensor_model_parallel_region",
     "CheckpointFunction", "CudaRNGStatesTracker", "checkpoint", "get_cuda_rng_tracker",
     "get_data_parallel_rng_tracker_name", "get_expert_parallel_rng_tracker_name", "model_parallel_cuda_manual_seed",
-    "model_init_rng", "set_model_init_seed",
+    "model_init_rng", "set_model_init_seed", "cuda_generator_state", "seeded_cuda_rng_states",
     "VocabUtility", "divide", "split_tensor_along_last_dim",
 ]

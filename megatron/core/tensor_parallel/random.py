@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import struct
 from typing import Any, Dict, Optional
 
 import torch
@@ -22,6 +23,30 @@ _EXPERT_PARALLEL_RNG_TRACKER_NAME = "expert-parallel-rng"
 
 def _device_rng_uses_cuda() -> bool:
     return torch.cuda.is_available()
+
+
+def cuda_generator_state(seed: int, offset: int = 0) -> torch.Tensor:
+    """The state ``torch.cuda.get_rng_state()`` returns after ``torch.cuda.manual_seed(seed)`` once
+    ``offset`` Philox offsets were drawn: a uint8 CPU tensor of 16 bytes, the uint64 seed then the
+    int64 offset in the machine's byte order (torch's CUDAGeneratorImpl::get_state). Built without
+    CUDA, so a checkpoint written on a CPU carries CUDA states Megatron-LM can restore on a GPU."""
+    packed = struct.pack("=Qq", seed % 2**64, offset)  # "=": native byte order, standard sizes
+    return torch.frombuffer(bytearray(packed), dtype=torch.uint8).clone()
+
+
+# Seed model_parallel_cuda_manual_seed gave the device generator (None before it ran).
+_DEVICE_SEED: Optional[int] = None
+
+
+def seeded_cuda_rng_states() -> Optional[Dict[str, Any]]:
+    """``{'cuda_rng_state': ..., 'rng_tracker_states': {name: ...}}`` in CUDA's format as a GPU run
+    seeded like this one holds them right after seeding (offset 0: the draws made since are not
+    representable, they were made on another generator); None before the seeding."""
+    tracker = get_cuda_rng_tracker()
+    if _DEVICE_SEED is None or not tracker.seed_of_:
+        return None
+    return {"cuda_rng_state": cuda_generator_state(_DEVICE_SEED),
+            "rng_tracker_states": {name: cuda_generator_state(seed) for name, seed in tracker.seed_of_.items()}}
 
 
 def _get_device_rng_state() -> torch.Tensor:
@@ -104,6 +129,8 @@ class CudaRNGStatesTracker:
         self._is_initialized = False
         self.states_: Dict[str, torch.Tensor] = {}
         self.seeds_ = set()
+        # {name: seed it was added with}; kept by set_states (a loaded state continues that stream).
+        self.seed_of_: Dict[str, int] = {}
 
     def get_states(self) -> Dict[str, torch.Tensor]:
         """Copy of ``{name: rng_state}`` (a uint8 tensor each) for checkpointing."""
@@ -125,6 +152,7 @@ class CudaRNGStatesTracker:
             raise RuntimeError(f"cuda rng state {name} already exists")
         self._is_initialized = True
         self.seeds_.add(seed)
+        self.seed_of_[name] = seed
         original = _get_device_rng_state()
         _device_manual_seed(seed)
         self.states_[name] = _get_device_rng_state()
@@ -167,9 +195,11 @@ def model_parallel_cuda_manual_seed(seed: int) -> None:
     """
     tensor_model_parallel_seed = seed + 2718 + get_tensor_model_parallel_rank()
     expert_parallel_seed = seed + 1024 + 100 * get_expert_model_parallel_rank() + get_expert_tensor_parallel_rank()
+    global _DEVICE_SEED
     tracker = get_cuda_rng_tracker()
     tracker.reset()
     _device_manual_seed(seed)
+    _DEVICE_SEED = seed
     tracker.add(_DATA_PARALLEL_RNG_TRACKER_NAME, seed)
     tracker.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, tensor_model_parallel_seed)
     tracker.add(_EXPERT_PARALLEL_RNG_TRACKER_NAME, expert_parallel_seed)
