@@ -15,59 +15,24 @@ the result into model and optimizer and writes to OUT.pt: ``logits`` for REFEREN
 per parameter (Megatron's per-layer names, float64). One process, a one-rank gloo group, CPU.
 """
 import argparse
-import contextlib
 import os
 
 import torch
 
-# CPU stand-ins for the few CUDA calls megatron-core 0.14 makes outside its kernels: its buffers and
-# some scalars are placed on torch.cuda.current_device() / 'cuda', the distributed optimizer checks
-# tensor.type() for a CUDA type, and the CUDA RNG tracker forks around dropout (0 here).
-if not torch.cuda.is_available():
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.synchronize = lambda device=None: None
-    _tensor, _type = torch.tensor, torch.Tensor.type
+import cpu_stand_ins  # noqa: E402  (beside this file: the script directory is on sys.path)
 
-    def _cpu_tensor(*args, device=None, **kwargs):
-        return _tensor(*args, device="cpu" if device is not None and "cuda" in str(device) else device, **kwargs)
-
-    def _cuda_type_name(self, *args, **kwargs):
-        name = _type(self, *args, **kwargs)
-        return name.replace("torch.", "torch.cuda.", 1) if not args and not kwargs else name
-
-    torch.tensor = _cpu_tensor
-    torch.Tensor.type = _cuda_type_name
-
-import numpy as np  # noqa: E402
-
-if not hasattr(np, "product"):  # removed in numpy 2; megatron-core 0.14's distributed optimizer calls it
-    np.product = np.prod
+cpu_stand_ins.install()
 
 import torch.distributed as dist  # noqa: E402
 
-from megatron.core import dist_checkpointing, parallel_state, tensor_parallel  # noqa: E402
+from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
-tensor_parallel.random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
-
-
-def _set_states_but_step(self, model_param, tensors):
-    """DistributedOptimizer._set_main_param_and_optimizer_states without Apex/TE: 0.14 copies every
-    state entry including torch Adam's 'step', which the loaded parameter state never has (its
-    step comes from the param groups), and fails on any checkpoint; copy the others."""
-    group_index, group_order = self.model_param_group_index_map[model_param]
-    main_param = self.optimizer.param_groups[group_index]["params"][group_order]
-    destination = {"param": main_param, **self.optimizer.state[main_param]}
-    for key, tensor in tensors.items():
-        destination[key].copy_(tensor)
-
-
-DistributedOptimizer._set_main_param_and_optimizer_states = _set_states_but_step
+cpu_stand_ins.patch_megatron()
 
 SEQ, HIDDEN, HEADS, LAYERS, PADDED_VOCAB = 32, 32, 4, 2, 1024
 

@@ -29,31 +29,20 @@ per param group), ``scheduler_num_steps``, ``consumed_train_samples``, ``logits`
 ``cuda_rng_state`` (the state Megatron handed to ``torch.cuda.set_rng_state``, or absent) and
 ``rng_tracker_states`` (name -> state Megatron's RNG tracker holds after the load).
 """
-import contextlib
 import importlib.util
 import os
 import sys
 
 import torch
 
-# ---- CPU stand-ins for the CUDA calls Megatron makes outside its kernels ------------------------
-# Its buffers and some scalars go to torch.cuda.current_device() / 'cuda', the distributed optimizer
-# checks tensor.type() for a CUDA type, and the RNG tracker forks around attention dropout (0 here).
+import cpu_stand_ins  # beside this file: the script directory is on sys.path
+
+# ---- CPU stand-ins (cpu_stand_ins), and CUDA RNG state calls that record what Megatron loads ------
 _CUDA_STATE_BYTES = 16  # torch's CUDA (Philox) generator state: uint64 seed + int64 offset
 _SET_CUDA_STATES = []
 
+cpu_stand_ins.install()
 if not torch.cuda.is_available():
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.synchronize = lambda device=None: None
-    _tensor, _type = torch.tensor, torch.Tensor.type
-
-    def _cpu_tensor(*args, device=None, **kwargs):
-        return _tensor(*args, device="cpu" if device is not None and "cuda" in str(device) else device, **kwargs)
-
-    def _cuda_type_name(self, *args, **kwargs):
-        name = _type(self, *args, **kwargs)
-        return name.replace("torch.", "torch.cuda.", 1) if not args and not kwargs else name
-
     def _check_cuda_state(state):
         # What CUDAGeneratorImpl::set_state accepts: a CPU uint8 tensor of 16 bytes (seed, offset).
         if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.numel() != _CUDA_STATE_BYTES:
@@ -68,15 +57,8 @@ if not torch.cuda.is_available():
         _check_cuda_state(new_state)
         _SET_CUDA_STATES.append(new_state.clone())
 
-    torch.tensor = _cpu_tensor
-    torch.Tensor.type = _cuda_type_name
     torch.cuda.get_rng_state = _get_cuda_rng_state
     torch.cuda.set_rng_state = _set_cuda_rng_state
-
-import numpy as np  # noqa: E402
-
-if not hasattr(np, "product"):  # removed in numpy 2; megatron-core 0.14's distributed optimizer calls it
-    np.product = np.prod
 
 
 def _megatron_lm_root():
@@ -101,25 +83,12 @@ def main():
     from megatron.core import mpu, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.training import checkpointing
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.global_vars import get_args, set_global_variables
     from megatron.training.training import get_optimizer_param_scheduler
 
-    tensor_parallel.random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
-
-    def _set_states_but_step(self, model_param, tensors):
-        # DistributedOptimizer._set_main_param_and_optimizer_states of 0.14 without Apex/TE copies every
-        # state entry including torch Adam's 'step', which the loaded parameter state never has (its
-        # step comes from the param groups), and so fails on any checkpoint; copy the others.
-        group_index, group_order = self.model_param_group_index_map[model_param]
-        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
-        destination = {"param": main_param, **self.optimizer.state[main_param]}
-        for key, tensor in tensors.items():
-            destination[key].copy_(tensor)
-
-    DistributedOptimizer._set_main_param_and_optimizer_states = _set_states_but_step
+    cpu_stand_ins.patch_megatron()
 
     spec = importlib.util.spec_from_file_location("megatron_lm_pretrain_gpt",
                                                   os.path.join(_megatron_lm_root(), "pretrain_gpt.py"))
