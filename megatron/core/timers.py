@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import step_timing
-from megatron.core.console import write_line
 from megatron.core.collective_device import get_collective_device
+from megatron.core.console import write_line
 
 
 def _synchronize():

@@ -53,6 +53,7 @@ import zlib
 import torch.distributed as dist
 
 from megatron.core.console import write_line
+
 MANIFEST_FILENAME = "integrity_manifest.json"
 MANIFEST_VERSION = 1
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"

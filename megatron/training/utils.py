@@ -18,13 +18,14 @@ def is_last_rank() -> bool:
 
 
 def print_rank_0(message: str):
-    """Print on global rank 0 only."""
+    """Print ``message`` on global rank 0 only, in one write call (:func:`write_line`)."""
     if get_rank() == 0:
         write_line(message)
 
 
 def print_rank_last(message: str):
-    """Print on the last global rank only (the rank that holds the loss under pipeline parallelism)."""
+    """Print ``message`` on the last global rank only (the rank that holds the loss under pipeline
+    parallelism), in one write call (:func:`write_line`)."""
     if is_last_rank():
         write_line(message)
 
