@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from conftest import require_shared_data
+from reference_data import require_shared_data
 from dist_utils import free_port
 from pretrain_utils import REPO, losses_from_log
 
