@@ -8,17 +8,15 @@ import argparse
 import re
 import sys
 
-_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.Ee+-]+) \|")
+# Searched in the whole text, not line by line, and never across a line break: a log line still counts
+# when another process's output shares its line (several ranks, one stdout).
+_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|[^\n]*? lm loss: ([0-9.Ee+-]+) \|")
 
 
 def read_losses(path):
     """{iteration: lm loss} from the periodic log lines of a training log."""
-    losses = {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            match = _LINE.search(line)
-            if match:
-                losses[int(match.group(1))] = float(match.group(2))
+    with open(path, encoding="utf-8", errors="replace") as f:
+        losses = {int(match.group(1)): float(match.group(2)) for match in _LINE.finditer(f.read())}
     if not losses:
         sys.exit(f"{path}: no 'iteration ... lm loss' log lines found")
     return losses

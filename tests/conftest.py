@@ -1,19 +1,16 @@
-"""Shared pytest fixtures: the read-only ../shared data folder and a temporary output dir."""
+"""Shared pytest fixtures: the read-only ../shared data folder (tests that need it skip without it) and the
+tinyshakespeare dataset built from it."""
 from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED_DIR = REPO_ROOT.parent / "shared"
-SHARED_DATA = SHARED_DIR / "data"
+from reference_data import require_shared_data
 
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
-    """Path to ../shared/data (real text, GPT-2 vocab, SentencePiece model, golden files)."""
-    if not SHARED_DATA.is_dir():
-        pytest.fail(f"shared data folder not found at {SHARED_DATA}")
-    return SHARED_DATA
+    """Path to ../shared/data; the test skips, saying why, when it is absent (:func:`require_shared_data`)."""
+    return require_shared_data()
 
 
 @pytest.fixture(scope="session")

@@ -12,22 +12,24 @@ from pathlib import Path
 from dist_utils import fork_ranks, free_port, rank_env, use_torchrun
 
 REPO = Path(__file__).resolve().parents[1]
+# The patterns are not anchored to a line: a log line found anywhere in the output counts, so a line
+# that still shares its text with another process's output (a launcher's, a library's) is read too.
 LOG_LINE = re.compile(
-    r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\] iteration\s+(\d+)/\s+(\d+) \| consumed samples:\s+(\d+) \| "
+    r" \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\] iteration\s+(\d+)/\s+(\d+) \| consumed samples:\s+(\d+) \| "
     r"elapsed time per iteration \(ms\): [0-9.]+ \| learning rate: [0-9.]+E[+-]\d+ \| global batch size:\s+(\d+) \| "
     r"lm loss: ([0-9.]+E[+-]\d+) \| loss scale: 1\.0 \| grad norm: ([0-9.]+) \| "
-    r"number of skipped iterations:\s+0 \| number of nan iterations:\s+0 \|$"
+    r"number of skipped iterations:\s+0 \| number of nan iterations:\s+0 \|"
 )
 # Any log line of a run without --log-throughput/--log-num-zeros-in-grad/--log-params-norm: a mixed-precision
 # run may have a loss scale other than 1.0 and skipped iterations, and an interval whose steps were all
 # skipped prints neither a loss nor a grad norm.
 ANY_LOG_LINE = re.compile(
-    r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\] iteration\s+(?P<iteration>\d+)/\s+\d+ \| "
+    r" \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\] iteration\s+(?P<iteration>\d+)/\s+\d+ \| "
     r"consumed samples:\s+\d+ \| elapsed time per iteration \(ms\): [0-9.]+ \| "
     r"learning rate: [0-9.]+E[+-]\d+ \| global batch size:\s+\d+ \| "
     r"(?:lm loss: (?P<loss>[0-9.]+E[+-]\d+) \| )?loss scale: (?P<loss_scale>[0-9.]+) \| "
     r"(?:grad norm: (?P<grad_norm>[0-9.]+) \| )?number of skipped iterations:\s+(?P<skipped>\d+) \| "
-    r"number of nan iterations:\s+(?P<nan>\d+) \|$"
+    r"number of nan iterations:\s+(?P<nan>\d+) \|"
 )
 
 
@@ -159,31 +161,39 @@ def _pretrain_argv(flags, shared_data, data_prefix, tmp_path) -> list:
     return cmd
 
 
+def log_line_matches(stdout: str, pattern=LOG_LINE) -> list:
+    """Every match of ``pattern`` (:data:`LOG_LINE` or :data:`ANY_LOG_LINE`) in ``stdout``, wherever it
+    stands in a line; fails the test naming the text when an ``elapsed time per iteration`` in the
+    output is not inside a match (a log line not in Megatron's format)."""
+    matches = list(pattern.finditer(stdout))
+    marker = "elapsed time per iteration"
+    at = stdout.find(marker)
+    while at != -1:
+        if not any(m.start() <= at < m.end() for m in matches):
+            line_start = stdout.rfind("\n", 0, at) + 1
+            line_end = stdout.find("\n", at)
+            line = stdout[line_start:None if line_end == -1 else line_end]
+            raise AssertionError(f"log line not in Megatron's format: {line!r}")
+        at = stdout.find(marker, at + len(marker))
+    return matches
+
+
 def losses_from_log(stdout: str) -> dict:
     """{iteration: printed lm loss string} from the Megatron training log lines (format checked)."""
-    losses = {}
-    for line in stdout.splitlines():
-        if "elapsed time per iteration" in line:
-            match = LOG_LINE.match(line)
-            assert match, f"log line not in Megatron's format: {line!r}"
-            losses[int(match.group(1))] = match.group(5)
-    return losses
+    return {int(match.group(1)): match.group(5) for match in log_line_matches(stdout, LOG_LINE)}
 
 
 def log_records(stdout: str) -> dict:
     """{iteration: {'loss': float or None, 'loss_scale': float, 'grad_norm': float or None, 'skipped': int,
     'nan': int}} from every training log line (format checked with :data:`ANY_LOG_LINE`)."""
     records = {}
-    for line in stdout.splitlines():
-        if "elapsed time per iteration" in line:
-            match = ANY_LOG_LINE.match(line)
-            assert match, f"log line not in Megatron's format: {line!r}"
-            loss, grad_norm = match.group("loss"), match.group("grad_norm")
-            records[int(match.group("iteration"))] = {
-                "loss": None if loss is None else float(loss), "loss_scale": float(match.group("loss_scale")),
-                "grad_norm": None if grad_norm is None else float(grad_norm),
-                "skipped": int(match.group("skipped")), "nan": int(match.group("nan")),
-            }
+    for match in log_line_matches(stdout, ANY_LOG_LINE):
+        loss, grad_norm = match.group("loss"), match.group("grad_norm")
+        records[int(match.group("iteration"))] = {
+            "loss": None if loss is None else float(loss), "loss_scale": float(match.group("loss_scale")),
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "skipped": int(match.group("skipped")), "nan": int(match.group("nan")),
+        }
     return records
 
 

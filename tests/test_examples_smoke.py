@@ -14,7 +14,7 @@ TINY = dict(NUM_LAYERS="2", HIDDEN_SIZE="32", SEQ_LENGTH="32", MICRO_BATCH_SIZE=
 
 
 def _run(argv, env_overrides, timeout):
-    env = dict(os.environ, OMP_NUM_THREADS="1", SHARED=str(REPO.parent / "shared" / "data"), **env_overrides)
+    env = dict(os.environ, OMP_NUM_THREADS="1", **env_overrides)
     result = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result.stdout
@@ -30,25 +30,27 @@ def test_quickstart_tiny(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_gpt2_shakespeare_tiny(tmp_path):
+def test_gpt2_shakespeare_tiny(shared_data, tmp_path):
     _run(["bash", "examples/gpt2_shakespeare.sh", str(tmp_path)],
-         dict(TINY, ITERS="4", RESUME_AT="2", LOG_INTERVAL="1", LOSS_BELOW="11"), timeout=580)
+         dict(TINY, SHARED=str(shared_data), ITERS="4", RESUME_AT="2", LOG_INTERVAL="1", LOSS_BELOW="11"), timeout=580)
     dp2 = losses_from_log((tmp_path / "dp2.log").read_text())
     assert sorted(dp2) == [1, 2, 3, 4] and dp2 == losses_from_log((tmp_path / "dp1.log").read_text())
     assert sorted(losses_from_log((tmp_path / "resumed.log").read_text())) == [3, 4]
 
 
 @pytest.mark.timeout(600)
-def test_gpt2_shakespeare_tp_tiny(tmp_path):
-    out = _run(["bash", "examples/gpt2_shakespeare_tp.sh", str(tmp_path)], dict(TINY, ITERS="3"), timeout=580)
+def test_gpt2_shakespeare_tp_tiny(shared_data, tmp_path):
+    out = _run(["bash", "examples/gpt2_shakespeare_tp.sh", str(tmp_path)], dict(TINY, SHARED=str(shared_data), ITERS="3"),
+               timeout=580)
     assert "logged the TP=1 losses at every iteration" in out
     for run in ("tp1", "tp2", "tp2_sp", "tp2_dp2"):
         assert sorted(losses_from_log((tmp_path / f"{run}.log").read_text())) == [1, 2, 3], run
 
 
 @pytest.mark.timeout(600)
-def test_gpt2_shakespeare_pp_tiny(tmp_path):
-    out = _run(["bash", "examples/gpt2_shakespeare_pp.sh", str(tmp_path)], dict(TINY, ITERS="3"), timeout=580)
+def test_gpt2_shakespeare_pp_tiny(shared_data, tmp_path):
+    out = _run(["bash", "examples/gpt2_shakespeare_pp.sh", str(tmp_path)], dict(TINY, SHARED=str(shared_data), ITERS="3"),
+               timeout=580)
     assert "logged the PP=1 losses at every iteration" in out
     for run in ("pp1", "pp2", "pp2_tp2"):
         assert sorted(losses_from_log((tmp_path / f"{run}.log").read_text())) == [1, 2, 3], run

@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 
+from reference_data import require_shared_data
 from dist_utils import free_port
 from pretrain_utils import REPO, losses_from_log
 
@@ -20,9 +21,10 @@ LAUNCH_TIMEOUT_S = 240
 
 
 def _env(tmp_path, name, **overrides):
+    shared_data = require_shared_data()  # the GPT-2 vocabulary and merges; skips the test without them
     env = dict(os.environ, **TINY, CHECKPOINT_DIR=str(tmp_path / name / "ckpt"),
-               TENSORBOARD_DIR=str(tmp_path / name / "tb"), VOCAB_FILE=str(REPO.parent / "shared/data/gpt2-vocab.json"),
-               MERGE_FILE=str(REPO.parent / "shared/data/gpt2-merges.txt"))
+               TENSORBOARD_DIR=str(tmp_path / name / "tb"), VOCAB_FILE=str(shared_data / "gpt2-vocab.json"),
+               MERGE_FILE=str(shared_data / "gpt2-merges.txt"))
     env.pop("DATA_PATH", None)
     env.update(overrides)
     return env

@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.collective_device import get_collective_device  # noqa: E402
+from megatron.core.console import write_line  # noqa: E402
 from megatron.core.inference.sampling import sample_logits  # noqa: E402
 from megatron.training.arguments import parse_args  # noqa: E402
 from megatron.training.checkpoint_errors import checkpoint_errors_as_user_errors  # noqa: E402
@@ -238,8 +239,8 @@ def main(argv=None) -> None:
 
     if args.rank == 0:
         text = continuation_text(tokenizer, prompt_ids, generated)
-        print("===== generated =====", flush=True)
-        print(args.prompt + text, flush=True)
+        write_line("===== generated =====")
+        write_line(args.prompt + text)
         if args.output_file:
             with open(args.output_file, "w", encoding="utf-8") as out:
                 json.dump({"prompt": args.prompt, "prompt_ids": prompt_ids, "generated_ids": generated,

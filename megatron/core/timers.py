@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from megatron.core import step_timing
 from megatron.core.collective_device import get_collective_device
+from megatron.core.console import write_line
 
 
 def _synchronize():
@@ -209,7 +210,7 @@ class Timers:
             rank = dist.get_world_size() - 1 if dist.is_initialized() else 0
         my_rank = dist.get_rank() if dist.is_initialized() else 0
         if text is not None and my_rank == rank:
-            print(text, flush=True)
+            write_line(text)
 
     def write(self, names: List[str], writer, iteration: int, normalizer: float = 1.0, reset: bool = False):
         """Add ``<name>-time`` scalars (max over ranks would need a collective; this writes local times)."""

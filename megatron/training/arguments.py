@@ -9,6 +9,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from megatron.core.console import write_line
 from megatron.core.datasets.utils import parse_and_normalize_split
 from megatron.training.tokenizer import add_tokenizer_args
 from megatron.training.user_errors import UserInputError, report_and_exit
@@ -538,7 +539,7 @@ def _add_opentelemetry_args(parser):
 
 def _print_rank_0(args, message):
     if args.rank == 0:
-        print(message, flush=True)
+        write_line(message)
 
 
 def _require(condition, message):
@@ -1124,10 +1125,10 @@ def _print_args(title, args):
     for name, value in vars(args).items():
         dots = "." * (48 - len(name))
         lines.append(f"  {name} {dots} {value}")
-    print(f"------------------------ {title} ------------------------", flush=True)
+    write_line(f"------------------------ {title} ------------------------")
     for line in sorted(lines, key=lambda x: x.lower()):
-        print(line, flush=True)
-    print(f"-------------------- end of {title} ---------------------", flush=True)
+        write_line(line)
+    write_line(f"-------------------- end of {title} ---------------------")
 
 
 # ---------------------------------------------------------------------------------------------------

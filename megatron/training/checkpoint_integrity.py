@@ -55,6 +55,8 @@ import zlib
 
 import torch.distributed as dist
 
+from megatron.core.console import write_line
+
 MANIFEST_FILENAME = "integrity_manifest.json"
 MANIFEST_VERSION = 1
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -526,7 +528,7 @@ def prepare_save_dir(save_dir):
     """Rank 0 before a save: create ``save_dir`` and repair leftovers of crashed saves (printed)."""
     os.makedirs(save_dir, exist_ok=True)
     for action in recover_leftovers(save_dir):
-        print(f"WARNING: checkpoint directory {save_dir}: {action}", flush=True)
+        write_line(f"WARNING: checkpoint directory {save_dir}: {action}")
 
 
 def publish_iteration(save_dir, tmp_dir, iteration, release=False, keep_only_newest=False, retain_interval=None,
@@ -700,7 +702,7 @@ def choose_checkpoint(load_dir, ckpt_step=None, verify=True, non_persistent_dir=
     if warn is None:
         def warn(message):
             if _rank() == 0:
-                print(message, flush=True)
+                write_line(message)
 
     if ckpt_step is not None:
         directory = os.path.join(load_dir, iteration_dirname(ckpt_step))

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.collective_device import get_collective_device
+from megatron.core.console import write_line
 from megatron.core.dist_checkpointing.safe_loading import (
     CheckpointFileError,
     UnsafeCheckpointError,
@@ -123,8 +124,8 @@ def read_metadata(tracker_filename):
         dist.all_reduce(iters, op=dist.ReduceOp.MAX)
         max_iter = int(iters.item())
         if max_iter != iteration:
-            print(f"WARNING: on rank {dist.get_rank()} found iteration {iteration} in the metadata while max "
-                  f"iteration across the ranks is {max_iter}, replacing it with max iteration.", flush=True)
+            write_line(f"WARNING: on rank {dist.get_rank()} found iteration {iteration} in the metadata while max "
+                       f"iteration across the ranks is {max_iter}, replacing it with max iteration.")
         iteration = max_iter
     return iteration, release
 

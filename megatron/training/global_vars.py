@@ -4,6 +4,8 @@ import netrc
 import os
 from urllib.parse import urlparse
 
+from megatron.core.console import write_line
+
 _GLOBAL_ARGS = None
 _GLOBAL_TOKENIZER = None
 _GLOBAL_TENSORBOARD_WRITER = None
@@ -146,8 +148,8 @@ def _set_wandb_writer(args):
     mode = None
     if not os.environ.get("WANDB_MODE") and not _wandb_api_key_configured():
         mode = "offline"
-        print(f"W&B: no API key configured (WANDB_API_KEY or `wandb login`): logging offline to {save_dir}; "
-              "upload later with `wandb sync`", flush=True)
+        write_line(f"W&B: no API key configured (WANDB_API_KEY or `wandb login`): logging offline to {save_dir}; "
+                   "upload later with `wandb sync`")
     config = {name: _wandb_config_value(value) for name, value in sorted(vars(args).items())}
     _GLOBAL_WANDB_WRITER = wandb.init(dir=save_dir, name=args.wandb_exp_name, project=args.wandb_project,
                                       config=config, mode=mode)

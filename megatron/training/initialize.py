@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.console import write_line
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed, set_model_init_seed
 from megatron.training.arguments import _logging_level, parse_args, validate_args
 from megatron.training.global_vars import get_args, set_global_variables, set_telemetry
@@ -40,6 +41,16 @@ class _ConsoleHandler(logging.StreamHandler):
     def stream(self, _):
         pass
 
+    def emit(self, record):
+        """The record's text and its newline in one write call (:func:`write_line`), so a line stays
+        whole when the ranks share one stderr."""
+        try:
+            write_line(self.format(record), file=self.stream)
+        except RecursionError:
+            raise
+        except Exception:
+            self.handleError(record)
+
 
 def setup_logging(args) -> int:
     """Apply ``--logging-level`` (else env MEGATRON_LOGGING_LEVEL) as Megatron-LM does, and give
@@ -67,7 +78,7 @@ def setup_logging(args) -> int:
         root.setLevel(level)
         framework.setLevel(level)
         if getattr(args, "rank", 0) == 0:
-            print(f"> setting logging level to {logging.getLevelName(level)} ({level})", flush=True)
+            write_line(f"> setting logging level to {logging.getLevelName(level)} ({level})")
     elif framework.level == logging.NOTSET:
         framework.setLevel(logging.INFO)
     console_level = level if level is not None else logging.WARNING

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state, step_timing
 from megatron.core.collective_device import get_collective_device
+from megatron.core.console import write_line
 from megatron.core.step_timing import PARTS, StepTimeRecorder
 from megatron.core.telemetry import is_span_group_enabled, managed_span, record_training_metrics
 from megatron.core.telemetry.resources.identity import service_instance_id
@@ -290,9 +291,9 @@ class StepBreakdown:
         if self.meter is not None:
             self._record(table)
         if self.log_straggler and self.rank == 0:
-            print(straggler_line(table, flops_per_rank), flush=True)
+            write_line(straggler_line(table, flops_per_rank))
             for line in straggler_rank_lines(table, flops_per_rank, self.minmax_count):
-                print(line, flush=True)
+                write_line(line)
         return table
 
     def _record(self, table: torch.Tensor) -> None:

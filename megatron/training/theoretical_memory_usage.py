@@ -2,6 +2,8 @@
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+from megatron.core.console import write_line
+
 NUM_BYTES_IN_MEGABYTE = 1024 * 1024
 
 
@@ -342,21 +344,21 @@ def report_theoretical_memory(args, num_microbatches: Optional[int] = None, verb
     footprint.activation_bytes = compute_activation_memory(args, num_microbatches)
     if verbose:
         per = bytes_per_parameter(args)
-        print(f"Total number of parameters in billions: {footprint.num_parameters / 10 ** 9:.2f}", flush=True)
-        print(f"Number of parameters in most loaded shard in billions: "
-              f"{footprint.num_parameters_on_rank / 10 ** 9:.4f}", flush=True)
-        print(f"Theoretical bytes per parameter: weight={per.weight} gradient={per.gradient} "
-              f"optimizer={per.optimizer:.4g} (main params and states over {per.shards} shard(s)), "
-              f"total={per.total:.4g}; per rank: weight={footprint.weight_bytes / NUM_BYTES_IN_MEGABYTE:.2f} MB, "
-              f"gradient={footprint.gradient_bytes / NUM_BYTES_IN_MEGABYTE:.2f} MB, "
-              f"optimizer={footprint.optimizer_bytes / NUM_BYTES_IN_MEGABYTE:.2f} MB", flush=True)
+        write_line(f"Total number of parameters in billions: {footprint.num_parameters / 10 ** 9:.2f}")
+        write_line(f"Number of parameters in most loaded shard in billions: "
+                   f"{footprint.num_parameters_on_rank / 10 ** 9:.4f}")
+        write_line(f"Theoretical bytes per parameter: weight={per.weight} gradient={per.gradient} "
+                   f"optimizer={per.optimizer:.4g} (main params and states over {per.shards} shard(s)), "
+                   f"total={per.total:.4g}; per rank: weight={footprint.weight_bytes / NUM_BYTES_IN_MEGABYTE:.2f} MB, "
+                   f"gradient={footprint.gradient_bytes / NUM_BYTES_IN_MEGABYTE:.2f} MB, "
+                   f"optimizer={footprint.optimizer_bytes / NUM_BYTES_IN_MEGABYTE:.2f} MB")
         per_layer = activation_memory_per_layer(args, recompute=args.recompute_granularity == "selective")
-        print(f"Theoretical activation memory per layer and micro-batch: {per_layer / NUM_BYTES_IN_MEGABYTE:.2f} MB",
-              flush=True)
+        write_line(f"Theoretical activation memory per layer and micro-batch: "
+                   f"{per_layer / NUM_BYTES_IN_MEGABYTE:.2f} MB")
     weight_and_optimizer = footprint.weight_and_optimizer_bytes / NUM_BYTES_IN_MEGABYTE
     activation = footprint.activation_bytes / NUM_BYTES_IN_MEGABYTE
-    print(f"Theoretical memory footprints: weight and optimizer={weight_and_optimizer:.2f} MB, "
-          f"activation={activation:.2f} MB, total={weight_and_optimizer + activation:.2f} MB\n", flush=True)
+    write_line(f"Theoretical memory footprints: weight and optimizer={weight_and_optimizer:.2f} MB, "
+               f"activation={activation:.2f} MB, total={weight_and_optimizer + activation:.2f} MB\n")
     return footprint
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from megatron.core.console import write_line
 from megatron.core.tokenizers import (
     GPT2BPETokenizer,
     GPTSentencePieceTokenizer,
@@ -90,8 +91,8 @@ def _vocab_size_with_padding(orig_vocab_size: int, args) -> int:
     multiple = divisible_by * tp_size
     padded = int(math.ceil(orig_vocab_size / multiple)) * multiple
     if getattr(args, "rank", 0) == 0:
-        print(f" > padded vocab (size: {orig_vocab_size}) with {padded - orig_vocab_size} dummy tokens "
-              f"(new size: {padded})", flush=True)
+        write_line(f" > padded vocab (size: {orig_vocab_size}) with {padded - orig_vocab_size} dummy tokens "
+                   f"(new size: {padded})")
     return padded
 
 
@@ -110,7 +111,7 @@ def build_tokenizer(args) -> MegatronTokenizer:
     """
     tokenizer_type = getattr(args, "tokenizer_type", None)
     if getattr(args, "rank", 0) == 0:
-        print(f"> building {tokenizer_type} tokenizer ...", flush=True)
+        write_line(f"> building {tokenizer_type} tokenizer ...")
     vocab_file = getattr(args, "vocab_file", None)
     merge_file = getattr(args, "merge_file", None)
     tokenizer_model = getattr(args, "tokenizer_model", None)

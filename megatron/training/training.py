@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.collective_device import get_collective_device
+from megatron.core.console import write_line
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.num_microbatches_calculator import (
     build_num_microbatches_calculator,
@@ -89,12 +90,9 @@ def get_model(model_provider_func, wrap_with_ddp: bool = True):
             set_defaults_if_not_set_tensor_model_parallel_attributes(param)
     if parallel_state.get_data_parallel_rank() == 0:
         count = sum(sum(p.nelement() for p in chunk.parameters()) for chunk in model)
-        print(
-            f" > number of parameters on (tensor, pipeline) model parallel rank "
-            f"({parallel_state.get_tensor_model_parallel_rank()}, "
-            f"{parallel_state.get_pipeline_model_parallel_rank()}): {count}",
-            flush=True,
-        )
+        write_line(f" > number of parameters on (tensor, pipeline) model parallel rank "
+                   f"({parallel_state.get_tensor_model_parallel_rank()}, "
+                   f"{parallel_state.get_pipeline_model_parallel_rank()}): {count}")
     device = get_device()
     for chunk in model:
         chunk.to(device=device, dtype=args.params_dtype)

@@ -5,6 +5,7 @@ from datetime import datetime
 
 import torch
 
+from megatron.core.console import write_line
 from megatron.training import telemetry_hooks as telemetry
 from megatron.training.global_vars import get_args, get_telemetry, get_tensorboard_writer, get_timers, get_wandb_writer
 from megatron.training.theoretical_memory_usage import report_theoretical_memory
@@ -254,4 +255,4 @@ def _report_memory(iteration, num_microbatches):
     report_theoretical_memory(get_args(), num_microbatches=num_microbatches, verbose=True)
     measured = report_memory(f"{iteration} iterations")
     if measured:
-        print(measured, flush=True)
+        write_line(measured)

@@ -3,6 +3,8 @@ import os
 import sys
 import time
 
+from megatron.core.console import write_line
+
 # How long a rank that leaves the message to rank 0 waits before exiting under a launcher that stops
 # the other ranks as soon as one exits (torchrun; srun with --kill-on-bad-exit): rank 0 must have
 # printed by then.
@@ -64,7 +66,7 @@ def report_and_exit(error: UserInputError):
         if _launcher_stops_other_ranks():
             time.sleep(_SILENT_RANK_GRACE_S)
     else:
-        print(error_line(error), file=sys.stderr, flush=True)
+        write_line(error_line(error), file=sys.stderr)
     sys.exit(error.exit_status)
 
 

@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.collective_device import get_collective_device
+from megatron.core.console import write_line
 
 
 def get_rank() -> int:
@@ -17,15 +18,16 @@ def is_last_rank() -> bool:
 
 
 def print_rank_0(message: str):
-    """Print on global rank 0 only."""
+    """Print ``message`` on global rank 0 only, in one write call (:func:`write_line`)."""
     if get_rank() == 0:
-        print(message, flush=True)
+        write_line(message)
 
 
 def print_rank_last(message: str):
-    """Print on the last global rank only (the rank that holds the loss under pipeline parallelism)."""
+    """Print ``message`` on the last global rank only (the rank that holds the loss under pipeline
+    parallelism), in one write call (:func:`write_line`)."""
     if is_last_rank():
-        print(message, flush=True)
+        write_line(message)
 
 
 def get_device() -> torch.device:
