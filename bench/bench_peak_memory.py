@@ -19,10 +19,17 @@ micro-batch are 8 x 128 x 50,304 x 4 B = 196 MiB, so anything logits- or activat
 keeps shows.
 
 Reported per run and rank (see ``peak_rank.py``): the peak RSS (``VmHWM``) and the heap malloc holds
-between two steps (``mallinfo2``; the median over the steps after the first), then the ranges over
-the repeats and the ratios trainer / plain loop (this checkout's ``GPTModel``) and trainer / baseline.
-Peak RSS, not time, so it can be measured on a shared machine; set one glibc environment for all runs
-(e.g. ``--env MALLOC_ARENA_MAX=2``) when comparing machines.
+between two steps (``mallinfo2``; the median over the steps after the first), with ``--trace-ops`` the
+peak heap in use within a step, then the ranges over the repeats and the ratios of median peak RSS
+trainer / plain loop (this checkout's ``GPTModel``) and trainer / each baseline. Peak RSS, not time,
+so it can be measured on a shared machine.
+
+Reading it: the held and traced figures count live memory only and repeat to a fraction of a MiB;
+the peak RSS also counts freed memory glibc keeps in its heap, which depends on its dynamic mmap
+threshold and varies by +-5 % between runs of the same code. For a comparison of RSS that follows
+the live memory, pin the thresholds for every run: ``--env MALLOC_MMAP_THRESHOLD_=131072 --env
+MALLOC_TRIM_THRESHOLD_=131072`` (the environment of all runs is the same; ``MALLOC_*`` of the
+caller's environment is dropped).
 """
 from __future__ import annotations
 
@@ -47,7 +54,7 @@ def plain_loop(kind: str, iters: int) -> dict:
     import torch.nn as nn
     import torch.nn.functional as F
 
-    from peak_rank import heap_in_use_mib, peak_rss_mib
+    from peak_rank import OpPeakTracer, heap_in_use_mib, peak_rss_mib
 
     torch.manual_seed(1234)
 
@@ -101,8 +108,7 @@ def plain_loop(kind: str, iters: int) -> dict:
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                                   lr=1e-3, betas=(0.9, 0.95))
     generator = torch.Generator().manual_seed(0)
-    held = []
-    for _ in range(iters):
+    def step():
         optimizer.zero_grad(set_to_none=True)
         for _ in range(GBS // MBS):
             chunk = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=generator)
@@ -110,8 +116,17 @@ def plain_loop(kind: str, iters: int) -> dict:
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        held.append(heap_in_use_mib())
-    return {"rank": 0, "held_mib": held, **peak_rss_mib()}
+
+    tracer = OpPeakTracer() if os.environ.get("PEAK_TRACE_OPS", "0") == "1" else None
+    record = {"rank": 0, "held_mib": [], "hwm_after_step_mib": [], "op_peaks": []}
+    for _ in range(iters):
+        if tracer is None:
+            step()
+        else:
+            record["op_peaks"].append(tracer.step(step)[1])
+        record["held_mib"].append(heap_in_use_mib())
+        record["hwm_after_step_mib"].append(peak_rss_mib()["vm_hwm_mib"])
+    return {**record, **peak_rss_mib()}
 
 
 def trainer_flags(iters: int, data: str = MOCK_DATA, num_workers: int = 0) -> list:
@@ -162,6 +177,12 @@ def held_median(record: dict) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def traced_peak(record: dict) -> float:
+    """The highest heap-in-use peak of the traced steps after the first (NaN when not traced)."""
+    peaks = [p["in_use_mib"] for p in record.get("op_peaks", [])[1:]]
+    return max(peaks) if peaks else float("nan")
+
+
 def fmt_range(values) -> str:
     values = [v for v in values if v == v]
     if not values:
@@ -184,6 +205,8 @@ def main() -> None:
     parser.add_argument("--no-plain", action="store_true", help="skip the plain loops")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="extra environment of every run (repeatable), e.g. MALLOC_ARENA_MAX=2")
+    parser.add_argument("--trace-ops", action="store_true", help="also the peak heap in use after each aten op "
+                        "(peak_rank.OpPeakTracer; several times slower, use few --iters)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per run")
     parser.add_argument("--json", help="also write every record to this file")
     parser.add_argument("--plain-loop", choices=["nanogpt", "gptmodel"], help=argparse.SUPPRESS)
@@ -200,6 +223,8 @@ def main() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MEGATRON_OTEL_", "OTEL_", "MALLOC_"))}
     env["OMP_NUM_THREADS"] = "1"
     env.update(item.split("=", 1) for item in args.env)
+    if args.trace_ops:
+        env["PEAK_TRACE_OPS"] = "1"
     flags = trainer_flags(args.iters, args.data, args.num_workers)
     runs = {}  # name -> list over repeats of [record per rank]
     with tempfile.TemporaryDirectory(prefix="peak_refs_") as tmp:
@@ -223,15 +248,17 @@ def main() -> None:
 
     print(f"\npeak memory, {args.iters} iterations, {args.repeats} repeats, data '{args.data}', env "
           f"{' '.join(args.env) or '(glibc defaults)'}, OMP_NUM_THREADS=1")
-    print("| run | rank | peak RSS (VmHWM, MiB) | heap held between steps (MiB) |")
-    print("|---|---|---|---|")
+    print("| run | rank | peak RSS (VmHWM, MiB) | heap held between steps (MiB) | peak heap in use in a step (MiB, "
+          "--trace-ops) |")
+    print("|---|---|---|---|---|")
     peaks = {}
     for name, repeats in runs.items():
         for rank in range(len(repeats[0])):
             hwm = [recs[rank]["vm_hwm_mib"] for recs in repeats]
             held = [held_median(recs[rank]) for recs in repeats]
+            traced = [traced_peak(recs[rank]) for recs in repeats]
             peaks[(name, rank)] = statistics.median(hwm)
-            print(f"| {name} | {rank} | {fmt_range(hwm)} | {fmt_range(held)} |")
+            print(f"| {name} | {rank} | {fmt_range(hwm)} | {fmt_range(held)} | {fmt_range(traced)} |")
     plain = peaks.get(("plain loop, this checkout's GPTModel", 0))
     print("\nratios of median peak RSS")
     for (name, rank), peak in peaks.items():

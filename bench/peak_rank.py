@@ -12,8 +12,11 @@ Recorded, written at exit to ``$PEAK_OUT/rank<R>.json`` (ranks share stdout, whe
 * ``held_mib``: after each ``train_step`` returns (between two steps), the bytes glibc's malloc has
   handed out and not had back (``mallinfo2``: ``uordblks + hblkhd``). Whatever a step leaves alive
   for the next (a loss still holding its graph, logits, saved activations) shows here as a step
-  up from the plain loop's figure, unlike RSS it does not count freed memory the allocator keeps.
-  Empty where ``megatron.training.training.train_step`` does not exist or glibc lacks ``mallinfo2``.
+  up from the plain loop's figure; unlike RSS it does not count freed memory the allocator keeps.
+  ``hwm_after_step_mib``: the peak RSS so far, after each step (where the peak was reached).
+  Both empty where ``megatron.training.training.train_step`` does not exist; NaN without ``mallinfo2``.
+* with ``PEAK_TRACE_OPS=1``, ``op_peaks``: per step, the peak heap in use and peak RSS seen after each
+  aten op (:class:`OpPeakTracer`), with the op and project frames where the heap peaked.
 """
 from __future__ import annotations
 
@@ -66,10 +69,12 @@ def peak_rss_mib() -> dict:
 
 
 class OpPeakTracer:
-    """Heap in use after every aten op (a ``TorchDispatchMode``): the step's peak and the op and Python lines that reached it.
+    """Heap in use and RSS after every aten op of a step (a ``TorchDispatchMode``): the step's peaks and where they were.
 
-    Diagnostic (``PEAK_TRACE_OPS=1``): slows a step down several times. Records, per traced step,
-    ``[peak MiB, op name, innermost project frames]``.
+    Diagnostic (``PEAK_TRACE_OPS=1``; a step runs several times slower). Unlike the peak RSS, the
+    peak of the heap in use does not depend on what the allocator keeps of freed memory, so two
+    commits that hold the same tensors at the same moments give the same figure. The peak inside one
+    op (its temporaries) is not seen, the same for every run.
     """
 
     def __init__(self):
@@ -84,34 +89,33 @@ class OpPeakTracer:
                 return out
 
         self.mode = Mode()
-        self.peak = (0.0, "", [])
-        self.rss_peak = (0.0, 0.0, "")
+        self.peak = {}
 
     def sample(self, op: str) -> None:
-        value = heap_in_use_mib()
+        in_use = heap_in_use_mib()
         with open("/proc/self/statm") as f:
             rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-        if rss > self.rss_peak[0]:
-            self.rss_peak = (rss, value, op)
-        if value > self.peak[0]:
+        if rss > self.peak["rss_mib"]:
+            self.peak.update(rss_mib=rss, in_use_at_rss_peak_mib=in_use)
+        if in_use > self.peak["in_use_mib"]:
             import traceback
 
             frames = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack()[:-2]
                       if "megatron" in f.filename or "pretrain_gpt" in f.filename or "bench_peak" in f.filename]
-            self.peak = (value, op, frames[-6:])
+            self.peak.update(in_use_mib=in_use, op=op, frames=frames[-4:])
 
     def step(self, run):
-        self.peak = (0.0, "", [])
-        self.rss_peak = (0.0, 0.0, "")
+        """``(run(), {"in_use_mib", "op", "frames", "rss_mib", "in_use_at_rss_peak_mib"})`` of one step."""
+        self.peak = {"in_use_mib": 0.0, "op": "", "frames": [], "rss_mib": 0.0, "in_use_at_rss_peak_mib": 0.0}
         with self.mode:
             result = run()
-        return result, list(self.peak) + [list(self.rss_peak)]
+        return result, self.peak
 
 
 def main(argv) -> None:
     script = Path(argv[0]).resolve()
     sys.path.insert(0, str(script.parent))
-    record = {"rank": int(os.environ.get("RANK", "0")), "held_mib": [], "hwm_after_step_mib": []}
+    record = {"rank": int(os.environ.get("RANK", "0")), "held_mib": [], "hwm_after_step_mib": [], "op_peaks": []}
 
     import megatron.training.training as training  # the script's checkout (first on sys.path)
 
@@ -123,7 +127,7 @@ def main(argv) -> None:
                 result = inner(*args, **kwargs)
             else:
                 result, peak = tracer.step(lambda: inner(*args, **kwargs))
-                record.setdefault("op_peaks", []).append(peak)
+                record["op_peaks"].append(peak)
             record["held_mib"].append(heap_in_use_mib())
             record["hwm_after_step_mib"].append(peak_rss_mib()["vm_hwm_mib"])
             return result
