@@ -1,6 +1,7 @@
-"""Benchmark: peak resident memory of each pretrain_gpt.py rank against a plain PyTorch loop of the same model and batch.
+"""Benchmark: peak resident memory of each pretrain_gpt.py rank against a plain PyTorch loop of the same model.
 
-``python bench/bench_peak_memory.py [--iters 40] [--repeats 3] [--ranks 1 2] [--baseline-ref REF ...] [--env NAME=VALUE ...]``
+``python bench/bench_peak_memory.py [--iters 40] [--repeats 3] [--ranks 1 2] [--baseline-ref REF ...]
+[--env NAME=VALUE ...] [--trace-ops] [--data FLAGS] [--num-workers N] [--json FILE]``
 
 In every repeat, one after the other from this process and with the same environment:
 
@@ -26,8 +27,8 @@ so it can be measured on a shared machine.
 
 Reading it: the held and traced figures count live memory only and repeat to a fraction of a MiB;
 the peak RSS also counts freed memory glibc keeps in its heap, which depends on its dynamic mmap
-threshold and varies by +-5 % between runs of the same code. For a comparison of RSS that follows
-the live memory, pin the thresholds for every run: ``--env MALLOC_MMAP_THRESHOLD_=131072 --env
+threshold and varied by up to 8 % between runs of the same code (bench/RESULTS.md). For a comparison
+of RSS that follows the live memory, pin the thresholds for every run: ``--env MALLOC_MMAP_THRESHOLD_=131072 --env
 MALLOC_TRIM_THRESHOLD_=131072`` (the environment of all runs is the same; ``MALLOC_*`` of the
 caller's environment is dropped).
 """

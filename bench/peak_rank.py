@@ -1,4 +1,4 @@
-"""In-rank harness of the peak-memory benchmark: runs a training script in this process and records its peak RSS and the heap held between steps.
+"""In-rank harness of the peak-memory benchmark: runs a training script here; peak RSS, heap held between steps.
 
 Run as a torchrun rank by ``bench_peak_memory.py`` (``python bench/peak_rank.py SCRIPT <flags>``). SCRIPT
 (``pretrain_gpt.py`` of this checkout or of an older one, whose folder comes first on ``sys.path`` and
@@ -50,7 +50,7 @@ _MALLINFO2 = _mallinfo2()
 
 
 def heap_in_use_mib() -> float:
-    """Bytes malloc has handed out and not had back (main and thread arenas plus mmapped blocks), MiB; NaN without mallinfo2."""
+    """Bytes malloc has handed out and not had back (all arenas and mmapped blocks), MiB; NaN without mallinfo2."""
     if _MALLINFO2 is None:
         return float("nan")
     info = _MALLINFO2()
@@ -69,7 +69,7 @@ def peak_rss_mib() -> dict:
 
 
 class OpPeakTracer:
-    """Heap in use and RSS after every aten op of a step (a ``TorchDispatchMode``): the step's peaks and where they were.
+    """Heap in use and RSS after every aten op of a step (a ``TorchDispatchMode``): the step's peaks and where.
 
     Diagnostic (``PEAK_TRACE_OPS=1``; a step runs several times slower). Unlike the peak RSS, the
     peak of the heap in use does not depend on what the allocator keeps of freed memory, so two
