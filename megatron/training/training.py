@@ -186,10 +186,12 @@ def _grad_nan_check(model):
     a finite norm (already read to the host for clipping) proves every local grad finite, and
     the step costs no further host read. Otherwise (no clipping, a non-finite norm, an fp16
     overflow) each chunk reads its buckets' local norms once and the rank whose grads were not
-    finite raises, before the inner optimizer step.
+    finite raises, before the inner optimizer step. Either way the recorded norms are dropped then.
     """
     def check(grad_norm):
         if grad_norm is not None and math.isfinite(grad_norm):
+            for chunk in model:  # decided without them: nothing recorded in backward outlives the step
+                chunk.discard_local_grad_norms()
             return
         for chunk in model:
             chunk.check_for_nan_in_grad()

@@ -203,18 +203,29 @@ class DistributedDataParallel(torch.nn.Module):
         """Raise RuntimeError if a bucket's local grad norm, recorded before its collective, was NaN or Inf.
 
         One host read for all buckets of the step; nothing to read (no error) when no norms were
-        recorded since the last :meth:`zero_grad_buffer` (``check_for_nan_in_grad`` off).
+        recorded since the last :meth:`zero_grad_buffer` (``check_for_nan_in_grad`` off). The norms
+        are dropped once read (:meth:`discard_local_grad_norms`).
         """
         norms = [group.local_grad_norms for group in self.bucket_groups if group.local_grad_norms is not None]
         if not norms:
             return
         values = torch.cat(norms).tolist()
+        self.discard_local_grad_norms()
         if not all(math.isfinite(value) for value in values):
             rank = dist.get_rank() if dist.is_initialized() else 0
             raise RuntimeError(
                 f"Rank {rank}: found NaN or Inf in local grad norm ({values}) in backward pass "
                 f"before data-parallel communication collective"
             )
+
+    def discard_local_grad_norms(self):
+        """Drop the local grad norms recorded for this step once the NaN check has been decided.
+
+        The norms are needed only until then; dropped here, nothing of a step's backward outlives the
+        step (before, they stayed alive until the next :meth:`zero_grad_buffer`).
+        """
+        for group in self.bucket_groups:
+            group.local_grad_norms = None
 
     def scale_gradients(self, scaling_factor: float):
         """Multiply every main_grad by ``scaling_factor`` (used for per-token loss normalisation)."""

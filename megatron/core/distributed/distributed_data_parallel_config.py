@@ -22,7 +22,8 @@ class DistributedDataParallelConfig:
             device, no host read) and raise RuntimeError naming the rank if one is NaN/Inf: in
             ``finish_grad_sync`` (one read per step for all buckets), or when the caller calls
             ``check_for_nan_in_grad`` itself (``defer_nan_check``; the training loop does so only when
-            the clipped grad norm is not finite, before the optimizer step).
+            the clipped grad norm is not finite, before the optimizer step). The norms are dropped once
+            the check is decided (``discard_local_grad_norms``), so none outlives its step.
         bucket_size: elements per bucket; None -> max(40e6, 1e6 * dp) when overlapping, else one bucket.
         average_in_collective: reduce with AVG instead of pre-scaling by 1/dp and SUM
             (``--ddp-average-in-collective``).
