@@ -52,43 +52,14 @@ MOCK_DATA = "--mock-data --tokenizer-type NullTokenizer --vocab-size 50257"
 def plain_loop(kind: str, iters: int) -> dict:
     """One process's plain training loop; returns ``peak_rank``'s record (peak RSS, heap held between steps)."""
     import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
 
     from peak_rank import OpPeakTracer, heap_in_use_mib, peak_rss_mib
 
     torch.manual_seed(1234)
 
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln1, self.ln2 = nn.LayerNorm(HIDDEN), nn.LayerNorm(HIDDEN)
-            self.qkv, self.proj = nn.Linear(HIDDEN, 3 * HIDDEN), nn.Linear(HIDDEN, HIDDEN)
-            self.fc1, self.fc2 = nn.Linear(HIDDEN, 4 * HIDDEN), nn.Linear(4 * HIDDEN, HIDDEN)
-
-        def forward(self, x):  # x: [b, s, h]
-            b, s, h = x.shape
-            q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, HEADS, h // HEADS).permute(2, 0, 3, 1, 4)
-            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + self.proj(att.transpose(1, 2).reshape(b, s, h))
-            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-    class GPT(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.wte, self.wpe = nn.Embedding(VOCAB, HIDDEN), nn.Embedding(SEQ, HIDDEN)
-            self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-            self.ln_f = nn.LayerNorm(HIDDEN)
-            for p in self.parameters():
-                if p.dim() > 1:
-                    nn.init.normal_(p, std=0.02)
-
-        def forward(self, tokens, labels):
-            x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1]))
-            for block in self.blocks:
-                x = block(x)
-            logits = self.ln_f(x) @ self.wte.weight.t()
-            return F.cross_entropy(logits.view(-1, VOCAB), labels.reshape(-1))
+    def GPT():  # the nanoGPT-style reference model (bench/nanogpt_model.py)
+        from nanogpt_model import build_nanogpt
+        return build_nanogpt(LAYERS, HIDDEN, HEADS, SEQ, VOCAB)
 
     if kind == "gptmodel":
         from megatron.core.models.gpt import GPTModel
