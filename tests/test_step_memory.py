@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from dist_utils import single_rank_process_group
+from test_host_syncs import _Net  # the two-parameter module the deferred NaN check is tested on
 
 
 @pytest.fixture
@@ -42,19 +43,6 @@ class _CreatedTensors(TorchDispatchMode):
     def alive(self):
         gc.collect()
         return [(func, shape) for ref, func, shape in self.refs if ref() is not None]
-
-
-class _Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        from megatron.core.model_parallel_config import ModelParallelConfig
-
-        self.config = ModelParallelConfig()
-        self.a = torch.nn.Parameter(torch.ones(3))
-        self.b = torch.nn.Parameter(torch.ones(2))
-
-    def forward(self, x):
-        return (self.a * x).sum() + (self.b * x).sum()
 
 
 def _deferred_check_setup(module, clip_grad, overlap, bucket_size=None):
