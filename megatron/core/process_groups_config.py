@@ -1,4 +1,4 @@
-"""The process groups a model communicates over (Megatron core_v0.14's ModelCommProcessGroups) and their check against its config.
+"""The process groups a model uses (Megatron core_v0.14's ModelCommProcessGroups) and their check against its config.
 
 ``ModelCommProcessGroups.use_mpu_process_groups()`` is a view of the groups ``parallel_state`` built;
 ``GPTModel(..., model_comm_pgs=None)`` takes that default. The layers still read ``parallel_state``,

@@ -287,7 +287,7 @@ def _group_steps(optimizer) -> List[Optional[float]]:
 
 
 def optimizer_common_state(optimizer) -> Dict:
-    """The optimizer's unsharded state as Megatron core_v0.14 puts it into ``common.pt``.
+    """The optimizer's unsharded state as Megatron core_v0.14 puts it into a torch_dist checkpoint's common state.
 
     Param groups without ``params``; Adam's step as ``state.common_step`` (plain optimizer),
     ``optimizer.state.common_step`` (fp16/bf16 wrapper, beside ``grad_scaler``) or as each group's
@@ -312,7 +312,7 @@ def optimizer_common_state(optimizer) -> Dict:
 
 
 def content_metadata(distributed_optimizer: bool) -> Dict:
-    """``common.pt``'s ``content_metadata``: what Megatron-LM core_v0.14's ``save_checkpoint`` records
+    """The common state's ``content_metadata``: what Megatron-LM core_v0.14's ``save_checkpoint`` records
     (``_build_sharded_state_dict_metadata``) and its ``load_checkpoint`` builds the sharded state dict
     from. Without it Megatron assumes the ``dp_zero_gather_scatter`` distributed-optimizer layout,
     which this project never writes; with it, the ``fully_sharded_model_space`` layout written here."""
