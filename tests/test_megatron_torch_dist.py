@@ -258,12 +258,14 @@ def _save_old_swiglu_layout_then_load(rank, world, ckpt_dir):
     fc1 = "decoder.layers.mlp.linear_fc1"
     assert new_shapes[f"optimizer.state.exp_avg.{fc1}.weight"] == (2, 2, 1, 64 * 32)
     assert new_shapes[f"optimizer.state.exp_avg.{fc1}.bias"] == (2, 2, 64)
-    layout = mo._layout
+    from megatron.core.models.gpt import checkpoint_keys  # where _layout lives since the split
+
+    layout = checkpoint_keys._layout
     try:  # the earlier layout: no fragments at TP 1
-        mo._layout = lambda tensor: mo.TPLayout(tuple(tensor.shape), None, 1, 0, 1)
+        checkpoint_keys._layout = lambda tensor: mo.TPLayout(tuple(tensor.shape), None, 1, 0, 1)
         old = mo.model_sharded_state([model]) + mo.optimizer_sharded_state([model], optimizer)
     finally:
-        mo._layout = layout
+        checkpoint_keys._layout = layout
     assert {item.global_shape for item in old if item.key == f"optimizer.state.exp_avg.{fc1}.weight"} == \
         {(2, 1, 1, 2 * 64 * 32)}
     serialization.save(old, ckpt_dir)

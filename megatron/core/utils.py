@@ -44,13 +44,6 @@ def get_model_config(model: Any):
     return get_attr_wrapped_model(model, "config", allow_none=False)
 
 
-def _wrapper_classes() -> Tuple[Type, ...]:
-    # Imported lazily because megatron.core.distributed imports this module.
-    from megatron.core.distributed import DistributedDataParallel
-
-    return (DistributedDataParallel, torch.nn.parallel.DistributedDataParallel)
-
-
 def unwrap_model(
     model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
     module_instances: Optional[Tuple[Type, ...]] = None,
@@ -59,17 +52,17 @@ def unwrap_model(
 
     Args:
         model: one module or a list of model chunks.
-        module_instances: wrapper classes to strip. Default: Megatron's DistributedDataParallel,
-            torch's DistributedDataParallel, and any other object exposing a ``.module`` attribute
-            (e.g. Float16Module).
+        module_instances: wrapper classes to strip. Default: any object whose ``.module`` is a
+            ``torch.nn.Module``, i.e. Megatron's and torch's DistributedDataParallel, Float16Module
+            and any other wrapper (matched by that attribute rather than by class, so this module
+            needs no import of megatron.core.distributed, which imports it).
     """
     return_list = isinstance(model, (list, tuple))
     chunks = list(model) if return_list else [model]
     unwrapped = []
     for chunk in chunks:
         if module_instances is None:
-            wrappers = _wrapper_classes()
-            while isinstance(chunk, wrappers) or isinstance(getattr(chunk, "module", None), torch.nn.Module):
+            while isinstance(getattr(chunk, "module", None), torch.nn.Module):
                 chunk = chunk.module
         else:
             while isinstance(chunk, tuple(module_instances)):

@@ -4,6 +4,7 @@ import sys
 import time
 
 from megatron.core.console import write_line
+from megatron.core.process_groups_config import ParallelConfigMismatchError
 
 # How long a rank that leaves the message to rank 0 waits before exiting under a launcher that stops
 # the other ranks as soon as one exits (torchrun; srun with --kill-on-bad-exit): rank 0 must have
@@ -53,6 +54,11 @@ def _leaves_message_to_rank_0(error: BaseException) -> bool:
             and os.environ.get("RANK", "0") != "0")
 
 
+# Errors printed as one line: the user's input, and core's user-facing configuration errors (core
+# cannot derive from UserInputError, which lives above it; they carry the same two attributes).
+REPORTED_AS_ONE_LINE = (UserInputError, ParallelConfigMismatchError)
+
+
 def report_and_exit(error: UserInputError):
     """Print ``error`` as one line (once, by rank 0, when every rank raises it alike) and exit.
 
@@ -71,12 +77,13 @@ def report_and_exit(error: UserInputError):
 
 
 def run_reporting_user_errors(main, *args, **kwargs):
-    """Call ``main(*args, **kwargs)``; a ``UserInputError`` becomes one line on stderr and ``sys.exit``.
+    """Call ``main(*args, **kwargs)``; a ``UserInputError`` (or another of ``REPORTED_AS_ONE_LINE``, e.g. a
+    model whose config disagrees with its process groups) becomes one line on stderr and ``sys.exit``.
 
     Raises:
-        SystemExit: with the error's ``exit_status`` after a ``UserInputError``.
+        SystemExit: with the error's ``exit_status`` after one of ``REPORTED_AS_ONE_LINE``.
     """
     try:
         return main(*args, **kwargs)
-    except UserInputError as error:
+    except REPORTED_AS_ONE_LINE as error:
         report_and_exit(error)

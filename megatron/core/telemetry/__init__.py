@@ -1,8 +1,8 @@
 """OpenTelemetry traces, metrics and logs for Megatron training that cost nothing when off.
 
 Importable without the OpenTelemetry packages: only ``providers`` imports the SDK, and only on a
-rank that exports. Layers: ``config`` -> ``groups``/``span_groups`` -> ``strategies``/``sampling`` ->
-``resources`` -> ``providers`` -> ``handle``; instrumented code uses ``helpers``.
+rank that exports. Layers, each importing only earlier ones: ``groups``/``span_groups``, ``otlp_env``,
+``strategies``, ``providers``, ``sampling``, ``config``, ``resources``, ``handle``; instrumented code uses ``helpers``.
 """
 from .args_integration import (
     build_otel_worker_bootstrap,

@@ -4,11 +4,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 from typing import Dict, FrozenSet, Mapping, Optional, Tuple
 
 from .groups import SpanGroup
+# The OTLP environment checks and the sampler switch live beside their users (providers, the two
+# registries) so that those import nothing from here; re-exported because callers know them here.
+from .otlp_env import OTLP_HEADER_VARIABLES, OTLP_PROTOCOLS, check_otlp_headers, otlp_headers_problem, otlp_protocol
+from .sampling import registered_sampling_strategies
 from .span_groups import MegatronSpanGroup
+from .strategies import effective_sampling_strategy, registered_rank_strategies
 
 __all__ = ["TelemetryConfig", "effective_sampling_strategy", "parse_bool", "otlp_protocol", "otlp_headers_problem",
            "check_otlp_headers", "EXPORTERS", "OTLP_PROTOCOLS", "OTLP_HEADER_VARIABLES"]
@@ -16,7 +20,6 @@ __all__ = ["TelemetryConfig", "effective_sampling_strategy", "parse_bool", "otlp
 EXPORTERS: Tuple[str, ...] = ("otlp", "console")
 # MEGATRON_OTEL_METRICS_EXPORTER: empty = the EXPORTER's; "prometheus" = a pull endpoint on each exporting rank.
 METRICS_EXPORTERS: Tuple[str, ...] = ("", "otlp", "console", "prometheus")
-OTLP_PROTOCOLS: Tuple[str, ...] = ("grpc", "http/protobuf")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -32,84 +35,6 @@ def parse_bool(value: str, name: str) -> bool:
     if token in _FALSE:
         return False
     raise ValueError(f"{name}={value!r} is not a boolean; valid choices: 1/0, true/false, yes/no, on/off")
-
-
-def otlp_protocol(signal: str, environ: Optional[Mapping[str, str]] = None) -> str:
-    """OTLP transport for ``signal`` (``traces``/``metrics``/``logs``): ``OTEL_EXPORTER_OTLP_<SIGNAL>_PROTOCOL``,
-    else ``OTEL_EXPORTER_OTLP_PROTOCOL``, else ``grpc`` (the Python SDK's default).
-
-    Raises ``ValueError`` naming the variable and the valid choices for any other value.
-    """
-    env = os.environ if environ is None else environ
-    for name in (f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
-        value = (env.get(name) or "").strip()
-        if value:
-            if value.lower() not in OTLP_PROTOCOLS:
-                raise ValueError(f"{name}={value!r} is not supported; valid choices: {', '.join(OTLP_PROTOCOLS)}")
-            return value.lower()
-    return "grpc"
-
-
-OTLP_HEADER_VARIABLES: Tuple[str, ...] = ("OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACES_HEADERS",
-                                          "OTEL_EXPORTER_OTLP_METRICS_HEADERS", "OTEL_EXPORTER_OTLP_LOGS_HEADERS")
-# The OTLP exporter specification's header list: comma-separated name=value entries (W3C Baggage
-# syntax), blanks and tabs allowed around names, values and commas. A name is an HTTP token; a
-# value may hold spaces (the Python SDK's liberal reading) but no control, non-ASCII, '"', ',', ';'
-# or '\\' character, which must be percent-encoded.
-_HEADER_DELIMITER = re.compile(r"[ \t]*,[ \t]*")
-_HEADER_NAME_CHARS = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
-_HEADER_VALUE_FORBIDDEN = frozenset('",;\\')
-
-
-def _describe_character(char: str) -> str:
-    """A character of a header, named without revealing anything of a secret around it."""
-    if ord(char) > 0x7E:
-        return "a non-ASCII character" if ord(char) > 0x7F else "a control character (U+007F)"
-    if ord(char) < 0x20:
-        return f"a control character (U+{ord(char):04X})"
-    return "a space" if char == " " else repr(char)
-
-
-def otlp_headers_problem(value: str) -> Optional[str]:
-    """What is wrong with an ``OTEL_EXPORTER_OTLP_*HEADERS`` value, or ``None`` when the SDK reads it whole.
-
-    The answer names the entry (1-based) and the kind of fault, never any part of the value:
-    headers carry credentials. An empty value or empty entries (``a=1,,b=2``) are fine: the SDK
-    skips them.
-    """
-    for number, entry in enumerate(_HEADER_DELIMITER.split(value), start=1):
-        if not entry:
-            continue
-        entry = entry.strip()
-        if not entry:  # e.g. a newline between commas: the SDK reports it
-            return f"entry {number} is blank"
-        if "=" not in entry:
-            return f"entry {number} has no '=' (expected name=value)"
-        name, header_value = (part.strip(" \t") for part in entry.split("=", 1))
-        if not name:
-            return f"entry {number} has no name before '='"
-        for char in name:
-            if char not in _HEADER_NAME_CHARS:
-                return f"entry {number}: the name holds {_describe_character(char)}, which a header name cannot"
-        for char in header_value:
-            if not " " <= char <= "~" or char in _HEADER_VALUE_FORBIDDEN:
-                return f"entry {number}: the value holds {_describe_character(char)}, which must be percent-encoded"
-    return None
-
-
-def check_otlp_headers(environ: Optional[Mapping[str, str]] = None) -> None:
-    """Check every set ``OTEL_EXPORTER_OTLP_HEADERS`` / ``_TRACES_`` / ``_METRICS_`` / ``_LOGS_HEADERS``.
-
-    Raises ``ValueError`` naming the variable and what is wrong (see ``otlp_headers_problem``),
-    without its value, so that the SDK, which prints a malformed value whole, never receives it.
-    """
-    env = os.environ if environ is None else environ
-    for name in OTLP_HEADER_VARIABLES:
-        problem = otlp_headers_problem(env.get(name) or "")
-        if problem is not None:
-            raise ValueError(f"{name} is malformed: {problem}; write comma-separated name=value pairs with "
-                             "characters such as quotes or semicolons percent-encoded, e.g. x-api-key=abc%3Bdef "
-                             "(the value is not shown: it may hold a credential)")
 
 
 def _parse_int(value: str, name: str) -> int:
@@ -137,18 +62,6 @@ def _check_sample_rate(rate, source: str) -> None:
         ok = False
     if not ok:
         raise ValueError(f"{source}={rate!r} is outside [0, 1]")
-
-
-def effective_sampling_strategy(config) -> str:
-    """The SDK-level sampling strategy ``config`` asks for, lower case, ``""`` for none (the SDK's own
-    ``OTEL_TRACES_SAMPLER``): ``sampler_enabled`` False (nemo-lens's ``SAMPLER_ENABLED=0``) means none
-    whatever ``sampling_strategy`` says; True with no strategy named means ``rank_aware``; unset leaves
-    it to ``sampling_strategy``."""
-    switch = getattr(config, "sampler_enabled", None)
-    if switch is False:
-        return ""
-    name = (getattr(config, "sampling_strategy", "") or "").strip().lower()
-    return name or ("rank_aware" if switch else "")
 
 
 @dataclasses.dataclass
@@ -289,9 +202,6 @@ class TelemetryConfig:
         or a malformed ``OTEL_EXPORTER_OTLP_*HEADERS`` (named, its value never shown).
         Returns ``self``.
         """
-        from .sampling import registered_sampling_strategies
-        from .strategies import registered_rank_strategies
-
         if not 0.0 <= float(self.export_sample_rate) <= 1.0:
             raise ValueError(
                 f"{self._source('export_sample_rate')}={self.export_sample_rate!r} is outside [0, 1]"

@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace import sampling as otel_sampling
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID
 
-from .config import check_otlp_headers, otlp_protocol
+from .otlp_env import check_otlp_headers, otlp_protocol
 from .metric_reader import LogIntervalMetricReader, export_interval_ms
 
 __all__ = ["PrivateIdGenerator", "start_span_with_ids", "OpenSpanTracker", "Providers", "build_providers", "shutdown_providers",

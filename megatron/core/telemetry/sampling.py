@@ -4,8 +4,7 @@ from __future__ import annotations
 import threading
 from typing import Callable, Dict, Tuple
 
-from .config import effective_sampling_strategy
-from .strategies import rank_sample_fraction
+from .strategies import effective_sampling_strategy, rank_sample_fraction
 
 __all__ = [
     "register_sampling_strategy", "unregister_sampling_strategy", "registered_sampling_strategies",

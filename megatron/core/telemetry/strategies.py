@@ -6,13 +6,25 @@ import os
 import threading
 from typing import Callable, Dict, Optional, Tuple
 
-from .config import effective_sampling_strategy
-
 __all__ = [
     "RankStrategyFn", "register_rank_strategy", "register_export_strategy", "unregister_rank_strategy",
     "registered_rank_strategies", "get_rank_strategy", "should_export", "rank_sample_fraction",
-    "node_local_rank", "BUILTIN_RANK_STRATEGIES", "lowest_exporting_rank",
+    "node_local_rank", "BUILTIN_RANK_STRATEGIES", "lowest_exporting_rank", "effective_sampling_strategy",
 ]
+
+
+# Here, not in config, because both this module and sampling need it and config imports both.
+def effective_sampling_strategy(config) -> str:
+    """The SDK-level sampling strategy ``config`` asks for, lower case, ``""`` for none (the SDK's own
+    ``OTEL_TRACES_SAMPLER``): ``sampler_enabled`` False (nemo-lens's ``SAMPLER_ENABLED=0``) means none
+    whatever ``sampling_strategy`` says; True with no strategy named means ``rank_aware``; unset leaves
+    it to ``sampling_strategy``."""
+    switch = getattr(config, "sampler_enabled", None)
+    if switch is False:
+        return ""
+    name = (getattr(config, "sampling_strategy", "") or "").strip().lower()
+    return name or ("rank_aware" if switch else "")
+
 
 # fn(config, rank, world_size) -> bool
 RankStrategyFn = Callable[[object, int, int], bool]

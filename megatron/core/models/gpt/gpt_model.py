@@ -9,6 +9,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.collective_device import get_collective_device
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.process_groups_config import ModelCommProcessGroups, check_parallel_config
 from megatron.core.telemetry import managed_span
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.rotary_pos_embedding import RotaryEmbedding
@@ -48,8 +49,13 @@ class GPTModel(MegatronModule):
         rope_scaling_factor: float = 8.0,
         seq_len_interpolation_factor: Optional[float] = None,
         vp_stage: Optional[int] = None,
+        model_comm_pgs: Optional[ModelCommProcessGroups] = None,
     ):
         super().__init__(config)
+        if model_comm_pgs is None:
+            model_comm_pgs = ModelCommProcessGroups.use_mpu_process_groups()
+        check_parallel_config(config, model_comm_pgs)
+        self.model_comm_pgs = model_comm_pgs
         if position_embedding_type not in _POSITION_EMBEDDING_TYPES:
             raise ValueError(
                 f"position_embedding_type must be one of {_POSITION_EMBEDDING_TYPES}, got {position_embedding_type!r}"

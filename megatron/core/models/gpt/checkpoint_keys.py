@@ -1,0 +1,249 @@
+"""The GPT model's torch_dist checkpoint keys (Megatron-LM core_v0.14's layout) and its sharded state.
+
+Keys (the layout ``megatron.core`` 0.14 writes for a local-spec GPT, docs/megatron-checkpoints.md):
+a model tensor's key is its module state-dict name; a transformer layer's tensors are stacked over
+the layers under one key with a leading layer axis of size ``num_layers``
+(``decoder.layers.self_attention.linear_qkv.weight`` of global shape ``[num_layers, 3h, h]``), each
+pipeline stage (and interleaved chunk) writing the slices of its global layer indices; the layer
+norms take the local spec's checkpoint names (``input_layernorm.*`` ->
+``self_attention.linear_qkv.layer_norm_*``, ``pre_mlp_layernorm.*`` -> ``mlp.linear_fc1.layer_norm_*``);
+a layer's linear ``_extra_state`` is a pickled object under
+``decoder.layers.<module>._extra_state/shard_<layer>_<num_layers>``; the last stage's tied output
+weight is a replica of ``embedding.word_embeddings.weight``. Model tensors are global, so a load
+reshards them. Checkpoints of this project's earlier per-layer layout (``decoder.layers.<i>.<name>``,
+``optimizer.state.<key>.<name>``) load too.
+
+The optimizer's tensors, keyed after these (``optimizer.state.<name>.<model key>``), are in
+:mod:`megatron.core.dist_checkpointing.optimizer`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import re
+from typing import Dict, List, Optional
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.mapping import (
+    ShardedObject,
+    ShardedTensor,
+    TPLayout,
+    sharded_tensors_of_local,
+)
+
+VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+# Optimizer keys are a model key behind this prefix; here because is_per_layer_layout reads both kinds.
+OPTIMIZER_PREFIX = "optimizer.state."
+LAYER_PREFIX = "decoder.layers."
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+# Local-spec layer norms under the names Megatron's checkpoints give them (fused-norm style).
+_NORM_NAMES = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+               ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
+
+
+def checkpoint_layer_name(name: str) -> str:
+    """A layer-relative module state-dict name -> its checkpoint name (``input_layernorm.weight`` ->
+    ``self_attention.linear_qkv.layer_norm_weight``); other names are unchanged."""
+    for module_prefix, ckpt_prefix in _NORM_NAMES:
+        if name.startswith(module_prefix):
+            return ckpt_prefix + name[len(module_prefix):]
+    return name
+
+
+def module_layer_name(name: str) -> str:
+    """Inverse of :func:`checkpoint_layer_name`."""
+    for module_prefix, ckpt_prefix in _NORM_NAMES:
+        if name.startswith(ckpt_prefix):
+            return module_prefix + name[len(ckpt_prefix):]
+    return name
+
+
+def is_per_layer_layout(keys) -> bool:
+    """Whether checkpoint ``keys`` use this project's earlier per-layer layout (``decoder.layers.<i>.``)."""
+    return any(_LAYER.match(key) or (key.startswith(OPTIMIZER_PREFIX) and _LAYER.match(key[len(OPTIMIZER_PREFIX):]))
+               for key in keys)
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    while isinstance(getattr(chunk, "module", None), torch.nn.Module):
+        chunk = chunk.module
+    return chunk
+
+
+def _layer_numbers(chunk: torch.nn.Module) -> Dict[int, int]:
+    """{local layer index: 0-based global layer index} of this chunk's decoder."""
+    layers = getattr(getattr(chunk, "decoder", None), "layers", None)
+    if layers is None:
+        return {}
+    return {index: int(getattr(layer, "layer_number", index + 1)) - 1 for index, layer in enumerate(layers)}
+
+
+def _num_layers(chunk: torch.nn.Module) -> int:
+    config = getattr(chunk, "config", None) or getattr(getattr(chunk, "decoder", None), "config", None)
+    return int(config.num_layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class EntryKey:
+    """Where a model state-dict entry lives in the checkpoint.
+
+    ``key``: the checkpoint key (layer entries: without layer index); ``layer``: 0-based global
+    layer index (None outside the decoder layers); ``num_layers``: size of the stacked layer axis;
+    ``replica``: a copy another rank saves; ``legacy``: the earlier per-layer layout's key.
+    """
+
+    key: str
+    layer: Optional[int]
+    num_layers: int
+    replica: bool
+    legacy: str
+
+
+def entry_key(chunk: torch.nn.Module, name: str, numbers: Optional[Dict[int, int]] = None) -> EntryKey:
+    """The :class:`EntryKey` of state-dict entry ``name`` of the (unwrapped) model chunk ``chunk``."""
+    numbers = _layer_numbers(chunk) if numbers is None else numbers
+    match = _LAYER.match(name)
+    if match is not None:
+        layer, rest = numbers[int(match.group(1))], name[match.end():]
+        return EntryKey(LAYER_PREFIX + checkpoint_layer_name(rest), layer, _num_layers(chunk), False,
+                        f"{LAYER_PREFIX}{layer}.{rest}")
+    if (name == "output_layer.weight" and getattr(chunk, "share_embeddings_and_output_weights", False)
+            and not getattr(chunk, "pre_process", True)):
+        # Tied weights over pipeline stages: the last stage holds a synchronized copy of the first
+        # stage's embedding, which the first stage saves.
+        name = "embedding.word_embeddings.weight"
+        return EntryKey(name, None, 0, True, name)
+    return EntryKey(name, None, 0, False, name)
+
+
+def _layout(tensor: torch.Tensor) -> TPLayout:
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    stride = int(getattr(tensor, "partition_stride", 1))
+    # A strided split (the gated MLP's fc1, weight and bias: [gate; up]) keeps its pieces even at TP 1:
+    # Megatron's apply_swiglu_sharded_factory cuts fc1 into gate and up at any TP size, so its
+    # distributed-optimizer tensors have 2 * TP fragments along that dimension ([L, 2, 1, ffn * h] at TP 1).
+    if getattr(tensor, "tensor_model_parallel", False) and (tp_size > 1 or stride > 1):
+        dim = int(getattr(tensor, "partition_dim", 0))
+        return TPLayout(tuple(tensor.shape), dim, stride, tp_rank, tp_size)
+    return TPLayout(tuple(tensor.shape), None, 1, tp_rank, tp_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamInfo:
+    """A parameter's :class:`EntryKey`, tensor-parallel layout and whether its dimension 0 is the padded vocabulary."""
+
+    entry: EntryKey
+    layout: TPLayout
+    vocab: bool
+
+
+def param_keys_and_layouts(model_chunks) -> Dict[torch.Tensor, ParamInfo]:
+    """{parameter: :class:`ParamInfo`} over all chunks."""
+    out = {}
+    for chunk in model_chunks:
+        chunk = _unwrap(chunk)
+        numbers = _layer_numbers(chunk)
+        for name, param in chunk.named_parameters():
+            entry = entry_key(chunk, name, numbers)
+            out.setdefault(param, ParamInfo(entry, _layout(param), entry.key in VOCAB_KEYS))
+    return out
+
+
+def stack_layer_axis(items: List[ShardedTensor], entry: EntryKey, legacy: bool = False) -> List[ShardedTensor]:
+    """Give layer entries their leading layer axis (a view: ``data.unsqueeze(0)``)."""
+    if entry.layer is None or legacy:
+        return items
+    return [ShardedTensor(item.key, item.data.unsqueeze(0), (entry.num_layers, *item.global_shape),
+                          (entry.layer, *item.global_offset), item.allow_shape_mismatch, item.replica)
+            for item in items]
+
+
+def _model_key(entry: EntryKey, legacy: bool) -> str:
+    return entry.legacy if legacy else entry.key
+
+
+def extra_state_bytes(value) -> bytes:
+    """Megatron's serialized ``_extra_state`` object: ``torch.save([value])``."""
+    buffer = io.BytesIO()
+    torch.save([value], buffer)
+    return buffer.getvalue()
+
+
+def rng_state_object(rng_state) -> ShardedObject:
+    """This rank's RNG states (``get_rng_state()``'s list) as Megatron's ``rng_state`` ShardedObject:
+    key ``rng_state/shard_<pp rank>.<tp rank>_<pp size>.<tp size>``, written by data-parallel rank 0."""
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    return ShardedObject(f"rng_state/shard_{pp_rank}.{tp_rank}_{pp_size}.{tp_size}",
+                         extra_state_bytes(rng_state),
+                         replica=parallel_state.get_data_parallel_rank() != 0)
+
+
+def model_sharded_state(model_chunks, legacy: bool = False, with_objects: bool = False) -> List:
+    """Every tensor of the state dicts of ``model_chunks`` (wrapped or not) as sharded tensors (views).
+
+    ``legacy``: the earlier per-layer keys; ``with_objects``: also the layers' ``_extra_state``
+    entries as :class:`ShardedObject` (saved for Megatron's loader, never read back).
+    """
+    out = []
+    for chunk in model_chunks:
+        chunk = _unwrap(chunk)
+        numbers = _layer_numbers(chunk)
+        for name, tensor in chunk.state_dict(keep_vars=True).items():
+            entry = entry_key(chunk, name, numbers)
+            if name.endswith("._extra_state"):
+                if with_objects and entry.layer is not None and not legacy:
+                    out.append(ShardedObject(f"{entry.key}/shard_{entry.layer}_{entry.num_layers}",
+                                             extra_state_bytes(tensor)))
+                continue
+            if tensor is None:
+                continue
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"model state {name!r} is a {type(tensor).__name__}, not a tensor: the torch_dist "
+                                "format stores tensors only")
+            items = sharded_tensors_of_local(_model_key(entry, legacy), tensor.detach(), _layout(tensor),
+                                             entry.key in VOCAB_KEYS, entry.replica)
+            out.extend(stack_layer_axis(items, entry, legacy))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Whole tensors (one process, e.g. tools/checkpoint/convert.py)
+# ---------------------------------------------------------------------------------------------------
+
+def stack_layers(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Whole per-layer state-dict tensors (``decoder.layers.<i>.<name>``) -> checkpoint keys and tensors,
+    each layer entry stacked over all layers (``[num_layers, ...]``). Raises ValueError when a layer
+    entry is missing from some layer."""
+    out, layered = {}, {}
+    for name, tensor in tensors.items():
+        match = _LAYER.match(name)
+        if match is None:
+            out[name] = tensor
+        else:
+            layered.setdefault(LAYER_PREFIX + checkpoint_layer_name(name[match.end():]), {})[int(match.group(1))] = \
+                tensor
+    num_layers = max((max(by_layer) + 1 for by_layer in layered.values()), default=0)
+    for key, by_layer in layered.items():
+        if sorted(by_layer) != list(range(num_layers)):
+            raise ValueError(f"{key}: present in layers {sorted(by_layer)} of {num_layers}")
+        out[key] = torch.stack([by_layer[i] for i in range(num_layers)])
+    return out
+
+
+def unstack_layers(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Inverse of :func:`stack_layers` (per-layer names pass through unchanged)."""
+    out = {}
+    for key, tensor in tensors.items():
+        if key.startswith(LAYER_PREFIX) and not _LAYER.match(key):
+            rest = module_layer_name(key[len(LAYER_PREFIX):])
+            for i in range(tensor.shape[0]):
+                out[f"{LAYER_PREFIX}{i}.{rest}"] = tensor[i]
+        else:
+            out[key] = tensor
+    return out
