@@ -9,9 +9,18 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.console import write_line
-from megatron.core.datasets.utils import parse_and_normalize_split
-# Re-exported: Megatron-LM callers import it from here (it moved to argument_utils, as in Megatron-LM HEAD).
-from megatron.training.argument_utils import core_transformer_config_from_args
+# core_transformer_config_from_args is re-exported: Megatron-LM callers import it from here (it moved to
+# argument_utils, as in Megatron-LM HEAD); the per-config rules live in the configs' validate().
+from megatron.training.argument_utils import (
+    checkpoint_config_from_args,
+    core_transformer_config_from_args,
+    data_config_from_args,
+    logger_config_from_args,
+    rng_config_from_args,
+    scheduler_config_from_args,
+    training_config_from_args,
+)
+from megatron.training.config.training_config import non_directory_ancestor
 from megatron.training.tokenizer import add_tokenizer_args
 from megatron.training.user_errors import UserInputError, report_and_exit
 
@@ -583,7 +592,7 @@ def validate_args(args, defaults={}):
     _validate_model(args)
     _validate_pipeline(args)
     _validate_checkpointing(args)
-    _validate_wandb(args)
+    logger_config_from_args(args).validate(save=args.save)  # --wandb-*
     _validate_misc(args)
 
     # The run counters (iteration, consumed samples, FLOPs) are not args: the training loop owns them
@@ -737,23 +746,11 @@ def _validate_parallel_sizes(args):
 
 
 def _validate_data_sources(args):
-    sources = [name for name, used in (
-        ("--data-path", bool(args.data_path)),
-        ("--mock-data", bool(args.mock_data)),
-        ("--train-data-path/--valid-data-path/--test-data-path",
-         any([args.train_data_path, args.valid_data_path, args.test_data_path])),
-    ) if used]
-    _require(len(sources) <= 1, f"a single data source must be given, got {' and '.join(sources)}")
+    data_config_from_args(args).validate()  # one source, a --split that parses, builder threads > 0
     if args.data_path and args.split is None:
         args.split = "969, 30, 1"
         _print_rank_0(args, "WARNING: Please specify --split when using --data-path. "
                             f'Using legacy default value of "{args.split}"')
-    if args.split is not None:
-        # Parsed here, once, so that a malformed --split stops the run with one line (rank 0) before any rank
-        # builds a dataset; the datasets parse the same string again.
-        parse_and_normalize_split(args.split)  # ValueError naming --split and the value
-    _require(args.num_dataset_builder_threads > 0,
-             f"--num-dataset-builder-threads must be > 0, got {args.num_dataset_builder_threads}")
     if args.dataloader_type is None:
         args.dataloader_type = "single"
 
@@ -809,22 +806,6 @@ def _validate_rampup_batch_size(args):
         args.decrease_batch_size_if_needed, -1, start, increment, samples)
 
 
-def _validate_wandb(args):
-    """``--wandb-*``: the package must be importable and the run named; the other two need --wandb-project."""
-    if not args.wandb_project:
-        for flag, value in (("--wandb-exp-name", args.wandb_exp_name), ("--wandb-save-dir", args.wandb_save_dir)):
-            _require(not value, f"{flag} needs --wandb-project (without it nothing is logged to Weights & Biases)")
-        return
-    try:
-        import wandb  # noqa: F401
-    except ImportError:
-        raise ValueError("--wandb-project needs the wandb package, which is not installed: pip install wandb "
-                         "(or remove --wandb-project/--wandb-exp-name/--wandb-save-dir)") from None
-    _require(bool(args.wandb_exp_name), "--wandb-project needs --wandb-exp-name (the Weights & Biases run name)")
-    _require(bool(args.wandb_save_dir or args.save),
-             "--wandb-project needs --wandb-save-dir or --save (W&B files go to <--save>/wandb by default)")
-
-
 def _validate_precision(args):
     _require(not (args.fp16 and args.bf16), "--fp16 and --bf16 are mutually exclusive; give at most one")
     args.params_dtype = torch.float
@@ -851,54 +832,10 @@ def _validate_precision(args):
 
 
 def _validate_schedule(args):
-    _require((args.train_iters is None) != (args.train_samples is None),
-             "exactly one of --train-iters and --train-samples must be given "
-             f"(got --train-iters {args.train_iters}, --train-samples {args.train_samples})")
-    if args.train_iters is not None:
-        _require(args.lr_decay_samples is None, "--lr-decay-samples needs sample-based training (--train-samples); "
-                                                "use --lr-decay-iters with --train-iters")
-        _require(args.lr_warmup_samples == 0, "--lr-warmup-samples needs sample-based training (--train-samples); "
-                                              "use --lr-warmup-iters with --train-iters")
-        _require(args.lr_wsd_decay_samples is None, "--lr-wsd-decay-samples needs sample-based training; "
-                                                    "use --lr-wsd-decay-iters with --train-iters")
-        if args.lr_warmup_fraction is not None:
-            _require(args.lr_warmup_iters == 0, "can only specify one of --lr-warmup-fraction and --lr-warmup-iters")
-    else:
-        _require(args.lr_decay_iters is None, "--lr-decay-iters needs iteration-based training (--train-iters); "
-                                              "use --lr-decay-samples with --train-samples")
-        _require(args.lr_warmup_iters == 0, "--lr-warmup-iters needs iteration-based training (--train-iters); "
-                                            "use --lr-warmup-samples with --train-samples")
-        _require(args.lr_wsd_decay_iters is None, "--lr-wsd-decay-iters needs iteration-based training; "
-                                                  "use --lr-wsd-decay-samples with --train-samples")
-        if args.lr_warmup_fraction is not None:
-            _require(args.lr_warmup_samples == 0,
-                     "can only specify one of --lr-warmup-fraction and --lr-warmup-samples")
-    if not args.skip_train:
-        _require(args.lr is not None, "--lr is required for training")
-        # The scheduler counts in samples; say it in the flags the user gave.
-        if args.lr_warmup_fraction is None and args.train_iters is not None and args.lr_warmup_iters > 0:
-            decay = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
-            _require(args.lr_warmup_iters < decay,
-                     f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than --lr-decay-iters ({decay}; "
-                     f"it defaults to --train-iters)")
-        if args.lr_warmup_fraction is None and args.train_samples is not None and args.lr_warmup_samples > 0:
-            decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
-            _require(args.lr_warmup_samples < decay,
-                     f"--lr-warmup-samples ({args.lr_warmup_samples}) must be smaller than --lr-decay-samples "
-                     f"({decay}; it defaults to --train-samples)")
-    if args.lr is not None:
-        _require(args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
-    _require(not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
-             "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are mutually exclusive")
+    scheduler_config_from_args(args).validate(training_config_from_args(args), args.lr, args.min_lr, args.skip_train)
     if args.weight_decay_incr_style == "constant":
-        _require(args.start_weight_decay is None and args.end_weight_decay is None,
-                 "--start-weight-decay/--end-weight-decay need --weight-decay-incr-style linear or cosine")
         args.start_weight_decay = args.weight_decay
         args.end_weight_decay = args.weight_decay
-    else:
-        _require(args.start_weight_decay is not None and args.end_weight_decay is not None,
-                 f"--weight-decay-incr-style {args.weight_decay_incr_style} needs --start-weight-decay "
-                 "and --end-weight-decay")
 
 
 def _validate_pipeline(args):
@@ -1061,50 +998,12 @@ def _validate_model(args):
     check_attention_backend(args.attention_backend)
 
 
-def non_directory_ancestor(path):
-    """The nearest existing entry on ``path`` (itself or an ancestor) when it is not a directory (a regular
-    file, say), else None: no directory can be created at ``path`` then."""
-    path = os.path.abspath(path)
-    while not os.path.lexists(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            return None
-        path = parent
-    return None if os.path.isdir(path) else path
-
-
 def _validate_checkpointing(args):
-    if args.save is not None:
-        _require(args.save_interval is not None, "--save requires --save-interval")
-        # Found now rather than at the first save, after the training it was meant to keep.
-        blocker = non_directory_ancestor(args.save)
-        _require(blocker is None, f"--save {args.save}: {blocker} is a file, not a directory; no checkpoint "
-                                  "directory can be created there")
-    if args.save_interval is not None:
-        _require(args.save_interval > 0, f"--save-interval must be > 0, got {args.save_interval}")
-    _validate_non_persistent(args)
-    if args.async_save and args.ckpt_format != "torch_dist":
-        raise ValueError(f"--async-save needs --ckpt-format torch_dist (got --ckpt-format {args.ckpt_format})")
+    checkpoint_config_from_args(args).validate()
     if args.deprecated_use_dist_ckpt or args.dist_ckpt_format_deprecated is not None:
         _print_rank_0(args, "WARNING: --use-dist-ckpt and --dist-ckpt-format are deprecated and ignored; "
                             "use --ckpt-format")
     args.use_dist_ckpt = args.ckpt_format != "torch"
-
-
-def _validate_non_persistent(args):
-    if args.non_persistent_ckpt_type in ("local", "in_memory"):
-        raise ValueError(f"--non-persistent-ckpt-type {args.non_persistent_ckpt_type} is not available in this "
-                         "version; use --non-persistent-ckpt-type global (a directory on a shared file system, "
-                         "see --non-persistent-global-ckpt-dir)")
-    if args.non_persistent_save_interval is not None:
-        _require(args.non_persistent_save_interval > 0,
-                 f"--non-persistent-save-interval must be > 0, got {args.non_persistent_save_interval}")
-        _require(args.save is not None, "--non-persistent-save-interval requires --save")
-        _require(args.non_persistent_ckpt_type == "global",
-                 "--non-persistent-save-interval requires --non-persistent-ckpt-type global (as in Megatron-LM)")
-    elif args.non_persistent_global_ckpt_dir is not None and args.non_persistent_ckpt_type != "global":
-        raise ValueError("--non-persistent-global-ckpt-dir only applies with --non-persistent-ckpt-type global; "
-                         "remove it (it would otherwise be silently ignored)")
 
 
 def _validate_misc(args):
@@ -1117,8 +1016,7 @@ def _validate_misc(args):
     # SIGKILL/SIGSTOP cannot be caught; SIGCHLD is how the DataLoader learns that a worker died.
     _require(args.exit_signal not in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD),
              f"--exit-signal {args.exit_signal.name} cannot be handled; use SIGTERM, SIGINT, SIGUSR1 or SIGUSR2")
-    if args.seed is not None:
-        _require(args.seed > 0, f"--seed must be > 0, got {args.seed}")
+    rng_config_from_args(args).validate()
 
 
 def _print_args(title, args):
