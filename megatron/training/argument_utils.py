@@ -363,10 +363,15 @@ def _scheduler_steps(args):
     return out
 
 
+def tokenizer_config_from_args(args) -> TokenizerConfig:
+    """The TokenizerConfig of ``args`` (every field copied by name)."""
+    return _fields_from_args(TokenizerConfig, args)
+
+
 def tokenizer_settings_from_args(args):
     """``(TokenizerConfig, tensor-parallel size, rank)`` from ``args`` for Megatron-style callers of the
     tokenizer factory (a flag missing from ``args`` keeps its default: tp 1, rank 0)."""
-    return (_fields_from_args(TokenizerConfig, args), getattr(args, "tensor_model_parallel_size", 1),
+    return (tokenizer_config_from_args(args), getattr(args, "tensor_model_parallel_size", 1),
             getattr(args, "rank", 0))
 
 
@@ -426,7 +431,7 @@ def pretrain_cfg_container_from_args(args, with_telemetry: bool = True) -> Pretr
         rng=rng_config_from_args(args),
         logger=logger_config_from_args(args),
         checkpoint=checkpoint_config_from_args(args),
-        tokenizer=_fields_from_args(TokenizerConfig, args),
+        tokenizer=tokenizer_config_from_args(args),
         data=data_config_from_args(args),
         telemetry=telemetry,
     )

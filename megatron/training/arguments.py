@@ -1,7 +1,6 @@
 """The training command line: Megatron-LM's flags and their validation (configs are built in argument_utils)."""
 import argparse
 import difflib
-import os
 import signal
 import warnings
 
@@ -18,10 +17,12 @@ from megatron.training.argument_utils import (
     logger_config_from_args,
     rng_config_from_args,
     scheduler_config_from_args,
+    tokenizer_config_from_args,
     training_config_from_args,
 )
 from megatron.training.config.training_config import non_directory_ancestor
-from megatron.training.tokenizer import add_tokenizer_args
+from megatron.training.slurm import default_local_rank, launcher_rank_and_world_size
+from megatron.training.tokenizer import TOKENIZER_FILES, add_tokenizer_args
 from megatron.training.user_errors import UserInputError, report_and_exit
 
 __all__ = ["add_megatron_arguments", "parse_args", "validate_args", "non_directory_ancestor",
@@ -99,31 +100,8 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False, args=None):
     if unknown and not ignore_unknown_args:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{parser.suggestions(unknown)}")
 
-    parsed.rank, parsed.world_size = _launcher_rank_and_world_size()
+    parsed.rank, parsed.world_size = launcher_rank_and_world_size()
     return parsed
-
-
-def _env_int(name, default):
-    value = os.getenv(name)
-    if value is None or value.strip() == "":
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
-
-
-def _launcher_rank_and_world_size():
-    # torchrun's variables win; plain `srun` only sets SLURM's, so fall back to those.
-    if os.getenv("RANK") is None and os.getenv("WORLD_SIZE") is None and os.getenv("SLURM_NTASKS") is not None:
-        return _env_int("SLURM_PROCID", 0), _env_int("SLURM_NTASKS", 1)
-    return _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
-
-
-def _default_local_rank():
-    if os.getenv("LOCAL_RANK") is None and os.getenv("SLURM_LOCALID") is not None and os.getenv("RANK") is None:
-        return _env_int("SLURM_LOCALID", 0)
-    return _env_int("LOCAL_RANK", 0)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -432,7 +410,7 @@ def _add_distributed_args(parser):
     group.add_argument("--ddp-bucket-size", type=int, default=None, help="Elements per grad-reduction bucket.")
     group.add_argument("--ddp-average-in-collective", action="store_true",
                        help="Average (not sum) gradients inside the collective.")
-    group.add_argument("--local-rank", type=int, default=_default_local_rank(),
+    group.add_argument("--local-rank", type=int, default=default_local_rank(),
                        help="Local rank (default env LOCAL_RANK).")
     group.add_argument("--use-tp-pp-dp-mapping", action="store_true",
                        help="Rank order tp-pp-dp instead of tp-dp-pp.")
@@ -604,17 +582,6 @@ def validate_args(args, defaults={}):
     return args
 
 
-# What each tokenizer type reads: (flag, dest).
-_TOKENIZER_FILES = {
-    "GPT2BPETokenizer": (("--vocab-file", "vocab_file"), ("--merge-file", "merge_file")),
-    "SentencePieceTokenizer": (("--tokenizer-model", "tokenizer_model"),),
-    "GPTSentencePieceTokenizer": (("--tokenizer-model", "tokenizer_model"),),
-    "HuggingFaceTokenizer": (("--tokenizer-model", "tokenizer_model"),),
-    "TikTokenizer": (("--tokenizer-model", "tokenizer_model"),),
-    "NullTokenizer": (("--vocab-size", "vocab_size"),),
-}
-
-
 def _validate_required(args):
     """All missing required flags in one message (a bare ``pretrain_gpt.py`` names them at once).
 
@@ -634,7 +601,7 @@ def _validate_required(args):
         missing.append("--lr")
     if getattr(args, "require_inputs", False):  # set by scripts that read a tokenizer and a dataset
         missing += [f"{flag} (for --tokenizer-type {args.tokenizer_type})"
-                    for flag, dest in _TOKENIZER_FILES.get(args.tokenizer_type, ()) if getattr(args, dest) is None]
+                    for flag, dest in TOKENIZER_FILES.get(args.tokenizer_type, ()) if getattr(args, dest) is None]
         if not (args.data_path or args.mock_data or args.train_data_path or args.valid_data_path
                 or args.test_data_path):
             missing.append("a data source (--data-path, --train-data-path/--valid-data-path/--test-data-path or "
@@ -672,17 +639,11 @@ def _validate_features(args):
     for flag, dest, default, reason in _NO_EFFECT_HERE:
         if getattr(args, dest) != default:
             raise ValueError(f"{flag} {reason}; remove it (it would otherwise be silently ignored)")
-    for flag, dest, default, tokenizer_type in _TOKENIZER_TYPE_FLAGS:
-        if getattr(args, dest) != default and args.tokenizer_type != tokenizer_type:
-            raise ValueError(f"{flag} applies only to --tokenizer-type {tokenizer_type} (got {args.tokenizer_type}); "
-                             "remove it (it would otherwise be silently ignored)")
+    tokenizer_config_from_args(args).validate()  # flags of another --tokenizer-type than the one given
     if args.tiktoken_pattern is not None and args.tokenizer_type != "TikTokenizer":
         # Megatron-LM reads the pattern only when it builds a TikTokenizer: ignore it as it does, but say so.
         _print_rank_0(args, f"WARNING: --tiktoken-pattern {args.tiktoken_pattern} is ignored: it applies only to "
                             f"--tokenizer-type TikTokenizer (got {args.tokenizer_type})")
-    if args.vocab_extra_ids and args.tokenizer_type != "SentencePieceTokenizer":
-        raise ValueError(f"--vocab-extra-ids only applies to --tokenizer-type SentencePieceTokenizer (got "
-                         f"{args.tokenizer_type}); remove it (it would otherwise be silently ignored)")
     if args.use_mcore_models:
         _print_rank_0(args, "WARNING: --use-mcore-models is deprecated and has no effect: the Megatron Core "
                             "models are the only models")
@@ -704,15 +665,6 @@ _NO_EFFECT_HERE = [
     ("--use-persistent-ckpt-worker", "use_persistent_ckpt_worker", False,
      "has no effect here: the --async-save writer is a background thread in each rank (no worker process to "
      "keep alive between saves)"),
-]
-# Tokenizer flags that act only with one --tokenizer-type: (flag, dest, default, that type).
-_TOKENIZER_TYPE_FLAGS = [
-    ("--tokenizer-special-tokens", "tokenizer_special_tokens", None, "TikTokenizer"),
-    ("--tiktoken-special-tokens", "tiktoken_special_tokens", None, "TikTokenizer"),
-    ("--tiktoken-num-special-tokens", "tiktoken_num_special_tokens", 1000, "TikTokenizer"),
-    ("--trust-remote-code", "trust_remote_code", False, "HuggingFaceTokenizer"),
-    ("--tokenizer-hf-no-use-fast", "tokenizer_hf_use_fast", True, "HuggingFaceTokenizer"),
-    ("--tokenizer-hf-no-include-special-tokens", "tokenizer_hf_include_special_tokens", True, "HuggingFaceTokenizer"),
 ]
 
 
@@ -756,7 +708,6 @@ def _validate_data_sources(args):
 
 
 def _validate_batch_sizes(args):
-    _require(args.micro_batch_size is not None, "--micro-batch-size is required")
     _require(args.micro_batch_size > 0, f"--micro-batch-size must be > 0, got {args.micro_batch_size}")
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
@@ -925,16 +876,11 @@ def _validate_model(args):
         args.position_embedding_type = "rope"
     if not args.add_position_embedding and args.position_embedding_type != "rope":
         raise ValueError("--no-position-embedding is deprecated, use --position-embedding-type none")
+    # (None for a required flag was refused by _validate_required, which runs first.)
     for flag, dest in (("--num-layers", "num_layers"), ("--hidden-size", "hidden_size"),
-                       ("--num-attention-heads", "num_attention_heads")):
-        _require(getattr(args, dest) is not None, f"{flag} is required ({dest} argument is None)")
+                       ("--num-attention-heads", "num_attention_heads"), ("--seq-length", "seq_length")):
         _require(getattr(args, dest) > 0, f"{flag} must be > 0, got {getattr(args, dest)}")
-    _require(args.seq_length is not None, "--seq-length is required")
-    _require(args.seq_length > 0, f"--seq-length must be > 0, got {args.seq_length}")
-    if args.position_embedding_type == "learned_absolute":
-        _require(args.max_position_embeddings is not None,
-                 "--max-position-embeddings is required with --position-embedding-type learned_absolute")
-    elif args.max_position_embeddings is None:
+    if args.position_embedding_type != "learned_absolute" and args.max_position_embeddings is None:
         # Table-free position encodings have no length limit of their own.
         args.max_position_embeddings = args.seq_length
     if args.position_embedding_type in _TABLE_POSITION_TYPES:

@@ -273,3 +273,25 @@ class TokenizerConfig:
     trust_remote_code: bool = False
     tokenizer_hf_use_fast: bool = True
     tokenizer_hf_include_special_tokens: bool = True
+
+    def validate(self) -> None:
+        """A flag that acts only with another ``--tokenizer-type`` than the one given is refused (ValueError
+        naming it) rather than silently ignored."""
+        for flag, field, default, tokenizer_type in _TOKENIZER_TYPE_FLAGS:
+            if getattr(self, field) != default and self.tokenizer_type != tokenizer_type:
+                raise ValueError(f"{flag} applies only to --tokenizer-type {tokenizer_type} (got {self.tokenizer_type}); "
+                                 "remove it (it would otherwise be silently ignored)")
+        if self.vocab_extra_ids and self.tokenizer_type != "SentencePieceTokenizer":
+            raise ValueError(f"--vocab-extra-ids only applies to --tokenizer-type SentencePieceTokenizer (got "
+                             f"{self.tokenizer_type}); remove it (it would otherwise be silently ignored)")
+
+
+# Tokenizer flags that act only with one --tokenizer-type: (flag, field, default, that type).
+_TOKENIZER_TYPE_FLAGS = [
+    ("--tokenizer-special-tokens", "tokenizer_special_tokens", None, "TikTokenizer"),
+    ("--tiktoken-special-tokens", "tiktoken_special_tokens", None, "TikTokenizer"),
+    ("--tiktoken-num-special-tokens", "tiktoken_num_special_tokens", 1000, "TikTokenizer"),
+    ("--trust-remote-code", "trust_remote_code", False, "HuggingFaceTokenizer"),
+    ("--tokenizer-hf-no-use-fast", "tokenizer_hf_use_fast", True, "HuggingFaceTokenizer"),
+    ("--tokenizer-hf-no-include-special-tokens", "tokenizer_hf_include_special_tokens", True, "HuggingFaceTokenizer"),
+]
