@@ -15,7 +15,8 @@ from megatron.core import parallel_state
 from megatron.core.console import write_line
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed, set_model_init_seed
 from megatron.training.argument_utils import pretrain_cfg_container_from_args
-from megatron.training.arguments import _logging_level, parse_args, validate_args
+from megatron.training.argument_groups import logging_level
+from megatron.training.arguments import parse_args, validate_args
 from megatron.training.global_vars import get_args, set_global_variables, set_telemetry
 from megatron.training.training_log import CONSOLE_PRINTED
 from megatron.training.user_errors import UserInputError
@@ -74,7 +75,7 @@ def setup_logging(logger_config, dist_config) -> int:
     level = logger_config.logging_level
     if level is None and os.environ.get("MEGATRON_LOGGING_LEVEL", "").strip():
         try:
-            level = _logging_level(os.environ["MEGATRON_LOGGING_LEVEL"])
+            level = logging_level(os.environ["MEGATRON_LOGGING_LEVEL"])
         except argparse.ArgumentTypeError as exc:
             raise ValueError(f"MEGATRON_LOGGING_LEVEL: {exc}") from None
     root, framework = logging.getLogger(), logging.getLogger("megatron")

@@ -1,4 +1,4 @@
-"""Launch environment from SLURM: torch.distributed's variables (one task per GPU), torchrun's flags, this process's rank.
+"""Launch environment from SLURM (torch.distributed's variables, torchrun's flags) and this process's rank.
 
 Under ``srun`` every task is one rank: ``python -m megatron.training.slurm pretrain_gpt.py FLAGS...`` sets
 ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``NODE_RANK``, ``MASTER_ADDR`` and

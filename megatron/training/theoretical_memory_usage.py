@@ -1,4 +1,4 @@
-"""Megatron's theoretical memory report: weight, gradient, optimizer and activation bytes per rank of a run's configuration."""
+"""Megatron's theoretical memory report: weight, gradient, optimizer and activation bytes per rank of a config."""
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 

@@ -1,4 +1,4 @@
-"""Telemetry set-up from a TelemetryConfig: SDK check, export decision, resource probe only when exporting, log bridge."""
+"""Telemetry set-up from a TelemetryConfig: SDK check, export decision, resource probe when exporting, log bridge."""
 from __future__ import annotations
 
 import importlib.util

@@ -1,4 +1,4 @@
-"""PretrainConfigContainer: every setting of a pretraining run, typed, built once from args (Megatron-LM HEAD's name)."""
+"""PretrainConfigContainer: every setting of a pretraining run, typed, built once from args (Megatron HEAD's name)."""
 import dataclasses
 import enum
 from dataclasses import dataclass, field

@@ -279,8 +279,8 @@ class TokenizerConfig:
         naming it) rather than silently ignored."""
         for flag, field, default, tokenizer_type in _TOKENIZER_TYPE_FLAGS:
             if getattr(self, field) != default and self.tokenizer_type != tokenizer_type:
-                raise ValueError(f"{flag} applies only to --tokenizer-type {tokenizer_type} (got {self.tokenizer_type}); "
-                                 "remove it (it would otherwise be silently ignored)")
+                raise ValueError(f"{flag} applies only to --tokenizer-type {tokenizer_type} "
+                                 f"(got {self.tokenizer_type}); remove it (it would otherwise be silently ignored)")
         if self.vocab_extra_ids and self.tokenizer_type != "SentencePieceTokenizer":
             raise ValueError(f"--vocab-extra-ids only applies to --tokenizer-type SentencePieceTokenizer (got "
                              f"{self.tokenizer_type}); remove it (it would otherwise be silently ignored)")
