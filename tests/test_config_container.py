@@ -182,3 +182,35 @@ def test_get_config_is_built_once_and_forgotten_with_new_args(monkeypatch):
         assert global_vars.get_config() is cfg
     finally:
         global_vars.set_args(previous)
+
+
+def test_rules_live_in_validate_not_in_construction(tmp_path):
+    """A config holding a bad value builds (library callers and tools build them freely); its validate()
+    refuses it with the flag's message, the one validate_args prints."""
+    from megatron.training.config import CheckpointConfig, DataConfig, RNGConfig, TokenizerConfig
+
+    bad = CheckpointConfig(save=str(tmp_path / "ckpt"))
+    with pytest.raises(ValueError, match="^--save requires --save-interval$"):
+        bad.validate()
+    with pytest.raises(ValueError, match="^--seed must be > 0, got 0$"):
+        RNGConfig(seed=0).validate()
+    with pytest.raises(ValueError, match="^a single data source must be given, got --data-path and --mock-data$"):
+        DataConfig(data_path=["x"], mock_data=True).validate()
+    with pytest.raises(ValueError, match="--trust-remote-code applies only to --tokenizer-type HuggingFaceTokenizer"):
+        TokenizerConfig(tokenizer_type="NullTokenizer", trust_remote_code=True).validate()
+    with pytest.raises(ValueError, match="^--save requires --save-interval$"):
+        validate_args(parse_args(args=["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
+                                       "--seq-length", "8", "--max-position-embeddings", "8",
+                                       "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
+                                       "--save", str(tmp_path / "ckpt")]))
+
+
+def test_core_reads_no_args():
+    """megatron/core takes typed configs: no get_args(), getattr(args, ...) or args.<name> in its text."""
+    import re
+
+    pattern = re.compile(r"get_args\(|getattr\(args|args\.[a-z_]")
+    hits = [f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+            for path in sorted((REPO / "megatron" / "core").rglob("*.py"))
+            for number, line in enumerate(path.read_text().splitlines(), start=1) if pattern.search(line)]
+    assert not hits, "\n".join(hits)

@@ -9,6 +9,10 @@ Fields are copied by name (``dataclasses.fields``) where the flag's dest is the 
 ``RENAMED_FLAGS`` lists, explicitly, every flag that reaches a config under another name, and
 ``ARGUMENTS_ONLY_FLAGS`` every flag that reaches no config (with why), so that a new flag cannot be
 forgotten (``tests/test_config_container.py`` checks that every parser dest is accounted for).
+
+Also here, because they read ``args``: the per-slice builders ``validate_args`` uses to apply each
+config's ``validate()`` rules, and the telemetry glue moved out of core (resource attributes, the
+async-checkpoint worker's bootstrap, ``setup_telemetry_from_args``).
 """
 import dataclasses
 import os
