@@ -120,15 +120,15 @@ def test_refused_flag_stops_validation_naming_it(flag, monkeypatch):
 
 def test_a_new_untested_flag_would_be_caught(monkeypatch):
     """The walk itself: an added flag with no test and no refusal is reported."""
-    import megatron.training.arguments as arguments
+    import megatron.training.argument_groups as argument_groups
 
-    original = arguments._add_logging_args
+    original = argument_groups._add_logging_args
 
     def with_new_flag(parser):
         parser = original(parser)
         parser.add_argument("--brand-new-untested-flag", action="store_true")
         return parser
 
-    monkeypatch.setattr(arguments, "_add_logging_args", with_new_flag)
+    monkeypatch.setattr(argument_groups, "_add_logging_args", with_new_flag)
     with pytest.raises(AssertionError, match="--brand-new-untested-flag"):
         test_every_parser_flag_is_tested_or_refused()

@@ -10,6 +10,7 @@ import torch
 from dist_utils import run_distributed
 from megatron.core import num_microbatches_calculator as nmc
 from megatron.training import global_vars, training
+from megatron.training.argument_utils import pretrain_cfg_container_from_args
 from megatron.training.arguments import core_transformer_config_from_args, parse_args, validate_args
 from megatron.training.training_state import TrainingState
 from pretrain_utils import REPO, run_pretrain, tensorboard_scalars
@@ -230,7 +231,8 @@ def test_distributed_timeout_reaches_the_process_group(monkeypatch):
     monkeypatch.setattr(parallel_state, "initialize_model_parallel", lambda **kwargs: seen.update(groups=kwargs))
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 1)
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda: 1)
-    initialize._initialize_distributed(_args("--distributed-timeout-minutes", "3", "--distributed-backend", "gloo"))
+    cfg = pretrain_cfg_container_from_args(_args("--distributed-timeout-minutes", "3", "--distributed-backend", "gloo"))
+    initialize._initialize_distributed(cfg.model, cfg.dist)
     assert seen["init"]["timeout"] == timedelta(minutes=3)
     assert seen["groups"]["distributed_timeout_minutes"] == 3
 
@@ -444,7 +446,9 @@ def test_tensorboard_queue_size_reaches_the_writer(monkeypatch, tmp_path):
 
     monkeypatch.setattr(torch.utils.tensorboard, "SummaryWriter", _Writer)
     monkeypatch.setattr(global_vars, "_GLOBAL_TENSORBOARD_WRITER", None)
-    global_vars._set_tensorboard_writer(_args("--tensorboard-dir", str(tmp_path), "--tensorboard-queue-size", "7"))
+    args = _args("--tensorboard-dir", str(tmp_path), "--tensorboard-queue-size", "7")
+    cfg = pretrain_cfg_container_from_args(args)
+    global_vars._set_tensorboard_writer(cfg.logger, cfg.dist, vars(args))
     assert created == {"log_dir": str(tmp_path), "max_queue": 7}
 
 

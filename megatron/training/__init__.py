@@ -7,6 +7,7 @@ import importlib
 
 _EXPORTS = {
     "get_args": "global_vars",
+    "get_config": "global_vars",
     "get_tokenizer": "global_vars",
     "get_tensorboard_writer": "global_vars",
     "get_wandb_writer": "global_vars",

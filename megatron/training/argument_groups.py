@@ -1,0 +1,448 @@
+"""Megatron-LM's training flags, one ``_add_*_args(parser)`` per parser group (Megatron's names, dests, defaults).
+
+``megatron.training.arguments`` parses and validates them (and re-exports ``add_megatron_arguments``);
+each group's settings land in one slice of the typed configuration (``megatron/training/config``).
+"""
+import argparse
+
+import torch
+
+from megatron.training.slurm import default_local_rank
+from megatron.training.tokenizer import add_tokenizer_args
+
+OPTIMIZERS = ["adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"]
+CKPT_FORMATS = ["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"]
+
+
+def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add every training flag group to ``parser`` (Megatron-LM's name); returns it."""
+    parser = _add_network_size_args(parser)
+    parser = _add_regularization_args(parser)
+    parser = _add_training_args(parser)
+    parser = _add_initialization_args(parser)
+    parser = _add_learning_rate_args(parser)
+    parser = _add_checkpointing_args(parser)
+    parser = _add_mixed_precision_args(parser)
+    parser = _add_distributed_args(parser)
+    parser = _add_validation_args(parser)
+    parser = _add_data_args(parser)
+    parser = add_tokenizer_args(parser)
+    parser = _add_logging_args(parser)
+    parser = _add_opentelemetry_args(parser)
+    return parser
+
+
+def _add_network_size_args(parser):
+    group = parser.add_argument_group(title="network size")
+    group.add_argument("--num-layers", type=int, default=None, help="Number of transformer layers.")
+    group.add_argument("--hidden-size", type=int, default=None, help="Transformer hidden size.")
+    group.add_argument("--ffn-hidden-size", type=int, default=None,
+                       help="MLP hidden size; default 4*hidden (SwiGLU: int((4h*2/3)/64)*64).")
+    group.add_argument("--num-attention-heads", type=int, default=None, help="Number of attention heads.")
+    group.add_argument("--attention-backend", type=str, default="auto",
+                       choices=["flash", "fused", "unfused", "local", "auto"],
+                       help="SDPA kernel of core attention: flash (FlashAttention), fused (cuDNN, else "
+                            "memory-efficient), unfused/local (math), auto (PyTorch picks). flash and fused "
+                            "need CUDA.")
+    group.add_argument("--compile-transformer-layers", action="store_true",
+                       help="Compile each transformer layer's forward with torch.compile (per layer; "
+                            "state-dict names unchanged).")
+    group.add_argument("--kv-channels", type=int, default=None,
+                       help="Per-head projection size; default hidden-size / num-attention-heads.")
+    group.add_argument("--group-query-attention", action="store_true", help="Use grouped-query attention.")
+    group.add_argument("--num-query-groups", type=int, default=1, help="Query groups for GQA.")
+    group.add_argument("--max-position-embeddings", type=int, default=None,
+                       help="Largest sequence length the position embedding supports.")
+    group.add_argument("--position-embedding-type", type=str, default="learned_absolute",
+                       choices=["learned_absolute", "rope", "yarn", "mrope", "relative", "none"],
+                       help="Position embedding type.")
+    group.add_argument("--use-rotary-position-embeddings", action="store_true",
+                       help="Deprecated alias of --position-embedding-type rope.")
+    group.add_argument("--rotary-base", type=int, default=10000, help="RoPE base (inv_freq = 1/base^(2i/dim)).")
+    group.add_argument("--rotary-percent", type=float, default=1.0, help="Fraction of kv_channels rotated.")
+    group.add_argument("--rotary-interleaved", action="store_true",
+                       help="Rotate interleaved pairs instead of halves.")
+    group.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None,
+                       help="Linear RoPE position interpolation factor.")
+    group.add_argument("--use-rope-scaling", action="store_true", help="Llama-3.1 style RoPE scaling.")
+    group.add_argument("--rope-scaling-factor", type=float, default=8.0, help="RoPE scaling factor.")
+    group.add_argument("--no-rope-fusion", action="store_false", dest="apply_rope_fusion",
+                       help="Disable the fused RoPE kernel.")
+    group.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
+                       help="Deprecated: use --position-embedding-type.")
+    group.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                       help="Pad the vocabulary to a multiple of this times the tensor-parallel size.")
+    group.add_argument("--normalization", type=str, default="LayerNorm", choices=["LayerNorm", "RMSNorm"],
+                       help="Normalization layer.")
+    group.add_argument("--norm-epsilon", type=float, default=1e-5, help="Epsilon of the norm layers.")
+    group.add_argument("--apply-layernorm-1p", action="store_true",
+                       help="Zero-centered LayerNorm gamma (weight stored as gamma-1).")
+    group.add_argument("--apply-residual-connection-post-layernorm", action="store_true",
+                       help="Take the residual from the norm output (original BERT style).")
+    group.add_argument("--openai-gelu", action="store_true", help="Use the tanh approximation of GeLU.")
+    group.add_argument("--squared-relu", action="store_true", help="Use squared ReLU activation.")
+    group.add_argument("--swiglu", action="store_true", help="Use the SiLU-gated linear unit MLP.")
+    group.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                       help="Separate output-layer weight instead of reusing the word embedding.")
+    group.add_argument("--qk-layernorm", action="store_true", help="Normalize queries and keys per head.")
+    group.add_argument("--num-experts", type=int, default=None, help="Number of MoE experts (not available).")
+    return parser
+
+
+def _add_regularization_args(parser):
+    group = parser.add_argument_group(title="regularization")
+    group.add_argument("--attention-dropout", type=float, default=0.1, help="Dropout on attention probabilities.")
+    group.add_argument("--hidden-dropout", type=float, default=0.1, help="Dropout on hidden states.")
+    group.add_argument("--weight-decay", type=float, default=0.01, help="Decoupled weight decay coefficient.")
+    group.add_argument("--start-weight-decay", type=float, default=None, help="Initial weight decay.")
+    group.add_argument("--end-weight-decay", type=float, default=None, help="Final weight decay.")
+    group.add_argument("--weight-decay-incr-style", type=str, default="constant",
+                       choices=["constant", "linear", "cosine"], help="Weight decay schedule.")
+    group.add_argument("--apply-wd-to-qk-layernorm", action="store_true",
+                       help="Keep weight decay on q/k layernorm weights.")
+    group.add_argument("--clip-grad", type=float, default=1.0, help="Global L2 grad-norm clip (0 disables).")
+    group.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1.")
+    group.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2.")
+    group.add_argument("--adam-eps", type=float, default=1e-08, help="Adam epsilon.")
+    group.add_argument("--sgd-momentum", type=float, default=0.9, help="SGD momentum.")
+    return parser
+
+
+def _add_training_args(parser):
+    group = parser.add_argument_group(title="training")
+    group.add_argument("--micro-batch-size", type=int, default=None, help="Samples per microbatch per GPU.")
+    group.add_argument("--global-batch-size", type=int, default=None,
+                       help="Samples per optimizer step; default micro-batch-size * data-parallel size.")
+    group.add_argument("--rampup-batch-size", nargs="*", default=None,
+                       help="Ramp the global batch size up over consumed samples: '<start batch size> <batch size "
+                            "increment> <ramp-up samples>' (needs --train-samples).")
+    group.add_argument("--decrease-batch-size-if-needed", action="store_true",
+                       help="Round the global batch down to a multiple of mbs*dp instead of failing.")
+    group.add_argument("--recompute-activations", action="store_true",
+                       help="Selective activation recomputation (= --recompute-granularity selective).")
+    group.add_argument("--recompute-granularity", type=str, default=None, choices=["full", "selective"],
+                       help="Activation recomputation granularity.")
+    group.add_argument("--recompute-method", type=str, default=None, choices=["uniform", "block"],
+                       help="How layers are grouped for full recomputation.")
+    group.add_argument("--recompute-num-layers", type=int, default=None, help="Layers per recompute unit.")
+    group.add_argument("--distribute-saved-activations", action="store_true",
+                       help="Split recomputed checkpoints across the tensor-parallel group.")
+    group.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
+                       dest="check_for_nan_in_loss_and_grad",
+                       help="Do not stop on a NaN/Inf gradient: training proceeds (fp32/bf16 steps are applied, as in "
+                            "Megatron-LM) and the log line counts such iterations as 'number of nan iterations'.")
+    group.add_argument("--train-iters", type=int, default=None, help="Total training iterations.")
+    group.add_argument("--train-samples", type=int, default=None, help="Total training samples.")
+    group.add_argument("--exit-interval", type=int, default=None, help="Save and exit when iteration %% N == 0.")
+    group.add_argument("--exit-duration-in-mins", type=int, default=None, help="Save and exit after N minutes.")
+    group.add_argument("--exit-signal-handler", action="store_true",
+                       help="Save and exit when --exit-signal is received.")
+    group.add_argument("--exit-signal", type=str, default="SIGTERM",
+                       help="Signal name caught by --exit-signal-handler (e.g. SIGTERM, SIGUSR1).")
+    group.add_argument("--exit-signal-handler-for-training", action="store_true",
+                       help="Graceful SIGINT/SIGTERM shutdown (barrier, destroy groups, flush telemetry).")
+    group.add_argument("--optimizer", type=str, default="adam", choices=OPTIMIZERS, help="Optimizer.")
+    group.add_argument("--dataloader-type", type=str, default=None, choices=["single", "cyclic", "external"],
+                       help="Data sampler; default single.")
+    group.add_argument("--no-persist-layer-norm", action="store_true",
+                       help="Disable the persistent fused layer-norm kernel.")
+    group.add_argument("--no-gradient-accumulation-fusion", action="store_false",
+                       dest="gradient_accumulation_fusion", help="Disable fused weight-grad accumulation.")
+    group.add_argument("--use-mcore-models", action="store_true", help="Deprecated no-op: core models are the default.")
+    group.add_argument("--cross-entropy-loss-fusion", action="store_true", dest="cross_entropy_loss_fusion",
+                       help="Accepted for Megatron-LM command lines; no effect: there is one vocab-parallel cross "
+                            "entropy here (Megatron's fused variant computes the same loss).")
+    group.add_argument("--transformer-impl", type=str, default="local", choices=["local", "transformer_engine"],
+                       help="Layer implementation. Default 'local' (Megatron's default transformer_engine is "
+                            "not shipped in this version).")
+    group.add_argument("--calculate-per-token-loss", action="store_true",
+                       help="Scale the loss by the number of non-padded tokens of the global batch.")
+    group.add_argument("--manual-gc", action="store_true", help="Run Python GC at a fixed iteration interval.")
+    group.add_argument("--manual-gc-interval", type=int, default=0, help="Iterations between manual GC runs.")
+    group.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+                       help="Do not collect garbage around evaluation with --manual-gc.")
+    group.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
+                       help="Call torch.cuda.empty_cache() each iteration (1) or also after eval (2).")
+    group.add_argument("--no-masked-softmax-fusion", action="store_false", dest="masked_softmax_fusion",
+                       help="Disable the fused scale-mask-softmax kernel.")
+    group.add_argument("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion",
+                       help="Disable bias+GeLU fusion.")
+    group.add_argument("--no-bias-swiglu-fusion", action="store_false", dest="bias_swiglu_fusion",
+                       help="Disable bias+SwiGLU fusion.")
+    group.add_argument("--no-bias-dropout-fusion", action="store_false", dest="bias_dropout_fusion",
+                       help="Disable bias+dropout+add fusion.")
+    group.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
+                       help="No bias in the linear layers.")
+    group.add_argument("--add-qkv-bias", action="store_true", help="Bias in the QKV projection only.")
+    group.add_argument("--sequence-parallel", action="store_true",
+                       help="Split norm/dropout activations along the sequence across tensor-parallel ranks.")
+    return parser
+
+
+def _add_initialization_args(parser):
+    group = parser.add_argument_group(title="initialization")
+    group.add_argument("--seed", type=int, default=1234, help="Random seed (python, numpy, torch).")
+    group.add_argument("--data-parallel-random-init", action="store_true",
+                       help="Different initial weights on each data-parallel rank.")
+    group.add_argument("--init-method-std", type=float, default=0.02, help="Std of the normal weight init.")
+    group.add_argument("--embedding-init-method-std", type=float, default=None,
+                       help="Std of the embedding init; default --init-method-std.")
+    group.add_argument("--init-method-xavier-uniform", action="store_true", help="Xavier-uniform weight init.")
+    group.add_argument("--use-cpu-initialization", action="store_true",
+                       help="Initialize full weights on the CPU and split them (TP-invariant init).")
+    group.add_argument("--no-initialization", action="store_false", dest="perform_initialization",
+                       help="Skip weight initialization (e.g. before loading a checkpoint).")
+    return parser
+
+
+def _add_learning_rate_args(parser):
+    group = parser.add_argument_group(title="learning rate")
+    group.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
+    group.add_argument("--lr-decay-style", type=str, default="linear",
+                       choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+                       help="Learning rate decay.")
+    group.add_argument("--lr-wsd-decay-style", type=str, default="exponential",
+                       choices=["exponential", "linear", "cosine", "minus_sqrt"], help="Decay inside the WSD window.")
+    group.add_argument("--lr-decay-iters", type=int, default=None, help="Iterations to decay over (default train-iters).")
+    group.add_argument("--lr-decay-samples", type=int, default=None, help="Samples to decay over.")
+    group.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="Iterations of the WSD decay window.")
+    group.add_argument("--lr-wsd-decay-samples", type=int, default=None, help="Samples of the WSD decay window.")
+    group.add_argument("--lr-warmup-fraction", type=float, default=None, help="Warmup as a fraction of decay.")
+    group.add_argument("--lr-warmup-iters", type=int, default=0, help="Warmup iterations.")
+    group.add_argument("--lr-warmup-samples", type=int, default=0, help="Warmup samples.")
+    group.add_argument("--lr-warmup-init", type=float, default=0.0, help="Learning rate at the start of warmup.")
+    group.add_argument("--min-lr", type=float, default=0.0, help="Floor of the learning rate.")
+    # core_v0.14 spells these two with an underscore (--override-opt_param-scheduler); both spellings act.
+    group.add_argument("--override-opt-param-scheduler", "--override-opt_param-scheduler", action="store_true",
+                       dest="override_opt_param_scheduler",
+                       help="Use the command-line scheduler values instead of the checkpoint's.")
+    group.add_argument("--use-checkpoint-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler",
+                       action="store_true", dest="use_checkpoint_opt_param_scheduler",
+                       help="Use the checkpoint's scheduler values.")
+    group.add_argument("--decoupled-lr", type=float, default=None, help="Learning rate of embedding/output params.")
+    group.add_argument("--decoupled-min-lr", type=float, default=None, help="Min learning rate of embedding/output.")
+    group.add_argument("--head-lr-mult", type=float, default=1.0,
+                       help="Parsed for compatibility: only the default 1.0 is accepted (no effect in GPT "
+                            "pretraining).")
+    return parser
+
+
+def _add_checkpointing_args(parser):
+    group = parser.add_argument_group(title="checkpointing")
+    group.add_argument("--save", type=str, default=None, help="Directory to save checkpoints to.")
+    group.add_argument("--save-interval", "--persistent-save-interval", type=int, default=None,
+                       dest="save_interval", help="Iterations between checkpoint saves.")
+    group.add_argument("--save-retain-interval", type=int, default=None,
+                       help="Keep only checkpoints whose iteration is a multiple of this (plus the latest).")
+    group.add_argument("--non-persistent-save-interval", type=int, default=None,
+                       help="Iterations between non-persistent saves (frequent, only the newest kept; "
+                            "--load picks the newer of it and the persistent one). Needs "
+                            "--non-persistent-ckpt-type global.")
+    group.add_argument("--non-persistent-ckpt-type", type=str, default=None, choices=["global", "local", "in_memory"],
+                       help="Kind of non-persistent checkpoint: 'global' (a checkpoint directory on a shared "
+                            "file system); 'local' and 'in_memory' are not available in this version.")
+    group.add_argument("--non-persistent-global-ckpt-dir", type=str, default=None,
+                       help="Directory of 'global' non-persistent checkpoints (default <save>/non_persistent).")
+    group.add_argument("--no-verify-checkpoint", action="store_true",
+                       help="At load, skip the CRC-32 check of the checkpoint files against the integrity "
+                            "manifest written at save (file presence and sizes are still checked).")
+    group.add_argument("--no-save-optim", action="store_true", default=None, help="Do not save optimizer state.")
+    group.add_argument("--no-save-rng", action="store_true", default=None, help="Do not save RNG state.")
+    group.add_argument("--load", type=str, default=None, help="Directory holding the checkpoint to load.")
+    group.add_argument("--no-load-optim", action="store_true", default=None, help="Do not load optimizer state.")
+    group.add_argument("--no-load-rng", action="store_true", default=None, help="Do not load RNG state.")
+    group.add_argument("--finetune", action="store_true",
+                       help="Load model weights only; start at iteration 0 with fresh optimizer and RNG.")
+    group.add_argument("--pretrained-checkpoint", type=str, default=None, help="Checkpoint to fine-tune from.")
+    group.add_argument("--ckpt-step", type=int, default=None, help="Load this iteration instead of the latest.")
+    group.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                       help="Fail instead of starting from scratch when --load has no checkpoint.")
+    group.add_argument("--use-dist-ckpt", action="store_true", dest="deprecated_use_dist_ckpt",
+                       help="Deprecated no-op: use --ckpt-format.")
+    group.add_argument("--dist-ckpt-format", type=str, default=None, dest="dist_ckpt_format_deprecated",
+                       help="Deprecated no-op: use --ckpt-format.")
+    group.add_argument("--auto-detect-ckpt-format", action="store_true",
+                       help="Load a checkpoint in whichever format it is (torch or torch_dist), not only in "
+                            "--ckpt-format.")
+    group.add_argument("--ckpt-format", type=str, default="torch_dist", choices=CKPT_FORMATS,
+                       help="Checkpoint format: 'torch_dist' (default; torch.distributed.checkpoint, sharded, "
+                            "loads at any TP/PP/DP layout) or 'torch' (Megatron's legacy per-rank files, same "
+                            "layout only).")
+    group.add_argument("--async-save", action="store_true", default=None,
+                       help="Write torch_dist checkpoints in the background; training waits only for the copy "
+                            "of the state to host memory.")
+    group.add_argument("--use-persistent-ckpt-worker", action="store_true",
+                       help="Use a persistent background process for async saves.")
+    return parser
+
+
+def _add_mixed_precision_args(parser):
+    group = parser.add_argument_group(title="mixed precision")
+    group.add_argument("--fp16", action="store_true", help="fp16 model with fp32 main params.")
+    group.add_argument("--bf16", action="store_true", help="bf16 model with fp32 main params.")
+    group.add_argument("--loss-scale", type=float, default=None, help="Constant loss scale; default dynamic (fp16).")
+    group.add_argument("--initial-loss-scale", type=float, default=2 ** 32, help="Initial dynamic loss scale.")
+    group.add_argument("--min-loss-scale", type=float, default=1.0, help="Minimum dynamic loss scale.")
+    group.add_argument("--loss-scale-window", type=float, default=1000, help="Clean steps before scaling up.")
+    group.add_argument("--hysteresis", type=int, default=2, help="Overflows tolerated before scaling down.")
+    group.add_argument("--fp32-residual-connection", action="store_true", help="Residual stream in fp32.")
+    group.add_argument("--apply-query-key-layer-scaling", action="store_true",
+                       help="Scale Q*K^T by 1/layer-number (forces softmax in fp32).")
+    group.add_argument("--attention-softmax-in-fp32", action="store_true", help="Attention softmax in fp32.")
+    group.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                       help="Accumulate and all-reduce gradients in fp32.")
+    group.add_argument("--grad-reduce-in-bf16", action="store_true", help="Reduce gradients in bf16 with --bf16.")
+    group.add_argument("--fp16-lm-cross-entropy", action="store_true", help="Unfused cross entropy in fp16.")
+    return parser
+
+
+def _add_distributed_args(parser):
+    group = parser.add_argument_group(title="distributed")
+    group.add_argument("--tensor-model-parallel-size", type=int, default=1, help="Tensor-parallel size.")
+    group.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="Pipeline-parallel size.")
+    group.add_argument("--no-scatter-gather-tensors-in-pipeline", action="store_false",
+                       dest="scatter_gather_tensors_in_pipeline",
+                       help="Accepted for Megatron-LM command lines; no effect (Megatron-LM core_v0.14 does not "
+                            "use it either).")
+    group.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                       help="Layers on the first pipeline stage.")
+    group.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                       help="Layers on the last pipeline stage.")
+    group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                       help="Layers per virtual stage (interleaved schedule).")
+    group.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                       help="Virtual stages per pipeline rank (interleaved schedule).")
+    group.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm",
+                       help="Do not overlap pipeline send/recv with compute.")
+    group.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                       help="Count the embedding as one layer when splitting layers over pipeline stages "
+                            "(the first stage builds one transformer layer less).")
+    group.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                       help="Count the loss as one layer when splitting layers over pipeline stages "
+                            "(the last stage builds one transformer layer less).")
+    group.add_argument("--context-parallel-size", type=int, default=1, help="Context-parallel size.")
+    group.add_argument("--expert-model-parallel-size", type=int, default=1, help="Expert-parallel size.")
+    group.add_argument("--distributed-backend", type=str, choices=["nccl", "gloo"],
+                       default="nccl" if torch.cuda.is_available() else "gloo",
+                       help="torch.distributed backend (default nccl with CUDA, else gloo).")
+    group.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                       help="Timeout of collective operations in minutes.")
+    group.add_argument("--use-distributed-optimizer", action="store_true",
+                       help="Shard optimizer state across data-parallel ranks.")
+    group.add_argument("--overlap-grad-reduce", action="store_true", help="Overlap grad reduction with backward.")
+    group.add_argument("--overlap-param-gather", action="store_true", help="Overlap param all-gather with forward.")
+    group.add_argument("--ddp-bucket-size", type=int, default=None, help="Elements per grad-reduction bucket.")
+    group.add_argument("--ddp-average-in-collective", action="store_true",
+                       help="Average (not sum) gradients inside the collective.")
+    group.add_argument("--local-rank", type=int, default=default_local_rank(),
+                       help="Local rank (default env LOCAL_RANK).")
+    group.add_argument("--use-tp-pp-dp-mapping", action="store_true",
+                       help="Rank order tp-pp-dp instead of tp-dp-pp.")
+    return parser
+
+
+def _add_validation_args(parser):
+    group = parser.add_argument_group(title="validation")
+    group.add_argument("--eval-iters", type=int, default=100, help="Global batches per evaluation.")
+    group.add_argument("--eval-interval", type=int, default=1000, help="Iterations between evaluations.")
+    group.add_argument("--skip-train", action="store_true", help="Only evaluate.")
+    group.add_argument("--full-validation", action="store_true", help="Evaluate on the whole validation set.")
+    group.add_argument("--eval-global-batch-size", type=int, default=None,
+                       help="Global batch of evaluation; default --global-batch-size.")
+    group.add_argument("--eval-micro-batch-size", type=int, default=None,
+                       help="Micro batch of evaluation; default --micro-batch-size.")
+    return parser
+
+
+def _add_data_args(parser):
+    group = parser.add_argument_group(title="data and dataloader")
+    group.add_argument("--data-path", nargs="*", default=None,
+                       help="Dataset prefixes, optionally weighted: 'w1 p1 w2 p2 ...'.")
+    group.add_argument("--split", type=str, default=None, help="Train/valid/test proportions, e.g. '969,30,1'.")
+    group.add_argument("--train-data-path", nargs="*", default=None, help="Training dataset prefixes.")
+    group.add_argument("--valid-data-path", nargs="*", default=None, help="Validation dataset prefixes.")
+    group.add_argument("--test-data-path", nargs="*", default=None, help="Test dataset prefixes.")
+    group.add_argument("--data-cache-path", type=str, default=None, help="Where sample-index caches are written.")
+    group.add_argument("--mock-data", action="store_true", help="Synthetic data instead of files.")
+    group.add_argument("--seq-length", type=int, default=None, help="Tokens per sample.")
+    group.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes.")
+    group.add_argument("--reset-position-ids", action="store_true", help="Restart position ids after EOD.")
+    group.add_argument("--reset-attention-mask", action="store_true", help="Block attention across EOD.")
+    group.add_argument("--eod-mask-loss", action="store_true", help="Mask the loss at EOD inputs.")
+    group.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
+                       dest="create_attention_mask_in_dataloader", help="Let the model build the causal mask.")
+    group.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
+                       help="Read .bin files instead of memory-mapping them.")
+    group.add_argument("--mid-level-dataset-surplus", type=float, default=0.005,
+                       help="Extra fraction of samples built for blended datasets.")
+    group.add_argument("--num-dataset-builder-threads", type=int, default=1, help="Threads building datasets.")
+    return parser
+
+
+def _add_logging_args(parser):
+    group = parser.add_argument_group(title="logging")
+    group.add_argument("--log-interval", type=int, default=100, help="Iterations between log lines.")
+    group.add_argument("--log-params-norm", action="store_true", help="Log the parameter L2 norm.")
+    group.add_argument("--log-num-zeros-in-grad", action="store_true", help="Log the number of zero grads.")
+    group.add_argument("--log-throughput", action="store_true", help="Log TFLOP/s per GPU.")
+    group.add_argument("--log-progress", action="store_true", help="Append progress lines to <save>/progress.txt.")
+    group.add_argument("--log-energy", action="store_true", help="Log GPU energy and power.")
+    group.add_argument("--log-straggler", action="store_true",
+                       help="Print the slowest/fastest rank's compute time, data wait and TFLOP/s every log interval.")
+    group.add_argument("--straggler-minmax-count", type=int, default=1,
+                       help="With --log-straggler, also list the N ranks of lowest and highest estimated TFLOP/s.")
+    group.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2], help="Timer verbosity.")
+    group.add_argument("--timing-log-option", type=str, default="minmax", choices=["max", "minmax", "all"],
+                       help="How timers are reduced across ranks.")
+    group.add_argument("--no-barrier-with-L1-time", "--no-barrier-with-level-1-timing", action="store_false",
+                       dest="barrier_with_L1_time",
+                       help="No barrier before level-1 timers.")
+    group.add_argument("--tensorboard-dir", type=str, default=None, help="TensorBoard event directory.")
+    group.add_argument("--tensorboard-log-interval", type=int, default=1, help="Iterations between TB writes.")
+    group.add_argument("--tensorboard-queue-size", type=int, default=1000, help="TB writer queue size.")
+    group.add_argument("--log-timers-to-tensorboard", action="store_true", help="Write timers to TB.")
+    group.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false",
+                       dest="log_loss_scale_to_tensorboard", help="Do not write the loss scale to TB.")
+    group.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                       help="Write validation perplexity to TB.")
+    group.add_argument("--log-memory-to-tensorboard", action="store_true", help="Write CUDA memory stats to TB.")
+    group.add_argument("--log-world-size-to-tensorboard", action="store_true", help="Write the world size to TB.")
+    group.add_argument("--wandb-project", type=str, default="",
+                       help="Weights & Biases project: the last rank logs the TensorBoard scalars there (needs the "
+                            "wandb package; offline when no API key is configured).")
+    group.add_argument("--wandb-exp-name", type=str, default="", help="Weights & Biases run name.")
+    group.add_argument("--wandb-save-dir", type=str, default="",
+                       help="Weights & Biases local directory (default <--save>/wandb).")
+    group.add_argument("--logging-level", type=logging_level, default=None,
+                       help="Level of the framework's Python logging records: a number (10 = DEBUG, 20 = INFO, "
+                            "30 = WARNING, ...) or a level name. Default: env MEGATRON_LOGGING_LEVEL, else INFO "
+                            "for the megatron loggers with WARNING and above printed on the console.")
+    return parser
+
+
+def logging_level(value):
+    """``--logging-level`` value -> a ``logging`` level number; accepts numbers and level names."""
+    import logging
+
+    text = str(value).strip()
+    if text.lstrip("-").isdigit():
+        level = int(text)
+        if level < 0:
+            raise argparse.ArgumentTypeError(f"must be >= 0, got {level}")
+        return level
+    level = logging.getLevelName(text.upper())
+    if isinstance(level, int):
+        return level
+    raise argparse.ArgumentTypeError(f"{value!r} is neither a number nor a logging level name "
+                                     "(DEBUG, INFO, WARNING, ERROR, CRITICAL)")
+
+
+def _add_opentelemetry_args(parser):
+    group = parser.add_argument_group(title="opentelemetry")
+    group.add_argument("--otel-enabled", action="store_true",
+                       help="Enable OpenTelemetry (overrides MEGATRON_OTEL_ENABLED).")
+    group.add_argument("--otel-service-name", type=str, default=None,
+                       help="OTel service name (default OTEL_SERVICE_NAME, else megatron-lm).")
+    group.add_argument("--otel-span-groups", type=str, default=None,
+                       help="Span-group spec (overrides MEGATRON_OTEL_SPAN_GROUPS).")
+    return parser
