@@ -16,7 +16,6 @@ from megatron.core.collective_device import get_collective_device
 from megatron.core.console import write_line
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.num_microbatches_calculator import (
-    build_num_microbatches_calculator,
     get_num_microbatches,
     update_num_microbatches,
 )
@@ -27,7 +26,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
 from megatron.core.utils import get_model_config
 from megatron.training import telemetry_hooks as telemetry
-from megatron.training.argument_utils import train_iters_for_samples  # noqa: F401  (its old import path)
+from megatron.training import argument_utils
 from megatron.training.checkpoint_errors import checkpoint_errors_as_user_errors
 from megatron.training.checkpointing import (
     CheckpointSaveError,
@@ -62,6 +61,9 @@ from megatron.training.utils import calc_params_l2_norm, forget_broadcast_batch_
 from megatron.training.utils import get_rank, is_last_rank, print_rank_0, print_rank_last
 
 _TRAIN_START_TIME = time.time()
+
+# Moved to the configuration builder, which derives a --train-samples run's iterations; kept importable here.
+train_iters_for_samples = argument_utils.train_iters_for_samples
 
 # ---------------------------------------------------------------------------------------------------
 # Model, optimizer, scheduler
