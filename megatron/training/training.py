@@ -25,8 +25,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
 from megatron.core.utils import get_model_config
-from megatron.training import telemetry_hooks as telemetry
 from megatron.training import argument_utils
+from megatron.training import telemetry_hooks as telemetry
 from megatron.training.checkpoint_errors import checkpoint_errors_as_user_errors
 from megatron.training.checkpointing import (
     CheckpointSaveError,
