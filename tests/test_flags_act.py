@@ -10,6 +10,7 @@ import torch
 from dist_utils import run_distributed
 from megatron.core import num_microbatches_calculator as nmc
 from megatron.training import argument_utils, global_vars, training
+from megatron.training.argument_utils import pretrain_cfg_container_from_args
 from megatron.training.arguments import core_transformer_config_from_args, parse_args, validate_args
 from megatron.training.training_state import TrainingState
 from pretrain_utils import REPO, run_pretrain, tensorboard_scalars
@@ -446,7 +447,9 @@ def test_tensorboard_queue_size_reaches_the_writer(monkeypatch, tmp_path):
 
     monkeypatch.setattr(torch.utils.tensorboard, "SummaryWriter", _Writer)
     monkeypatch.setattr(global_vars, "_GLOBAL_TENSORBOARD_WRITER", None)
-    global_vars._set_tensorboard_writer(_args("--tensorboard-dir", str(tmp_path), "--tensorboard-queue-size", "7"))
+    args = _args("--tensorboard-dir", str(tmp_path), "--tensorboard-queue-size", "7")
+    cfg = pretrain_cfg_container_from_args(args)
+    global_vars._set_tensorboard_writer(cfg.logger, cfg.dist, vars(args))
     assert created == {"log_dir": str(tmp_path), "max_queue": 7}
 
 

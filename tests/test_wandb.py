@@ -7,6 +7,7 @@ import types
 import pytest
 
 from megatron.training import global_vars
+from megatron.training.argument_utils import pretrain_cfg_container_from_args
 from megatron.training.arguments import parse_args, validate_args
 from pretrain_utils import run_pretrain, tensorboard_scalars
 
@@ -73,7 +74,8 @@ def test_run_started_on_the_last_rank_offline_without_credentials(monkeypatch, t
                      "--save-interval", "5")
     args.rank, args.world_size = rank, 2
     monkeypatch.setattr(global_vars, "_GLOBAL_WANDB_WRITER", None)
-    run = global_vars._set_wandb_writer(args)
+    cfg = pretrain_cfg_container_from_args(args)
+    run = global_vars._set_wandb_writer(cfg.logger, cfg.dist, cfg.checkpoint.save, vars(args))
     if mode == "no run":
         assert run is None and global_vars.get_wandb_writer() is None
         return

@@ -11,6 +11,8 @@ Fields are copied by name (``dataclasses.fields``) where the flag's dest is the 
 forgotten (``tests/test_config_container.py`` checks that every parser dest is accounted for).
 """
 import dataclasses
+import os
+from typing import Any, Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +20,11 @@ import torch.nn.functional as F
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.num_microbatches_calculator import build_num_microbatches_calculator
 from megatron.core.optimizer import OptimizerConfig
+from megatron.core.telemetry.config import TelemetryConfig
+from megatron.core.telemetry.groups import SpanGroup
+from megatron.core.telemetry.resources import compute_job_uuids, detect_gpu_identity, slurm_identity_attributes
+from megatron.core.telemetry.setup import parallel_rank_attributes, setup_telemetry_from_config
+from megatron.core.telemetry.span_groups import MegatronSpanGroup
 from megatron.training.config.common_config import DistributedInitConfig, RNGConfig
 from megatron.training.config.container import PretrainConfigContainer
 from megatron.training.config.data_config import DataConfig
@@ -164,25 +171,149 @@ def optimizer_config_from_args(args) -> OptimizerConfig:
 
 
 def ddp_config_from_args(args) -> DistributedDataParallelConfig:
-    """The DistributedDataParallelConfig of the run (Megatron's flag -> field translations)."""
-    return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        overlap_param_gather=args.overlap_param_gather,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
-        bucket_size=args.ddp_bucket_size,
-        average_in_collective=args.ddp_average_in_collective,
-    )
+    """The DistributedDataParallelConfig of the run (Megatron's flag -> field translations).
+
+    A flag missing from ``args`` (a checkpoint's args from an older version) keeps the field's default.
+    """
+    renamed = {"accumulate_allreduce_grads_in_fp32": "grad_reduce_in_fp32",
+               "check_for_nan_in_loss_and_grad": "check_for_nan_in_grad",
+               "ddp_bucket_size": "bucket_size", "ddp_average_in_collective": "average_in_collective"}
+    explicit = {field: getattr(args, dest) for dest, field in renamed.items() if hasattr(args, dest)}
+    return _fields_from_args(DistributedDataParallelConfig, args, **explicit)
 
 
-def telemetry_config_from_args(args):
+# ---------------------------------------------------------------------------------------------------
+# Telemetry (moved here from megatron/core/telemetry/args_integration.py: core reads no args)
+# ---------------------------------------------------------------------------------------------------
+
+def telemetry_config_from_args(args) -> TelemetryConfig:
     """``TelemetryConfig.from_env(MEGATRON_OTEL, fallback NEMO_LENS)`` with the CLI overrides
     ``--otel-enabled`` (only turns on), ``--otel-service-name`` and ``--otel-span-groups``, validated.
     Raises ``ValueError`` naming the variable or flag for any bad value."""
-    from megatron.core.telemetry.args_integration import load_config_from_args
+    config = TelemetryConfig.from_env(prefix="MEGATRON_OTEL", fallback_prefix="NEMO_LENS",
+                                      span_group_cls=MegatronSpanGroup)
+    config = config.with_overrides(
+        enabled=True if getattr(args, "otel_enabled", False) else None,
+        service_name=getattr(args, "otel_service_name", None),
+        span_groups=getattr(args, "otel_span_groups", None),
+    )
+    return config.validate()
 
-    return load_config_from_args(args)
+
+load_config_from_args = telemetry_config_from_args  # its name in megatron.core.telemetry before the move
+
+
+def _precision(args) -> str:
+    if getattr(args, "fp16", False):
+        return "fp16"
+    if getattr(args, "bf16", False):
+        return "bf16"
+    return "fp32"
+
+
+def _data_parallel_size(args) -> Optional[int]:
+    dp = getattr(args, "data_parallel_size", None)
+    if dp is not None:
+        return int(dp)
+    world = getattr(args, "world_size", None)
+    if world is None:
+        return None
+    model_parallel = (int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+                      * int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+                      * int(getattr(args, "context_parallel_size", 1) or 1))
+    return int(world) // model_parallel
+
+
+def build_telemetry_resource_attrs(args, local_rank: Optional[int] = None) -> Dict[str, Any]:
+    """Resource attributes derived from the training arguments, keys in the order of spec appendix
+    A.1: ``dl.local_rank``, parallel sizes, ``dl.batch_size`` (global), ``dl.sequence_length``, the
+    ``megatron.*`` model/run settings (skipped when ``None``), ``megatron.precision``, this rank's
+    NVML GPU identity, SLURM/NVRx identity, and ``nemo.lens.job_uuid``/``run_uuid``.
+
+    Shared by the training process and the async-checkpoint worker so the two cannot drift.
+    ``local_rank`` overrides ``args.local_rank`` (else ``LOCAL_RANK``, else 0). Never raises for a
+    missing optional argument; a missing GPU or driver just omits ``dl.gpu.*``.
+    """
+    if local_rank is None:
+        local_rank = getattr(args, "local_rank", None)
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    attrs: Dict[str, Any] = {"dl.local_rank": int(local_rank)}
+    for key, value in (
+        ("dl.tensor_parallel.size", getattr(args, "tensor_model_parallel_size", None)),
+        ("dl.pipeline_parallel.size", getattr(args, "pipeline_model_parallel_size", None)),
+        ("dl.data_parallel.size", _data_parallel_size(args)),
+        ("dl.batch_size", getattr(args, "global_batch_size", None)),
+        ("dl.sequence_length", getattr(args, "seq_length", None)),
+    ):
+        if value is not None:
+            attrs[key] = int(value)
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "train_iters", "micro_batch_size", "ckpt_format"):
+        value = getattr(args, name, None)
+        if value is not None:
+            attrs[f"megatron.{name}"] = value if isinstance(value, (bool, int, float, str)) else str(value)
+    attrs["megatron.precision"] = _precision(args)
+    attrs.update(detect_gpu_identity(int(local_rank)))
+    attrs.update(slurm_identity_attributes())
+    job_uuid, run_uuid = compute_job_uuids()
+    attrs["nemo.lens.job_uuid"] = job_uuid
+    attrs["nemo.lens.run_uuid"] = run_uuid
+    return attrs
+
+
+def build_otel_worker_bootstrap(args) -> Dict[str, Any]:
+    """Plain, picklable dict from which a persistent async-checkpoint worker rebuilds the same
+    telemetry identity (spec appendix A.2): ``enabled``, ``service_name``, ``span_groups`` (only
+    base-``SpanGroup`` names, ``default`` if none remain, ``per_step`` if the spec cannot be
+    resolved), ``resolved_span_groups`` (sorted, or ``None``), ``rank``, ``world_size`` and
+    ``resource_attrs`` (empty when disabled)."""
+    enabled = bool(getattr(args, "otel_enabled", False))
+    service_name = getattr(args, "otel_service_name", None)
+    if not service_name:
+        service_name = "megatron-lm" if not os.environ.get("OTEL_SERVICE_NAME") else None
+    spec = getattr(args, "otel_span_groups", None)
+    if spec is None:
+        spec = (os.environ.get("MEGATRON_OTEL_SPAN_GROUPS", "").strip()
+                or os.environ.get("NEMO_LENS_SPAN_GROUPS", "").strip() or "default")
+    try:
+        resolved = MegatronSpanGroup.resolve(spec)
+        base = sorted(resolved & SpanGroup.groups())
+        span_groups = ",".join(base) if base else "default"
+        resolved_list = sorted(resolved)
+    except Exception:
+        span_groups, resolved_list = "per_step", None
+    return {
+        "enabled": enabled,
+        "service_name": service_name,
+        "span_groups": span_groups,
+        "resolved_span_groups": resolved_list,
+        "rank": getattr(args, "rank", None),
+        "world_size": getattr(args, "world_size", None),
+        "resource_attrs": build_telemetry_resource_attrs(args) if enabled else {},
+    }
+
+
+def setup_telemetry_from_args(args, rank: int, world_size: int, local_rank: Optional[int] = None,
+                              config: Optional[TelemetryConfig] = None):
+    """What ``global_vars.set_telemetry()`` does (spec section 1): load and validate the config on
+    every rank (``ValueError`` on bad settings, before any model is built; ``config`` when it is built
+    already), build resource attributes only when enabled and this rank exports (no NVML probe
+    otherwise), call ``setup_telemetry``, and start the logging bridge when enabled, logs on, and this
+    rank exports.
+
+    Returns the ``TelemetryHandle``, or ``None`` after one warning when OpenTelemetry cannot be
+    imported (training then runs unchanged).
+    """
+    if config is None:
+        config = telemetry_config_from_args(args)
+
+    def resource_attributes():
+        # Looked up at call time: tests replace build_telemetry_resource_attrs to see whether it runs.
+        attrs = build_telemetry_resource_attrs(args, local_rank=local_rank)
+        attrs.update(parallel_rank_attributes())
+        return attrs
+
+    return setup_telemetry_from_config(config, rank, world_size, resource_attributes)
 
 
 def data_config_from_args(args) -> DataConfig:
@@ -261,6 +392,13 @@ def _train_iters(args):
     return {}
 
 
+def tokenizer_settings_from_args(args):
+    """``(TokenizerConfig, tensor-parallel size, rank)`` from ``args`` for Megatron-style callers of the
+    tokenizer factory (a flag missing from ``args`` keeps its default: tp 1, rank 0)."""
+    return (_fields_from_args(TokenizerConfig, args), getattr(args, "tensor_model_parallel_size", 1),
+            getattr(args, "rank", 0))
+
+
 def _checkpoint_config_from_args(args) -> CheckpointConfig:
     return _fields_from_args(
         CheckpointConfig, args,
@@ -272,14 +410,18 @@ def _checkpoint_config_from_args(args) -> CheckpointConfig:
     )
 
 
-def pretrain_cfg_container_from_args(args) -> PretrainConfigContainer:
+def pretrain_cfg_container_from_args(args, with_telemetry: bool = True) -> PretrainConfigContainer:
     """The run's PretrainConfigContainer from ``args`` after ``validate_args`` (and, for
     ``tokenizer.padded_vocab_size``, after the tokenizer is built).
 
-    Reads ``args`` and nothing else (the telemetry slice also reads the MEGATRON_OTEL_* environment);
-    writes nothing to it. Derived values (data-parallel size, dtypes, eval batch sizes, the scheduler's
-    lengths) are taken from what ``validate_args`` derived or computed here once.
+    Reads ``args`` and nothing else (the telemetry slice also reads the MEGATRON_OTEL_* environment and
+    is validated first, so a bad variable fails before anything else; ``with_telemetry=False`` leaves
+    the default, disabled TelemetryConfig, for callers that only want the model's shape, such as the
+    memory estimate of a checkpoint's args); writes nothing to it. Derived values (data-parallel size,
+    dtypes, eval batch sizes, the scheduler's lengths) are taken from what ``validate_args`` derived or
+    computed here once.
     """
+    telemetry = telemetry_config_from_args(args) if with_telemetry else TelemetryConfig()
     return PretrainConfigContainer(
         train=_fields_from_args(TrainingConfig, args, **_train_iters(args)),
         validation=_fields_from_args(ValidationConfig, args),
@@ -294,5 +436,5 @@ def pretrain_cfg_container_from_args(args) -> PretrainConfigContainer:
         checkpoint=_checkpoint_config_from_args(args),
         tokenizer=_fields_from_args(TokenizerConfig, args),
         data=data_config_from_args(args),
-        telemetry=telemetry_config_from_args(args),
+        telemetry=telemetry,
     )

@@ -124,7 +124,7 @@ def _stage(sharded: List[ShardedTensor], ready=None, device: Optional[int] = Non
 
 def _worker_attributes(args) -> Dict:
     """Span attributes of the background writer from the shared worker bootstrap (rank, service, resource)."""
-    from megatron.core.telemetry import build_otel_worker_bootstrap
+    from megatron.training.argument_utils import build_otel_worker_bootstrap
 
     bootstrap = build_otel_worker_bootstrap(args)
     attrs = {"megatron.worker": "async_checkpoint_writer", "megatron.rank": bootstrap.get("rank"),

@@ -88,57 +88,67 @@ def get_telemetry():
 
 
 def set_global_variables(args, build_tokenizer=True):
-    """Install args, check the telemetry settings, and build the microbatch calculator, tokenizer,
-    TensorBoard and W&B writers, and timers.
+    """Install args and the configuration built from them once (``get_config()``), and build the
+    microbatch calculator, tokenizer, TensorBoard and W&B writers, and timers.
 
-    Runs before the process group exists: bad MEGATRON_OTEL_* values fail here on every rank.
-    Telemetry itself is set up by ``set_telemetry`` once the process group exists, because its run
-    id and launch uuid are agreed over it (one broadcast from rank 0): launcher state such as
-    MASTER_ADDR/MASTER_PORT is the same for two launches on one host, so it cannot name a launch.
+    Runs before the process group exists: bad MEGATRON_OTEL_* values fail here on every rank (the
+    configuration's telemetry slice is validated first). Telemetry itself is set up by
+    ``set_telemetry`` once the process group exists, because its run id and launch uuid are agreed
+    over it (one broadcast from rank 0): launcher state such as MASTER_ADDR/MASTER_PORT is the same for
+    two launches on one host, so it cannot name a launch.
     """
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.core.timers import Timers
-
-    set_args(args)
-    from megatron.core.telemetry.args_integration import load_config_from_args
-
-    load_config_from_args(args)  # ValueError naming the variable, on every rank, before anything is built
-    init_num_microbatches_calculator(
-        args.rank, getattr(args, "rampup_batch_size", None), args.global_batch_size,
-        args.micro_batch_size, args.data_parallel_size,
-        getattr(args, "decrease_batch_size_if_needed", False),
-    )
-    if build_tokenizer:
-        _build_tokenizer(args)
-    # Built once here, after validation and the tokenizer (which fixes padded_vocab_size).
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
-    set_config(pretrain_cfg_container_from_args(args))
-    _set_tensorboard_writer(args)
-    _set_wandb_writer(args)
+    set_args(args)
+    cfg = pretrain_cfg_container_from_args(args)  # ValueError naming the variable, on every rank
+    set_config(cfg)
+    init_num_microbatches_calculator(
+        cfg.dist.rank, cfg.train.rampup_batch_size, cfg.train.global_batch_size,
+        cfg.train.micro_batch_size, cfg.dist.data_parallel_size, cfg.train.decrease_batch_size_if_needed,
+    )
+    if build_tokenizer:
+        _build_tokenizer(cfg, args)
+    # The writers record every argument (vars(args)), as Megatron-LM's do, so TensorBoard and W&B keep
+    # the names users search for; padded_vocab_size is among them once the tokenizer is built.
+    _set_tensorboard_writer(cfg.logger, cfg.dist, vars(args))
+    _set_wandb_writer(cfg.logger, cfg.dist, cfg.checkpoint.save, vars(args))
     global _GLOBAL_TIMERS
-    _GLOBAL_TIMERS = Timers(args.timing_log_level, args.timing_log_option)
+    _GLOBAL_TIMERS = Timers(cfg.logger.timing_log_level, cfg.logger.timing_log_option)
 
 
-def _build_tokenizer(args):
+def _build_tokenizer(cfg, args):
+    """The tokenizer of ``cfg.tokenizer``; fills the padded vocabulary in when it was not given.
+
+    The padded size is known only now, so it is the one value written back after the configuration
+    is built: into ``cfg.tokenizer`` and into ``args`` (checkpoints store the args, as Megatron's do).
+    """
     global _GLOBAL_TOKENIZER
-    from megatron.training.tokenizer import build_tokenizer
+    from megatron.training.tokenizer import build_tokenizer_from_config, vocab_size_with_padding
 
-    _GLOBAL_TOKENIZER = build_tokenizer(args)
+    log = cfg.dist.rank == 0
+    _GLOBAL_TOKENIZER = build_tokenizer_from_config(cfg.tokenizer, log=log)
+    if cfg.tokenizer.padded_vocab_size is None:
+        cfg.tokenizer.padded_vocab_size = vocab_size_with_padding(
+            _GLOBAL_TOKENIZER.vocab_size, cfg.tokenizer.make_vocab_size_divisible_by,
+            cfg.model.tensor_model_parallel_size, log=log)
+        args.padded_vocab_size = cfg.tokenizer.padded_vocab_size
     return _GLOBAL_TOKENIZER
 
 
-def _set_tensorboard_writer(args):
-    """Megatron writes TensorBoard events from the last rank only."""
+def _set_tensorboard_writer(logger, dist, settings):
+    """Megatron writes TensorBoard events from the last rank only (``logger``: LoggerConfig, ``dist``:
+    DistributedInitConfig); ``settings`` (name -> value, the run's arguments) are written as text."""
     global _GLOBAL_TENSORBOARD_WRITER
-    if getattr(args, "tensorboard_dir", None) and args.rank == args.world_size - 1:
+    if logger.tensorboard_dir and dist.rank == dist.world_size - 1:
         from torch.utils.tensorboard import SummaryWriter
 
-        os.makedirs(args.tensorboard_dir, exist_ok=True)
+        os.makedirs(logger.tensorboard_dir, exist_ok=True)
         _GLOBAL_TENSORBOARD_WRITER = SummaryWriter(
-            log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size
+            log_dir=logger.tensorboard_dir, max_queue=logger.tensorboard_queue_size
         )
-        for name, value in sorted(vars(args).items()):
+        for name, value in sorted(settings.items()):
             _GLOBAL_TENSORBOARD_WRITER.add_text(name, str(value))
 
 
@@ -161,27 +171,29 @@ def _wandb_config_value(value):
     return str(value)  # dtypes, signals, functions
 
 
-def _set_wandb_writer(args):
+def _set_wandb_writer(logger, dist, save, settings):
     """Start a Weights & Biases run on the last rank when --wandb-project is set (as Megatron-LM does).
 
-    Files go to --wandb-save-dir, else <--save>/wandb. Without an API key and without WANDB_MODE the
-    run is offline (no network; upload later with ``wandb sync``). validate_args has already checked
-    that the package imports and that the run has a name and a directory.
+    ``logger``: LoggerConfig, ``dist``: DistributedInitConfig, ``save``: the checkpoint directory,
+    ``settings``: the run's arguments (name -> value), sent as the run's config. Files go to
+    --wandb-save-dir, else <--save>/wandb. Without an API key and without WANDB_MODE the run is offline
+    (no network; upload later with ``wandb sync``). validate_args has already checked that the package
+    imports and that the run has a name and a directory.
     """
     global _GLOBAL_WANDB_WRITER
-    if not getattr(args, "wandb_project", "") or args.rank != args.world_size - 1:
+    if not logger.wandb_project or dist.rank != dist.world_size - 1:
         return None
     import wandb
 
-    save_dir = args.wandb_save_dir or os.path.join(args.save, "wandb")
+    save_dir = logger.wandb_save_dir or os.path.join(save, "wandb")
     os.makedirs(save_dir, exist_ok=True)
     mode = None
     if not os.environ.get("WANDB_MODE") and not _wandb_api_key_configured():
         mode = "offline"
         write_line(f"W&B: no API key configured (WANDB_API_KEY or `wandb login`): logging offline to {save_dir}; "
                    "upload later with `wandb sync`")
-    config = {name: _wandb_config_value(value) for name, value in sorted(vars(args).items())}
-    _GLOBAL_WANDB_WRITER = wandb.init(dir=save_dir, name=args.wandb_exp_name, project=args.wandb_project,
+    config = {name: _wandb_config_value(value) for name, value in sorted(settings.items())}
+    _GLOBAL_WANDB_WRITER = wandb.init(dir=save_dir, name=logger.wandb_exp_name, project=logger.wandb_project,
                                       config=config, mode=mode)
     return _GLOBAL_WANDB_WRITER
 
@@ -189,17 +201,19 @@ def _set_wandb_writer(args):
 def set_telemetry(args):
     """Configure OpenTelemetry from MEGATRON_OTEL_* / NEMO_LENS_* variables and the --otel-* flags.
 
-    The one place where environment and command line meet (spec section 1). Call it on every rank
-    after ``torch.distributed.init_process_group`` (``initialize_megatron`` does): the run id and
-    launch uuid are agreed over the process group. Bad values raise ValueError on every rank before
-    the model is built. Returns the handle, or None when OpenTelemetry is not installed (training
-    then runs unchanged).
+    The one place where environment and command line meet (spec section 1): the configuration's
+    telemetry slice (``get_config().telemetry``). Call it on every rank after
+    ``torch.distributed.init_process_group`` (``initialize_megatron`` does): the run id and launch uuid
+    are agreed over the process group. Bad values raise ValueError on every rank before the model is
+    built. Returns the handle, or None when OpenTelemetry is not installed (training then runs unchanged).
     """
     global _GLOBAL_TELEMETRY
-    from megatron.core.telemetry import setup_telemetry_from_args
+    from megatron.training.argument_utils import setup_telemetry_from_args
 
+    cfg = get_config()
     _GLOBAL_TELEMETRY = setup_telemetry_from_args(
-        args, rank=args.rank, world_size=args.world_size, local_rank=getattr(args, "local_rank", 0)
+        args, rank=cfg.dist.rank, world_size=cfg.dist.world_size, local_rank=cfg.dist.local_rank,
+        config=cfg.telemetry,
     )
     return _GLOBAL_TELEMETRY
 

@@ -1,32 +1,47 @@
-"""Megatron's theoretical memory report: weight, gradient, optimizer and activation bytes per rank from the command line."""
+"""Megatron's theoretical memory report: weight, gradient, optimizer and activation bytes per rank of a run's configuration."""
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from megatron.core.console import write_line
+from megatron.training.argument_utils import pretrain_cfg_container_from_args
+from megatron.training.config.container import PretrainConfigContainer
 
 NUM_BYTES_IN_MEGABYTE = 1024 * 1024
+
+
+def as_config(config) -> PretrainConfigContainer:
+    """``config`` itself when it is a ``PretrainConfigContainer``; validated ``args`` (the Megatron-style
+    callers: tools and tests that hold a checkpoint's or a command line's args) are converted once.
+
+    Every function of this module takes either; only the model, parallel, precision, optimizer, batch
+    and sequence settings are read (``model``, ``gpt``, ``tokenizer.padded_vocab_size``, ``optimizer``,
+    ``ddp``, ``dist.data_parallel_size``, ``train.micro_batch_size``, ``data.seq_length``).
+    """
+    if isinstance(config, PretrainConfigContainer):
+        return config
+    return pretrain_cfg_container_from_args(config, with_telemetry=False)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Parameter shapes of one (tensor, pipeline) rank
 # ---------------------------------------------------------------------------------------------------
 
-def num_layers_on_pipeline_stage(args, pp_rank: int) -> int:
+def num_layers_on_pipeline_stage(config, pp_rank: int) -> int:
     """Transformer layers held by pipeline stage ``pp_rank`` (all its virtual stages together).
 
     Even split of ``--num-layers`` over ``--pipeline-model-parallel-size``, or, with
     ``--decoder-first/last-pipeline-num-layers``, those counts on the first/last stage and the rest
     split evenly over the others (Megatron's uneven split).
     """
-    pp = args.pipeline_model_parallel_size
+    model = as_config(config).model
+    pp = model.pipeline_model_parallel_size
     if pp == 1:
-        return args.num_layers
-    first = getattr(args, "decoder_first_pipeline_num_layers", None)
-    last = getattr(args, "decoder_last_pipeline_num_layers", None)
+        return model.num_layers
+    first, last = model.num_layers_in_first_pipeline_stage, model.num_layers_in_last_pipeline_stage
     if first is None and last is None:
-        return args.num_layers // pp
+        return model.num_layers // pp
     middle_stages = pp - (first is not None) - (last is not None)
-    remaining = args.num_layers - (first or 0) - (last or 0)
+    remaining = model.num_layers - (first or 0) - (last or 0)
     if pp_rank == 0 and first is not None:
         return first
     if pp_rank == pp - 1 and last is not None:
@@ -34,68 +49,71 @@ def num_layers_on_pipeline_stage(args, pp_rank: int) -> int:
     return remaining // middle_stages if middle_stages else 0
 
 
-def _query_groups(args) -> int:
-    return args.num_query_groups if args.group_query_attention else args.num_attention_heads
+def _query_groups(model) -> int:
+    # TransformerConfig fills num_query_groups = heads without --group-query-attention.
+    return model.num_query_groups or model.num_attention_heads
 
 
-def _norm_shapes(args, prefix: str, size: int) -> List[Tuple[str, Tuple[int, ...]]]:
+def _norm_shapes(model, prefix: str, size: int) -> List[Tuple[str, Tuple[int, ...]]]:
     shapes = [(f"{prefix}.weight", (size,))]
-    if args.normalization == "LayerNorm":  # RMSNorm has no bias
+    if model.normalization == "LayerNorm":  # RMSNorm has no bias
         shapes.append((f"{prefix}.bias", (size,)))
     return shapes
 
 
-def _layer_shapes(args, index: int) -> List[Tuple[str, Tuple[int, ...]]]:
-    """One transformer layer on one TP rank, in ``named_parameters`` order."""
-    tp, h = args.tensor_model_parallel_size, args.hidden_size
-    q = args.kv_channels * args.num_attention_heads
-    kv = args.kv_channels * _query_groups(args)
-    ffn_out = args.ffn_hidden_size * (2 if args.swiglu else 1)  # SwiGLU: gate and up fused in fc1
-    bias = args.add_bias_linear
+def _layer_shapes(model, index: int) -> List[Tuple[str, Tuple[int, ...]]]:
+    """One transformer layer on one TP rank, in ``named_parameters`` order (``model``: a TransformerConfig)."""
+    tp, h = model.tensor_model_parallel_size, model.hidden_size
+    q = model.kv_channels * model.num_attention_heads
+    kv = model.kv_channels * _query_groups(model)
+    ffn_out = model.ffn_hidden_size * (2 if model.gated_linear_unit else 1)  # SwiGLU: gate and up fused in fc1
+    bias = model.add_bias_linear
     p = f"decoder.layers.{index}"
-    shapes = _norm_shapes(args, f"{p}.input_layernorm", h)
+    shapes = _norm_shapes(model, f"{p}.input_layernorm", h)
     # megatron-core creates linear_proj before linear_qkv; the legacy optimizer state follows this order
     shapes.append((f"{p}.self_attention.linear_proj.weight", (h, q // tp)))
     if bias:  # row-parallel bias: replicated over TP
         shapes.append((f"{p}.self_attention.linear_proj.bias", (h,)))
     shapes.append((f"{p}.self_attention.linear_qkv.weight", ((q + 2 * kv) // tp, h)))
-    if bias or getattr(args, "add_qkv_bias", False):
+    if bias or model.add_qkv_bias:
         shapes.append((f"{p}.self_attention.linear_qkv.bias", ((q + 2 * kv) // tp,)))
-    if getattr(args, "qk_layernorm", False):
-        shapes += _norm_shapes(args, f"{p}.self_attention.q_layernorm", args.kv_channels)
-        shapes += _norm_shapes(args, f"{p}.self_attention.k_layernorm", args.kv_channels)
-    shapes += _norm_shapes(args, f"{p}.pre_mlp_layernorm", h)
+    if model.qk_layernorm:
+        shapes += _norm_shapes(model, f"{p}.self_attention.q_layernorm", model.kv_channels)
+        shapes += _norm_shapes(model, f"{p}.self_attention.k_layernorm", model.kv_channels)
+    shapes += _norm_shapes(model, f"{p}.pre_mlp_layernorm", h)
     shapes.append((f"{p}.mlp.linear_fc1.weight", (ffn_out // tp, h)))
     if bias:
         shapes.append((f"{p}.mlp.linear_fc1.bias", (ffn_out // tp,)))
-    shapes.append((f"{p}.mlp.linear_fc2.weight", (h, args.ffn_hidden_size // tp)))
+    shapes.append((f"{p}.mlp.linear_fc2.weight", (h, model.ffn_hidden_size // tp)))
     if bias:
         shapes.append((f"{p}.mlp.linear_fc2.bias", (h,)))
     return shapes
 
 
-def gpt_parameter_shapes(args, pp_rank: int = 0) -> List[Tuple[str, Tuple[int, ...]]]:
+def gpt_parameter_shapes(config, pp_rank: int = 0) -> List[Tuple[str, Tuple[int, ...]]]:
     """``(name, shape)`` of every parameter a TP rank of pipeline stage ``pp_rank`` holds.
 
     Names and order are those of ``GPTModel.named_parameters()`` (layer indices local to the
     stage). Every TP rank of a stage holds the same shapes: split weights are ``1/TP`` of the
     full ones, norms, row-parallel biases and position embeddings are replicated. The vocabulary
-    is ``args.padded_vocab_size`` (``--make-vocab-size-divisible-by`` x TP). With tied embeddings
+    is ``tokenizer.padded_vocab_size`` (``--make-vocab-size-divisible-by`` x TP). With tied embeddings
     and PP > 1 the last stage holds its own copy of the word embeddings as ``output_layer.weight``.
     """
-    tp, h, pp = args.tensor_model_parallel_size, args.hidden_size, args.pipeline_model_parallel_size
+    cfg = as_config(config)
+    model, gpt, vocab = cfg.model, cfg.gpt, cfg.tokenizer.padded_vocab_size
+    tp, h, pp = model.tensor_model_parallel_size, model.hidden_size, model.pipeline_model_parallel_size
     first, last = pp_rank == 0, pp_rank == pp - 1
     shapes = []
     if first:
-        shapes.append(("embedding.word_embeddings.weight", (args.padded_vocab_size // tp, h)))
-        if args.position_embedding_type == "learned_absolute":
-            shapes.append(("embedding.position_embeddings.weight", (args.max_position_embeddings, h)))
-    for index in range(num_layers_on_pipeline_stage(args, pp_rank)):
-        shapes += _layer_shapes(args, index)
+        shapes.append(("embedding.word_embeddings.weight", (vocab // tp, h)))
+        if gpt.position_embedding_type == "learned_absolute":
+            shapes.append(("embedding.position_embeddings.weight", (gpt.max_position_embeddings, h)))
+    for index in range(num_layers_on_pipeline_stage(cfg, pp_rank)):
+        shapes += _layer_shapes(model, index)
     if last:
-        shapes += _norm_shapes(args, "decoder.final_layernorm", h)
-        if args.untie_embeddings_and_output_weights or not first:
-            shapes.append(("output_layer.weight", (args.padded_vocab_size // tp, h)))
+        shapes += _norm_shapes(model, "decoder.final_layernorm", h)
+        if gpt.untie_embeddings_and_output_weights or not first:
+            shapes.append(("output_layer.weight", (vocab // tp, h)))
     return shapes
 
 
@@ -106,29 +124,31 @@ def _numel(shape: Tuple[int, ...]) -> int:
     return count
 
 
-def num_parameters_on_rank(args, pp_rank: int = 0) -> int:
+def num_parameters_on_rank(config, pp_rank: int = 0) -> int:
     """Parameters held by one TP rank of pipeline stage ``pp_rank``."""
-    return sum(_numel(shape) for _, shape in gpt_parameter_shapes(args, pp_rank))
+    return sum(_numel(shape) for _, shape in gpt_parameter_shapes(config, pp_rank))
 
 
-def num_parameters_in_model(args) -> int:
+def num_parameters_in_model(config) -> int:
     """Parameters of the whole model (tied embeddings counted once), independent of TP and PP."""
-    h = args.hidden_size
-    q = args.kv_channels * args.num_attention_heads
-    kv = args.kv_channels * _query_groups(args)
-    ffn_out = args.ffn_hidden_size * (2 if args.swiglu else 1)
-    norm = h * (2 if args.normalization == "LayerNorm" else 1)
-    layer = 2 * norm + h * (q + 2 * kv) + q * h + ffn_out * h + args.ffn_hidden_size * h
-    if args.add_bias_linear or getattr(args, "add_qkv_bias", False):
+    cfg = as_config(config)
+    model, gpt = cfg.model, cfg.gpt
+    h = model.hidden_size
+    q = model.kv_channels * model.num_attention_heads
+    kv = model.kv_channels * _query_groups(model)
+    ffn_out = model.ffn_hidden_size * (2 if model.gated_linear_unit else 1)
+    norm = h * (2 if model.normalization == "LayerNorm" else 1)
+    layer = 2 * norm + h * (q + 2 * kv) + q * h + ffn_out * h + model.ffn_hidden_size * h
+    if model.add_bias_linear or model.add_qkv_bias:
         layer += q + 2 * kv
-    if args.add_bias_linear:
+    if model.add_bias_linear:
         layer += h + ffn_out + h
-    if getattr(args, "qk_layernorm", False):
-        layer += 2 * args.kv_channels * (2 if args.normalization == "LayerNorm" else 1)
-    embedding = args.padded_vocab_size * h
-    total = layer * args.num_layers + norm + embedding * (2 if args.untie_embeddings_and_output_weights else 1)
-    if args.position_embedding_type == "learned_absolute":
-        total += args.max_position_embeddings * h
+    if model.qk_layernorm:
+        layer += 2 * model.kv_channels * (2 if model.normalization == "LayerNorm" else 1)
+    embedding = cfg.tokenizer.padded_vocab_size * h
+    total = layer * model.num_layers + norm + embedding * (2 if gpt.untie_embeddings_and_output_weights else 1)
+    if gpt.position_embedding_type == "learned_absolute":
+        total += gpt.max_position_embeddings * h
     return total
 
 
@@ -166,20 +186,22 @@ class BytesPerParameter:
         return self.weight + self.gradient + self.optimizer
 
 
-def bytes_per_parameter(args) -> BytesPerParameter:
-    """Bytes per parameter for the precision, grad-reduction dtype, optimizer and sharding of ``args``."""
-    half = args.fp16 or args.bf16
+def bytes_per_parameter(config) -> BytesPerParameter:
+    """Bytes per parameter for the precision, grad-reduction dtype, optimizer and sharding of ``config``."""
+    cfg = as_config(config)
+    optimizer = cfg.optimizer
+    half = cfg.model.fp16 or cfg.model.bf16
     weight = 2 if half else 4
-    gradient = 4 if (not half or args.accumulate_allreduce_grads_in_fp32) else 2
-    if args.optimizer == "adam":
+    gradient = 4 if (not half or cfg.ddp.grad_reduce_in_fp32) else 2
+    if optimizer.optimizer == "adam":
         state = 8
-    elif args.optimizer == "sgd":
-        state = 4 if args.sgd_momentum else 0
+    elif optimizer.optimizer == "sgd":
+        state = 4 if optimizer.sgd_momentum else 0
     else:
-        raise ValueError(f"--optimizer {args.optimizer}: no memory model for this optimizer")
+        raise ValueError(f"--optimizer {optimizer.optimizer}: no memory model for this optimizer")
     shards = 1
-    if args.use_distributed_optimizer:
-        shards = args.data_parallel_size * getattr(args, "context_parallel_size", 1)
+    if optimizer.use_distributed_optimizer:
+        shards = cfg.dist.data_parallel_size * cfg.model.context_parallel_size
     return BytesPerParameter(weight=weight, gradient=gradient, main_param=4 if half else 0,
                              optimizer_state=state, shards=shards)
 
@@ -202,7 +224,7 @@ class MemoryFootprint:
         return self.weight_bytes + self.gradient_bytes + self.optimizer_bytes
 
 
-def compute_weight_and_optimizer_memory(args, pp_rank: Optional[int] = None) -> MemoryFootprint:
+def compute_weight_and_optimizer_memory(config, pp_rank: Optional[int] = None) -> MemoryFootprint:
     """Weight, gradient and optimizer bytes of one rank of stage ``pp_rank`` (default: the most loaded).
 
     Unlike Megatron-LM's estimate, the parameter count is exact for this project's GPT: it counts
@@ -210,12 +232,13 @@ def compute_weight_and_optimizer_memory(args, pp_rank: Optional[int] = None) -> 
     and row-parallel biases are not divided by TP). The bytes ignore the distributed optimizer's
     bucket padding (at most one bucket's ``lcm(DP, 128)`` elements per bucket).
     """
-    stages = range(args.pipeline_model_parallel_size) if pp_rank is None else [pp_rank]
-    counts = {stage: num_parameters_on_rank(args, stage) for stage in stages}
+    cfg = as_config(config)
+    stages = range(cfg.model.pipeline_model_parallel_size) if pp_rank is None else [pp_rank]
+    counts = {stage: num_parameters_on_rank(cfg, stage) for stage in stages}
     stage = max(counts, key=lambda s: counts[s])
     n = counts[stage]
-    per = bytes_per_parameter(args)
-    return MemoryFootprint(num_parameters=num_parameters_in_model(args), num_parameters_on_rank=n, pp_rank=stage,
+    per = bytes_per_parameter(cfg)
+    return MemoryFootprint(num_parameters=num_parameters_in_model(cfg), num_parameters_on_rank=n, pp_rank=stage,
                            weight_bytes=n * per.weight, gradient_bytes=n * per.gradient,
                            optimizer_bytes=n * per.optimizer)
 
@@ -225,11 +248,11 @@ def compute_weight_and_optimizer_memory(args, pp_rank: Optional[int] = None) -> 
 _FLASH_LIKE_BACKENDS = ("flash", "fused", "auto")
 
 
-def _activation_bytes_per_element(args) -> int:
-    return 2 if (args.fp16 or args.bf16) else 4
+def _activation_bytes_per_element(model) -> int:
+    return 2 if (model.fp16 or model.bf16) else 4
 
 
-def activation_memory_per_layer(args, recompute: bool = False) -> float:
+def activation_memory_per_layer(config, recompute: bool = False) -> float:
     """Bytes one transformer layer keeps for its backward, for one micro-batch on one TP rank.
 
     Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"),
@@ -251,53 +274,57 @@ def activation_memory_per_layer(args, recompute: bool = False) -> float:
     flash attention. ``recompute`` (``--recompute-granularity selective``) drops the core
     attention term. fp32 training (no --bf16/--fp16) doubles every 2-byte term.
     """
-    s, b, h = args.seq_length, args.micro_batch_size, args.hidden_size
-    tp = args.tensor_model_parallel_size
-    e = _activation_bytes_per_element(args)
-    mask = 1 if args.hidden_dropout > 0 else 0
-    q = args.kv_channels * args.num_attention_heads
-    kv = args.kv_channels * _query_groups(args)
-    f = args.ffn_hidden_size
-    mlp_inner = e * s * b * (3 * f if args.swiglu else 2 * f)  # activation input(s) + output
+    cfg = as_config(config)
+    model = cfg.model
+    s, b, h = cfg.data.seq_length, cfg.train.micro_batch_size, model.hidden_size
+    tp = model.tensor_model_parallel_size
+    e = _activation_bytes_per_element(model)
+    mask = 1 if model.hidden_dropout > 0 else 0
+    q = model.kv_channels * model.num_attention_heads
+    kv = model.kv_channels * _query_groups(model)
+    f = model.ffn_hidden_size
+    mlp_inner = e * s * b * (3 * f if model.gated_linear_unit else 2 * f)  # activation input(s) + output
     whole = 4 * e * s * b * h + 2 * mask * s * b * h
     split = e * s * b * (q + 2 * kv) + e * s * b * q + mlp_inner
     if not recompute:
-        a = args.num_attention_heads
-        backend = str(getattr(args, "attention_backend", "auto")).rsplit(".", 1)[-1]
+        a = model.num_attention_heads
+        backend = str(model.attention_backend).rsplit(".", 1)[-1]
         if backend in _FLASH_LIKE_BACKENDS:
             split += 4 * a * s * b
         else:
-            dropout = 1 if args.attention_dropout > 0 else 0
+            dropout = 1 if model.attention_dropout > 0 else 0
             # softmax output, and with dropout its mask (1 byte) and output
             split += a * s * s * b * (e + dropout * (1 + e))
-    if args.sequence_parallel:
+    if model.sequence_parallel:
         return (whole + split) / tp
     return whole + split / tp
 
 
-def _layers_activation_memory(args, num_layers: int) -> float:
+def _layers_activation_memory(cfg, num_layers: int) -> float:
     """Bytes the transformer layers of one stage keep for one micro-batch, with activation recompute.
 
     Full recompute keeps each checkpointed unit's input (2sbh, / TP under sequence parallelism) and,
     in the backward, one unit recomputed whole; ``block`` checkpoints only the first
     ``--recompute-num-layers`` layers, ``uniform`` every unit of that many layers.
     """
-    granularity = getattr(args, "recompute_granularity", None)
+    model = cfg.model
+    granularity = model.recompute_granularity
     if granularity == "selective":
-        return num_layers * activation_memory_per_layer(args, recompute=True)
-    full_layer = activation_memory_per_layer(args)
+        return num_layers * activation_memory_per_layer(cfg, recompute=True)
+    full_layer = activation_memory_per_layer(cfg)
     if granularity != "full":
         return num_layers * full_layer
-    unit_input = _activation_bytes_per_element(args) * args.seq_length * args.micro_batch_size * args.hidden_size
-    if args.sequence_parallel:
-        unit_input /= args.tensor_model_parallel_size
-    n = min(max(getattr(args, "recompute_num_layers", None) or 1, 1), num_layers)
-    if getattr(args, "recompute_method", None) == "block":
+    unit_input = (_activation_bytes_per_element(model) * cfg.data.seq_length * cfg.train.micro_batch_size
+                  * model.hidden_size)
+    if model.sequence_parallel:
+        unit_input /= model.tensor_model_parallel_size
+    n = min(max(model.recompute_num_layers or 1, 1), num_layers)
+    if model.recompute_method == "block":
         return n * unit_input + (num_layers - n) * full_layer + (full_layer if n else 0)
     return -(-num_layers // n) * unit_input + n * full_layer
 
 
-def compute_activation_memory(args, num_microbatches: Optional[int]) -> float:
+def compute_activation_memory(config, num_microbatches: Optional[int]) -> float:
     """Activation bytes on the first pipeline stage (the one with the most micro-batches in flight).
 
     Per micro-batch: the layers of the stage (:func:`activation_memory_per_layer`, with
@@ -310,27 +337,30 @@ def compute_activation_memory(args, num_microbatches: Optional[int]) -> float:
     selective recompute this is Megatron-LM's own estimate (Korthikanti et al. Table 2,
     ``sbh(18 + 4f/h)`` per layer over TP).
     """
-    s, b, h = args.seq_length, args.micro_batch_size, args.hidden_size
-    pp, tp = args.pipeline_model_parallel_size, args.tensor_model_parallel_size
-    layers = _layers_activation_memory(args, num_layers_on_pipeline_stage(args, 0))
-    e = _activation_bytes_per_element(args)
-    embedding = 8 * s * b + (s * b * h if args.hidden_dropout > 0 else 0)
-    if args.sequence_parallel:
+    cfg = as_config(config)
+    model = cfg.model
+    s, b, h = cfg.data.seq_length, cfg.train.micro_batch_size, model.hidden_size
+    pp, tp = model.pipeline_model_parallel_size, model.tensor_model_parallel_size
+    layers = _layers_activation_memory(cfg, num_layers_on_pipeline_stage(cfg, 0))
+    e = _activation_bytes_per_element(model)
+    embedding = 8 * s * b + (s * b * h if model.hidden_dropout > 0 else 0)
+    if model.sequence_parallel:
         # The first layer's norm keeps its shard as a view of the whole embedding output, which so
         # stays alive: (1 - 1/TP) of it beyond the layers' count.
-        embedding = 8 * s * b + (s * b * h / tp if args.hidden_dropout > 0 else 0) + e * s * b * h * (1 - 1 / tp)
+        embedding = 8 * s * b + (s * b * h / tp if model.hidden_dropout > 0 else 0) + e * s * b * h * (1 - 1 / tp)
     total = (layers + embedding) * pp
-    vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    vp = model.virtual_pipeline_model_parallel_size
     if vp is not None:
         total *= 1 + (pp - 1) / (pp * vp)  # interleaved schedule holds more microbatches in flight
     elif pp > 1 and num_microbatches is not None:
         total *= min(1.0, num_microbatches / pp)
     if pp == 1:
-        total += 2 * e * s * b * h / (tp if args.sequence_parallel else 1) + 4 * s * b * args.padded_vocab_size / tp
+        total += (2 * e * s * b * h / (tp if model.sequence_parallel else 1)
+                  + 4 * s * b * cfg.tokenizer.padded_vocab_size / tp)
     return total
 
 
-def report_theoretical_memory(args, num_microbatches: Optional[int] = None, verbose: bool = False) -> MemoryFootprint:
+def report_theoretical_memory(config, num_microbatches: Optional[int] = None, verbose: bool = False) -> MemoryFootprint:
     """Print Megatron's "Theoretical memory footprints" line (call on one rank) and return the footprint.
 
     The line is ``Theoretical memory footprints: weight and optimizer=X MB, activation=Y MB, total=Z MB``.
@@ -340,10 +370,11 @@ def report_theoretical_memory(args, num_microbatches: Optional[int] = None, verb
     ``verbose`` adds the parameter counts, the weight / gradient / optimizer split and the
     activation bytes per layer.
     """
-    footprint = compute_weight_and_optimizer_memory(args)
-    footprint.activation_bytes = compute_activation_memory(args, num_microbatches)
+    cfg = as_config(config)
+    footprint = compute_weight_and_optimizer_memory(cfg)
+    footprint.activation_bytes = compute_activation_memory(cfg, num_microbatches)
     if verbose:
-        per = bytes_per_parameter(args)
+        per = bytes_per_parameter(cfg)
         write_line(f"Total number of parameters in billions: {footprint.num_parameters / 10 ** 9:.2f}")
         write_line(f"Number of parameters in most loaded shard in billions: "
                    f"{footprint.num_parameters_on_rank / 10 ** 9:.4f}")
@@ -352,7 +383,7 @@ def report_theoretical_memory(args, num_microbatches: Optional[int] = None, verb
                    f"total={per.total:.4g}; per rank: weight={footprint.weight_bytes / NUM_BYTES_IN_MEGABYTE:.2f} MB, "
                    f"gradient={footprint.gradient_bytes / NUM_BYTES_IN_MEGABYTE:.2f} MB, "
                    f"optimizer={footprint.optimizer_bytes / NUM_BYTES_IN_MEGABYTE:.2f} MB")
-        per_layer = activation_memory_per_layer(args, recompute=args.recompute_granularity == "selective")
+        per_layer = activation_memory_per_layer(cfg, recompute=cfg.model.recompute_granularity == "selective")
         write_line(f"Theoretical activation memory per layer and micro-batch: "
                    f"{per_layer / NUM_BYTES_IN_MEGABYTE:.2f} MB")
     weight_and_optimizer = footprint.weight_and_optimizer_bytes / NUM_BYTES_IN_MEGABYTE
@@ -384,24 +415,27 @@ def available_host_memory() -> Optional[int]:
         return None
 
 
-def model_memory_refusal(args, source: str, local_ranks: int = 1, device_memory: Optional[int] = None,
+def model_memory_refusal(config, source: str, local_ranks: int = 1, device_memory: Optional[int] = None,
                          host_memory: Optional[int] = None) -> Optional[str]:
-    """Why the model ``args`` describe cannot be built here, or None when its parameters fit.
+    """Why the model ``config`` (or a checkpoint's validated args) describes cannot be built here, or None
+    when its parameters fit.
 
     The decision for every tool that takes the model's shape from a checkpoint (``source`` names the
     file): the parameters of one rank (:func:`num_parameters_in_model` over TP x PP, at 2 bytes for
     bf16/fp16 and 4 for fp32) times the ``local_ranks`` this host runs must fit in ``host_memory``
     (default :func:`available_host_memory`), or, on a GPU, one rank's in ``device_memory`` (bytes of
     that GPU; None without one). Only the parameters count, so a refusal is certain, not a guess about
-    activations. ``args`` must be validated (``kv_channels``, ``ffn_hidden_size`` and
+    activations. Args must be validated (``kv_channels``, ``ffn_hidden_size`` and
     ``padded_vocab_size`` set).
     """
-    total = num_parameters_in_model(args)
-    ranks_per_model = max(1, args.tensor_model_parallel_size) * max(1, args.pipeline_model_parallel_size)
-    element = 2 if (args.fp16 or args.bf16) else 4
+    cfg = as_config(config)
+    model = cfg.model
+    total = num_parameters_in_model(cfg)
+    ranks_per_model = max(1, model.tensor_model_parallel_size) * max(1, model.pipeline_model_parallel_size)
+    element = 2 if (model.fp16 or model.bf16) else 4
     per_rank = -(-total // ranks_per_model) * element
-    shape = (f"{total:,} parameters (--num-layers {args.num_layers}, --hidden-size {args.hidden_size}, "
-             f"--ffn-hidden-size {args.ffn_hidden_size}, vocabulary {args.padded_vocab_size})")
+    shape = (f"{total:,} parameters (--num-layers {model.num_layers}, --hidden-size {model.hidden_size}, "
+             f"--ffn-hidden-size {model.ffn_hidden_size}, vocabulary {cfg.tokenizer.padded_vocab_size})")
     if device_memory is not None:  # the parameters live on the GPU
         if per_rank > device_memory:
             return (f"{source} describes a model of {shape}: {per_rank / 2**30:,.1f} GiB per rank, more than the "

@@ -1,4 +1,4 @@
-"""Megatron's tokenizer command-line flags and the factory that builds a tokenizer from them."""
+"""Megatron's tokenizer command-line flags and the factory that builds a tokenizer from a TokenizerConfig."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +14,8 @@ from megatron.core.tokenizers import (
     SentencePieceTokenizer,
     TikTokenizer,
 )
+from megatron.training.argument_utils import tokenizer_settings_from_args
+from megatron.training.config.training_config import TokenizerConfig
 
 # Every type Megatron's parser accepts, so its command lines parse unchanged here.
 TOKENIZER_TYPES = [
@@ -74,33 +76,39 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     return parser
 
 
-def _vocab_size_with_padding(orig_vocab_size: int, args) -> int:
+def vocab_size_with_padding(orig_vocab_size: int, make_vocab_size_divisible_by: int = 128,
+                            tensor_model_parallel_size: int = 1, log: bool = True) -> int:
     """Round the vocabulary up so each tensor-parallel rank holds an equal, aligned slice.
 
-    Multiple = ``make_vocab_size_divisible_by * tensor_model_parallel_size``
-    (defaults 128 and 1); GPT-2's 50,257 becomes 50,304. Prints the padding on rank 0.
+    Multiple = ``make_vocab_size_divisible_by * tensor_model_parallel_size``; GPT-2's 50,257 becomes
+    50,304. Prints the padding when ``log`` (rank 0).
 
     Raises ValueError if either factor is < 1.
     """
-    divisible_by = getattr(args, "make_vocab_size_divisible_by", 128)
-    tp_size = getattr(args, "tensor_model_parallel_size", 1)
+    divisible_by, tp_size = make_vocab_size_divisible_by, tensor_model_parallel_size
     if divisible_by < 1 or tp_size < 1:
         raise ValueError(
             f"--make-vocab-size-divisible-by ({divisible_by}) and --tensor-model-parallel-size ({tp_size}) must be >= 1"
         )
     multiple = divisible_by * tp_size
     padded = int(math.ceil(orig_vocab_size / multiple)) * multiple
-    if getattr(args, "rank", 0) == 0:
+    if log:
         write_line(f" > padded vocab (size: {orig_vocab_size}) with {padded - orig_vocab_size} dummy tokens "
                    f"(new size: {padded})")
     return padded
 
 
-def build_tokenizer(args) -> MegatronTokenizer:
-    """Build the tokenizer named by ``args.tokenizer_type`` and set ``args.padded_vocab_size``.
+def _vocab_size_with_padding(orig_vocab_size: int, args) -> int:
+    """Megatron-LM's signature of :func:`vocab_size_with_padding`: the factors and the rank from ``args``
+    (defaults 128, 1 and 0 where ``args`` lacks them)."""
+    tokenizer, tp_size, rank = tokenizer_settings_from_args(args)
+    return vocab_size_with_padding(orig_vocab_size, tokenizer.make_vocab_size_divisible_by, tp_size, log=rank == 0)
 
-    ``args.padded_vocab_size`` is kept when already given, else computed by
-    ``_vocab_size_with_padding``. Prints "> building {type} tokenizer ..." on rank 0.
+
+def build_tokenizer_from_config(config: TokenizerConfig, log: bool = True) -> MegatronTokenizer:
+    """Build the tokenizer named by ``config.tokenizer_type`` (a TokenizerConfig). Prints
+    "> building {type} tokenizer ..." when ``log`` (rank 0). The padded vocabulary is not computed here
+    (:func:`vocab_size_with_padding`).
 
     Raises:
         ValueError: ``--tokenizer-type`` is missing or not one of the supported types, or a flag
@@ -109,60 +117,64 @@ def build_tokenizer(args) -> MegatronTokenizer:
         ImportError: transformers (HuggingFaceTokenizer) or tiktoken (TikTokenizer) is not installed.
         FileNotFoundError: a tokenizer file does not exist (message names its flag).
     """
-    tokenizer_type = getattr(args, "tokenizer_type", None)
-    if getattr(args, "rank", 0) == 0:
+    tokenizer_type = config.tokenizer_type
+    if log:
         write_line(f"> building {tokenizer_type} tokenizer ...")
-    vocab_file = getattr(args, "vocab_file", None)
-    merge_file = getattr(args, "merge_file", None)
-    tokenizer_model = getattr(args, "tokenizer_model", None)
+    vocab_file, merge_file, tokenizer_model = config.vocab_file, config.merge_file, config.tokenizer_model
     if tokenizer_type == "GPT2BPETokenizer":
         if vocab_file is None or merge_file is None:
             raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
-        tokenizer = GPT2BPETokenizer(vocab_file, merge_file)
-    elif tokenizer_type == "SentencePieceTokenizer":
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type == "SentencePieceTokenizer":
         if tokenizer_model is None:
             raise ValueError("--tokenizer-type SentencePieceTokenizer needs --tokenizer-model")
-        tokenizer = SentencePieceTokenizer(tokenizer_model, vocab_extra_ids=getattr(args, "vocab_extra_ids", 0))
-    elif tokenizer_type == "GPTSentencePieceTokenizer":
+        return SentencePieceTokenizer(tokenizer_model, vocab_extra_ids=config.vocab_extra_ids)
+    if tokenizer_type == "GPTSentencePieceTokenizer":
         if tokenizer_model is None:
             raise ValueError("--tokenizer-type GPTSentencePieceTokenizer needs --tokenizer-model")
-        tokenizer = GPTSentencePieceTokenizer(tokenizer_model)
-    elif tokenizer_type == "HuggingFaceTokenizer":
+        return GPTSentencePieceTokenizer(tokenizer_model)
+    if tokenizer_type == "HuggingFaceTokenizer":
         if tokenizer_model is None:
             raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a tokenizer directory "
                              "or Hugging Face name)")
-        tokenizer = HuggingFaceTokenizer(
-            tokenizer_model, trust_remote_code=getattr(args, "trust_remote_code", False),
-            use_fast=getattr(args, "tokenizer_hf_use_fast", True),
-            include_special_tokens=getattr(args, "tokenizer_hf_include_special_tokens", True),
+        return HuggingFaceTokenizer(
+            tokenizer_model, trust_remote_code=config.trust_remote_code,
+            use_fast=config.tokenizer_hf_use_fast,
+            include_special_tokens=config.tokenizer_hf_include_special_tokens,
         )
-    elif tokenizer_type == "TikTokenizer":
+    if tokenizer_type == "TikTokenizer":
         if tokenizer_model is None:
             raise ValueError("--tokenizer-type TikTokenizer needs --tokenizer-model (a tiktoken vocabulary file)")
-        pattern = getattr(args, "tiktoken_pattern", None)
+        pattern = config.tiktoken_pattern
         if pattern not in ("v1", "v2"):
             raise ValueError(f"--tokenizer-type TikTokenizer needs --tiktoken-pattern v1 or v2, got {pattern}")
-        tokenizer = TikTokenizer(
-            tokenizer_model, pattern=pattern, vocab_size=getattr(args, "vocab_size", None),
-            num_special_tokens=getattr(args, "tiktoken_num_special_tokens", 1000),
-            special_tokens=getattr(args, "tokenizer_special_tokens", None)
-            or getattr(args, "tiktoken_special_tokens", None),
+        return TikTokenizer(
+            tokenizer_model, pattern=pattern, vocab_size=config.vocab_size,
+            num_special_tokens=config.tiktoken_num_special_tokens,
+            special_tokens=config.tokenizer_special_tokens or config.tiktoken_special_tokens,
         )
-    elif tokenizer_type == "NullTokenizer":
-        if getattr(args, "vocab_size", None) is None:
+    if tokenizer_type == "NullTokenizer":
+        if config.vocab_size is None:
             raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
-        tokenizer = NullTokenizer(
-            args.vocab_size,
-            eod_id=getattr(args, "null_tokenizer_eod_id", None),
-            pad_id=getattr(args, "null_tokenizer_pad_id", -1),
-        )
-    elif tokenizer_type is None:
+        return NullTokenizer(config.vocab_size, eod_id=config.null_tokenizer_eod_id,
+                             pad_id=config.null_tokenizer_pad_id)
+    if tokenizer_type is None:
         raise ValueError(f"--tokenizer-type is required; supported: {', '.join(SUPPORTED_TOKENIZER_TYPES)}")
-    else:
-        raise ValueError(
-            f"--tokenizer-type {tokenizer_type} is not supported by this framework; "
-            f"supported: {', '.join(SUPPORTED_TOKENIZER_TYPES)}"
-        )
-    if getattr(args, "padded_vocab_size", None) is None:
-        args.padded_vocab_size = _vocab_size_with_padding(tokenizer.vocab_size, args)
+    raise ValueError(
+        f"--tokenizer-type {tokenizer_type} is not supported by this framework; "
+        f"supported: {', '.join(SUPPORTED_TOKENIZER_TYPES)}"
+    )
+
+
+def build_tokenizer(args) -> MegatronTokenizer:
+    """Megatron-LM's entry point: build the tokenizer the tokenizer flags of ``args`` name and set
+    ``args.padded_vocab_size`` (kept when already given, else :func:`vocab_size_with_padding`).
+
+    Raises as :func:`build_tokenizer_from_config`.
+    """
+    config, tp_size, rank = tokenizer_settings_from_args(args)
+    tokenizer = build_tokenizer_from_config(config, log=rank == 0)
+    if config.padded_vocab_size is None:
+        args.padded_vocab_size = vocab_size_with_padding(
+            tokenizer.vocab_size, config.make_vocab_size_divisible_by, tp_size, log=rank == 0)
     return tokenizer

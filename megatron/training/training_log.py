@@ -8,7 +8,7 @@ import torch
 from megatron.core.console import write_line
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training import telemetry_hooks as telemetry
-from megatron.training.global_vars import get_args, get_telemetry, get_tensorboard_writer, get_timers, get_wandb_writer
+from megatron.training.global_vars import get_config, get_telemetry, get_tensorboard_writer, get_timers, get_wandb_writer
 from megatron.training.config.training_config import LoggerConfig
 from megatron.training.theoretical_memory_usage import report_theoretical_memory
 from megatron.training.utils import is_last_rank, print_rank_last, report_memory
@@ -266,7 +266,7 @@ def _report_memory(iteration, num_microbatches):
     log line (Megatron-LM uses rank 0), so that no other rank's output can land inside these lines."""
     if not is_last_rank():
         return
-    report_theoretical_memory(get_args(), num_microbatches=num_microbatches, verbose=True)
+    report_theoretical_memory(get_config(), num_microbatches=num_microbatches, verbose=True)
     measured = report_memory(f"{iteration} iterations")
     if measured:
         write_line(measured)

@@ -5,7 +5,7 @@ from argparse import Namespace
 import pytest
 
 from megatron.core import telemetry as tel
-from megatron.core.telemetry import args_integration
+from megatron.training import argument_utils
 from telemetry_testutil import clean_telemetry  # noqa: F401
 
 
@@ -20,11 +20,11 @@ def _args(**kw):
 
 def test_disabled_by_default_and_no_probe(monkeypatch):
     probed = []
-    monkeypatch.setattr(args_integration, "build_telemetry_resource_attrs", lambda *a, **k: probed.append(1) or {})
-    handle = tel.setup_telemetry_from_args(_args(), rank=1, world_size=2, local_rank=1)
+    monkeypatch.setattr(argument_utils, "build_telemetry_resource_attrs", lambda *a, **k: probed.append(1) or {})
+    handle = argument_utils.setup_telemetry_from_args(_args(), rank=1, world_size=2, local_rank=1)
     assert handle is not None and not handle.enabled and not handle.is_exporting and probed == []
     # enabled, but rank 0 does not export under the default strategy: still no probe
-    handle = tel.setup_telemetry_from_args(_args(otel_enabled=True), rank=0, world_size=2, local_rank=0)
+    handle = argument_utils.setup_telemetry_from_args(_args(otel_enabled=True), rank=0, world_size=2, local_rank=0)
     assert handle.enabled and not handle.is_exporting and probed == []
 
 
@@ -32,13 +32,13 @@ def test_bad_settings_fail_on_every_rank(monkeypatch):
     monkeypatch.setenv("MEGATRON_OTEL_SPAN_GROUPS", "nonsense")
     for rank in range(2):
         with pytest.raises(ValueError, match="MEGATRON_OTEL_SPAN_GROUPS: unknown span group"):
-            tel.setup_telemetry_from_args(_args(otel_enabled=True), rank=rank, world_size=2)
+            argument_utils.setup_telemetry_from_args(_args(otel_enabled=True), rank=rank, world_size=2)
     with pytest.raises(ValueError, match="--otel-span-groups"):
-        tel.setup_telemetry_from_args(_args(otel_span_groups="x"), rank=0, world_size=2)
+        argument_utils.setup_telemetry_from_args(_args(otel_span_groups="x"), rank=0, world_size=2)
     monkeypatch.delenv("MEGATRON_OTEL_SPAN_GROUPS")
     monkeypatch.setenv("NEMO_LENS_ENABLED", "perhaps")
     with pytest.raises(ValueError, match="NEMO_LENS_ENABLED"):
-        tel.setup_telemetry_from_args(_args(), rank=0, world_size=2)
+        argument_utils.setup_telemetry_from_args(_args(), rank=0, world_size=2)
 
 
 def test_cli_overrides_env_and_bridge_starts(monkeypatch):
@@ -49,7 +49,7 @@ def test_cli_overrides_env_and_bridge_starts(monkeypatch):
     monkeypatch.setenv("OTEL_SERVICE_NAME", "env-name")
     monkeypatch.setenv("MEGATRON_OTEL_SPAN_GROUPS", "all")
     args = _args(otel_enabled=True, otel_service_name="cli-name", otel_span_groups="per_step")
-    handle = tel.setup_telemetry_from_args(args, rank=1, world_size=2, local_rank=1)
+    handle = argument_utils.setup_telemetry_from_args(args, rank=1, world_size=2, local_rank=1)
     try:
         assert handle.is_exporting and handle.config.service_name == "cli-name"
         assert tel.get_enabled_groups() == tel.MegatronSpanGroup.resolve("per_step")

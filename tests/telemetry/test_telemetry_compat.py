@@ -13,6 +13,7 @@ import pytest
 
 from megatron.core import telemetry as tel
 from megatron.core.telemetry import fallbacks
+from megatron.training import argument_utils
 from telemetry_testutil import clean_telemetry, finished, setup_in_memory  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[2]
@@ -386,7 +387,7 @@ def test_exporting_rank_probes_nvml_once(monkeypatch):
                      global_batch_size=8, seq_length=32)
     monkeypatch.setenv("MEGATRON_OTEL_EXPORTER", "console")
     monkeypatch.setenv("MEGATRON_OTEL_METRICS_ENABLED", "0")
-    handle = tel.setup_telemetry_from_args(args, rank=0, world_size=1, local_rank=0)
+    handle = argument_utils.setup_telemetry_from_args(args, rank=0, world_size=1, local_rank=0)
     assert handle.is_exporting
     assert calls.count("init") == 1, calls
     assert handle.resource_attributes["host.gpu.count"] == 8 and handle.resource_attributes["dl.gpu.uuid"] == "GPU-0"

@@ -23,6 +23,7 @@ SCRIPT = textwrap.dedent(r'''
 
     from megatron.core import telemetry as tel
     from megatron.core.telemetry import fallbacks
+    from megatron.training import argument_utils
 
     # gated helpers: body runs, nothing emitted
     with tel.managed_span("step", "s") as span:
@@ -44,8 +45,8 @@ SCRIPT = textwrap.dedent(r'''
         pass
     tel.state.deactivate()
     args = Namespace(otel_enabled=True, otel_service_name=None, otel_span_groups=None, local_rank=0)
-    assert tel.setup_telemetry_from_args(args, 0, 1, 0) is None
-    assert tel.setup_telemetry_from_args(args, 0, 1, 0) is None
+    assert argument_utils.setup_telemetry_from_args(args, 0, 1, 0) is None
+    assert argument_utils.setup_telemetry_from_args(args, 0, 1, 0) is None
     warnings = [r for r in records if "OpenTelemetry cannot be imported" in r.getMessage()]
     assert len(warnings) == 1, [r.getMessage() for r in records]
     assert not [m for m in sys.modules if m.startswith("opentelemetry")]

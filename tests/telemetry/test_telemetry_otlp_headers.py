@@ -6,6 +6,7 @@ import logging
 import pytest
 
 from megatron.core import telemetry as tel
+from megatron.training import argument_utils
 from telemetry_testutil import clean_telemetry  # noqa: F401  (autouse fixture)
 
 SECRET = "s3cret-T0KEN"
@@ -118,7 +119,7 @@ def test_start_up_fails_on_every_rank_and_the_secret_is_never_printed(monkeypatc
                               world_size=2)
     for rank in (0, 1):  # rank 1 exports (single_rank = last rank), rank 0 does not: both stop
         with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_HEADERS is malformed: entry 1 has no '='"):
-            tel.setup_telemetry_from_args(args, rank=rank, world_size=2)
+            argument_utils.setup_telemetry_from_args(args, rank=rank, world_size=2)
     # Even a caller that skips validation cannot hand the value to an exporter.
     from megatron.core.telemetry.providers import build_providers
 

@@ -10,6 +10,7 @@ from megatron.core.telemetry.resources import (
     physical_gpu_index, resolve_run_id, service_instance_id,
 )
 from megatron.core.telemetry.resources.gpu import reset_nvml_probe
+from megatron.training import argument_utils
 from telemetry_testutil import clean_telemetry  # noqa: F401
 
 
@@ -132,7 +133,7 @@ def test_build_telemetry_resource_attrs_order(monkeypatch):
     monkeypatch.setenv("NVRX_CYCLE", "3")
     monkeypatch.setenv("NVRX_INFRA_RANK", "")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    attrs = tel.build_telemetry_resource_attrs(_args())
+    attrs = argument_utils.build_telemetry_resource_attrs(_args())
     assert list(attrs) == [
         "dl.local_rank", "dl.tensor_parallel.size", "dl.pipeline_parallel.size", "dl.data_parallel.size",
         "dl.batch_size", "dl.sequence_length", "megatron.num_layers", "megatron.hidden_size",
@@ -142,23 +143,23 @@ def test_build_telemetry_resource_attrs_order(monkeypatch):
         "nemo.lens.job_uuid", "nemo.lens.run_uuid"]
     assert attrs["dl.data_parallel.size"] == 2 and attrs["megatron.precision"] == "bf16"
     assert attrs["dl.gpu.index"] == 1 and attrs["nemo.lens.job_uuid"] == "b65b814f-1489-5070-b0e3-b2b0e6a3f643"
-    assert tel.build_telemetry_resource_attrs(_args(bf16=False, fp16=True))["megatron.precision"] == "fp16"
-    assert tel.build_telemetry_resource_attrs(_args(bf16=False))["megatron.precision"] == "fp32"
+    assert argument_utils.build_telemetry_resource_attrs(_args(bf16=False, fp16=True))["megatron.precision"] == "fp16"
+    assert argument_utils.build_telemetry_resource_attrs(_args(bf16=False))["megatron.precision"] == "fp32"
 
 
 def test_worker_bootstrap(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml()[0])
-    boot = tel.build_otel_worker_bootstrap(_args(otel_span_groups="per_step,microbatch"))
+    boot = argument_utils.build_otel_worker_bootstrap(_args(otel_span_groups="per_step,microbatch"))
     assert boot["enabled"] is True and boot["service_name"] == "megatron-lm"
     assert boot["span_groups"] == "checkpoint,evaluate,forward_backward,job,load_checkpoint,model_init,optimizer,step"
     assert boot["resolved_span_groups"] == sorted(tel.MegatronSpanGroup.resolve("per_step,microbatch"))
     assert (boot["rank"], boot["world_size"]) == (5, 8)
-    assert boot["resource_attrs"] == tel.build_telemetry_resource_attrs(_args())
-    boot = tel.build_otel_worker_bootstrap(_args(otel_enabled=False, otel_span_groups="layer"))
+    assert boot["resource_attrs"] == argument_utils.build_telemetry_resource_attrs(_args())
+    boot = argument_utils.build_otel_worker_bootstrap(_args(otel_enabled=False, otel_span_groups="layer"))
     assert boot["span_groups"] == "default" and boot["resource_attrs"] == {}
-    assert tel.build_otel_worker_bootstrap(_args(otel_span_groups="bogus"))["span_groups"] == "per_step"
+    assert argument_utils.build_otel_worker_bootstrap(_args(otel_span_groups="bogus"))["span_groups"] == "per_step"
     monkeypatch.setenv("OTEL_SERVICE_NAME", "from-env")
-    assert tel.build_otel_worker_bootstrap(_args())["service_name"] is None
-    assert tel.build_otel_worker_bootstrap(_args(otel_service_name="cli"))["service_name"] == "cli"
+    assert argument_utils.build_otel_worker_bootstrap(_args())["service_name"] is None
+    assert argument_utils.build_otel_worker_bootstrap(_args(otel_service_name="cli"))["service_name"] == "cli"
     import pickle
     pickle.dumps(boot)

@@ -604,8 +604,8 @@ class SafeFileSystemReader(FileSystemReader):
         self._metadata = metadata
         self._reading = None
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        rank = kwargs.get("rank")
+    def read_metadata(self, *args: Any, **options: Any) -> Metadata:
+        rank = options.get("rank")
         if self._metadata is not None and rank is None:
             metadata = self._metadata
         else:

@@ -4,12 +4,6 @@ Importable without the OpenTelemetry packages: only ``providers`` imports the SD
 rank that exports. Layers: ``config`` -> ``groups``/``span_groups`` -> ``strategies``/``sampling`` ->
 ``resources`` -> ``providers`` -> ``handle``; instrumented code uses ``helpers``.
 """
-from .args_integration import (
-    build_otel_worker_bootstrap,
-    build_telemetry_resource_attrs,
-    load_config_from_args,
-    setup_telemetry_from_args,
-)
 from .config import TelemetryConfig, otlp_protocol, parse_bool
 from .distributed import (
     broadcast_trace_context,
@@ -33,6 +27,7 @@ from .logging_bridge import setup_logging_bridge, teardown_logging_bridge
 from .propagation import extract_context, inject_context
 from .resources import compute_job_uuids, detect_resource_attributes, resolve_run_id, resolve_run_identity
 from .sampling import register_sampling_strategy, registered_sampling_strategies, unregister_sampling_strategy
+from .setup import parallel_rank_attributes, setup_telemetry_from_config
 from .span_groups import MegatronSpanGroup
 from .state import get_enabled_groups, get_pipeline_carrier, set_enabled_groups, set_pipeline_carrier
 from .strategies import (
@@ -56,6 +51,5 @@ __all__ = [
     "register_rank_strategy", "register_export_strategy", "unregister_rank_strategy", "registered_rank_strategies",
     "should_export", "register_sampling_strategy", "unregister_sampling_strategy", "registered_sampling_strategies",
     "compute_job_uuids", "detect_resource_attributes", "resolve_run_id", "resolve_run_identity",
-    "build_telemetry_resource_attrs", "build_otel_worker_bootstrap", "setup_telemetry_from_args",
-    "load_config_from_args",
+    "setup_telemetry_from_config", "parallel_rank_attributes",
 ]

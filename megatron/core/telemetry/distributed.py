@@ -235,7 +235,7 @@ def _links_to(context) -> Optional[list]:
     return [trace.Link(trace.get_current_span(context).get_span_context())]
 
 
-def create_linked_span(*args, **kwargs):
+def create_linked_span(*args, **keywords):
     """A span carrying an OpenTelemetry Link (not a parent) to a remote span context.
 
     Two call shapes:
@@ -254,10 +254,10 @@ def create_linked_span(*args, **kwargs):
         names = ("tracer", "name", "remote_context", "remote_carrier")
         bound = dict(zip(names, args))
         for key in names:
-            if key in kwargs:
+            if key in keywords:
                 if key in bound:
                     raise TypeError(f"create_linked_span: got multiple values for {key!r}")
-                bound[key] = kwargs.pop(key)
+                bound[key] = keywords.pop(key)
         if len(args) > len(names) or "name" not in bound:
             raise TypeError("create_linked_span(tracer, name, remote_context=None, remote_carrier=None, **attributes)")
         context = bound.get("remote_context")
@@ -265,16 +265,16 @@ def create_linked_span(*args, **kwargs):
             context = extract_context(bound["remote_carrier"])
         tracer = bound["tracer"] or _state.TRACER or default_tracer()
         return tracer.start_span(bound["name"], links=_links_to(context),
-                                 attributes=sanitize_attributes(kwargs) or None)
+                                 attributes=sanitize_attributes(keywords) or None)
     names = ("name", "carrier", "tracer", "group")
     bound = dict(zip(names, args))
     if len(args) > len(names):
         raise TypeError("create_linked_span(name, carrier=None, tracer=None, group='communication', **attrs)")
     for key in names:
-        if key in kwargs:
+        if key in keywords:
             if key in bound:
                 raise TypeError(f"create_linked_span: got multiple values for {key!r}")
-            bound[key] = kwargs.pop(key)
+            bound[key] = keywords.pop(key)
     if "name" not in bound:
         raise TypeError("create_linked_span() needs a span name")
     group = bound.get("group", "communication")
@@ -283,4 +283,4 @@ def create_linked_span(*args, **kwargs):
     carrier = bound.get("carrier")
     if carrier is None:
         carrier = _state.get_pipeline_carrier()
-    return _LiveSpanCM(bound["name"], bound.get("tracer"), None, kwargs, links=_links_to(extract_context(carrier)))
+    return _LiveSpanCM(bound["name"], bound.get("tracer"), None, keywords, links=_links_to(extract_context(carrier)))

@@ -79,17 +79,17 @@ class PrivateIdGenerator(IdGenerator):
         return True
 
 
-def start_span_with_ids(tracer, name: str, trace_id: int, span_id: int, **kwargs):
+def start_span_with_ids(tracer, name: str, trace_id: int, span_id: int, **options):
     """Start ``name`` as a new root whose trace id and span id are the given ones (not random), on a
-    tracer of a provider built here; ``kwargs`` go to ``tracer.start_span`` (``context`` defaults
+    tracer of a provider built here; ``options`` go to ``tracer.start_span`` (``context`` defaults
     to an empty one, i.e. a root). Used for the per-iteration root that every pipeline stage
     derives without communication (``distributed.iteration_span_ids``). Returns the started span."""
     from opentelemetry.context import Context
 
-    kwargs.setdefault("context", Context())
+    options.setdefault("context", Context())
     _FORCED.trace_id, _FORCED.span_id = int(trace_id), int(span_id)
     try:
-        return tracer.start_span(name, **kwargs)
+        return tracer.start_span(name, **options)
     finally:
         _FORCED.trace_id = _FORCED.span_id = None
 
