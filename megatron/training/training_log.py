@@ -8,8 +8,8 @@ import torch
 from megatron.core.console import write_line
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training import telemetry_hooks as telemetry
-from megatron.training.global_vars import get_config, get_telemetry, get_tensorboard_writer, get_timers, get_wandb_writer
 from megatron.training.config.training_config import LoggerConfig
+from megatron.training.global_vars import get_config, get_telemetry, get_tensorboard_writer, get_timers, get_wandb_writer
 from megatron.training.theoretical_memory_usage import report_theoretical_memory
 from megatron.training.utils import is_last_rank, print_rank_last, report_memory
 
@@ -49,6 +49,7 @@ def num_floating_point_operations(args, batch_size: int) -> int:
 
 
 def _gpt_flops(batch_size, s, L, h, f, V, kv_channels, heads, groups, gated) -> int:
+    """The formula of :func:`gpt_floating_point_operations` over plain numbers (integer arithmetic)."""
     q = kv_channels * heads
     kv = kv_channels * groups
     g = 3 if gated else 2
@@ -263,7 +264,8 @@ def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm
 def _report_memory(iteration, num_microbatches):
     """After the first log line, once the optimizer state exists: the theoretical footprint and, on
     CUDA, the allocator's statistics, as Megatron-LM prints them. Printed by the rank that prints the
-    log line (Megatron-LM uses rank 0), so that no other rank's output can land inside these lines."""
+    log line (Megatron-LM uses rank 0), so that no other rank's output can land inside these lines.
+    The estimator reads the whole run's configuration (model, parallel sizes, precision, batch)."""
     if not is_last_rank():
         return
     report_theoretical_memory(get_config(), num_microbatches=num_microbatches, verbose=True)
