@@ -4,6 +4,7 @@ Launch with torchrun, e.g.::
 
     torchrun --nproc_per_node 2 pretrain_gpt.py --num-layers 4 --hidden-size 128 ... --data-path PREFIX
 """
+import copy
 import os
 from functools import partial
 
@@ -15,33 +16,37 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.models.gpt import GPTModel
 from megatron.core.utils import unwrap_model
-from megatron.training.arguments import core_transformer_config_from_args
-from megatron.training.global_vars import get_args, get_timers, get_tokenizer
+from megatron.training import argument_utils
+from megatron.training.global_vars import get_config, get_timers, get_tokenizer
 from megatron.training.training import pretrain
 from megatron.training.user_errors import UserInputError, run_reporting_user_errors
 from megatron.training.utils import get_batch_on_this_tp_rank, print_rank_0
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None) -> GPTModel:
-    """The GPT model for this pipeline stage (chunk ``vp_stage`` with interleaving), from the flags."""
-    args = get_args()
+    """The GPT model for this pipeline stage (chunk ``vp_stage`` with interleaving), from the run's
+    configuration (``get_config()``: ``model``, ``gpt`` and the tokenizer's padded vocabulary)."""
+    cfg = get_config()
+    gpt = cfg.gpt
     print_rank_0("building GPT model ...")
-    config = core_transformer_config_from_args(args)
+    # Each chunk gets its own TransformerConfig, as when Megatron-LM builds one from args per call: the
+    # training loop sets run-time callbacks (timers, grad sync) on the first chunk's config only.
+    config = copy.copy(cfg.model)
     return GPTModel(
         config=config,
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
+        vocab_size=cfg.tokenizer.padded_vocab_size,
+        max_sequence_length=gpt.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
-        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        fp16_lm_cross_entropy=gpt.fp16_lm_cross_entropy,
         parallel_output=True,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base,
-        rope_scaling=args.use_rope_scaling,
-        rope_scaling_factor=args.rope_scaling_factor,
-        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        share_embeddings_and_output_weights=not gpt.untie_embeddings_and_output_weights,
+        position_embedding_type=gpt.position_embedding_type,
+        rotary_percent=gpt.rotary_percent,
+        rotary_base=gpt.rotary_base,
+        rope_scaling=gpt.use_rope_scaling,
+        rope_scaling_factor=gpt.rope_scaling_factor,
+        seq_len_interpolation_factor=gpt.rotary_seq_len_interpolation_factor,
         vp_stage=vp_stage,
     )
 
@@ -54,11 +59,10 @@ def get_batch(data_iterator, vp_stage=None):
     (its last chunk) read data; other stages and chunks get five Nones and take their input from the
     previous stage.
     """
-    args = get_args()
     if not (parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
             or parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)):
         return None, None, None, None, None
-    batch = get_batch_on_this_tp_rank(data_iterator, needs_attention_mask=args.reset_attention_mask)
+    batch = get_batch_on_this_tp_rank(data_iterator, needs_attention_mask=get_config().data.reset_attention_mask)
     return batch["tokens"], batch["labels"], batch["loss_mask"], batch["attention_mask"], batch["position_ids"]
 
 
@@ -94,17 +98,19 @@ def is_dataset_built_on_rank() -> bool:
     ) and parallel_state.get_tensor_model_parallel_rank() == 0
 
 
-def check_data_prefixes(args) -> None:
+def check_data_prefixes(data) -> None:
     """Every prefix of ``--data-path`` / ``--train|valid|test-data-path`` has its ``.bin`` and ``.idx``.
+
+    ``data``: the run's DataConfig (``get_config().data``).
 
     Raises:
         UserInputError: naming the flag and the prefix; when ``PREFIX_text_document.bin`` exists (the
             name tools/preprocess_data.py gives its output) the message suggests that prefix.
     """
-    if args.mock_data:
+    if data.mock_data:
         return
     for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-        blend = get_blend_from_list(getattr(args, flag, None))
+        blend = get_blend_from_list(getattr(data, flag))
         for prefix in blend[0] if blend else []:
             missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
             if not missing:
@@ -117,37 +123,18 @@ def check_data_prefixes(args) -> None:
 
 
 def core_gpt_dataset_config_from_args(args) -> GPTDatasetConfig:
-    """GPTDatasetConfig from the data flags."""
-    return GPTDatasetConfig(
-        random_seed=args.seed,
-        sequence_length=args.seq_length,
-        blend=get_blend_from_list(args.data_path),
-        blend_per_split=[
-            get_blend_from_list(args.train_data_path),
-            get_blend_from_list(args.valid_data_path),
-            get_blend_from_list(args.test_data_path),
-        ],
-        split=args.split,
-        num_dataset_builder_threads=args.num_dataset_builder_threads,
-        path_to_cache=args.data_cache_path,
-        mmap_bin_files=args.mmap_bin_files,
-        tokenizer=get_tokenizer(),
-        reset_position_ids=args.reset_position_ids,
-        reset_attention_mask=args.reset_attention_mask,
-        eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask=args.create_attention_mask_in_dataloader and args.reset_attention_mask,
-        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
-        mock=args.mock_data,
-        vocab_size=args.padded_vocab_size,  # ids beyond it are reported naming the .bin file
-    )
+    """GPTDatasetConfig from the data flags, the seed, the padded vocabulary and the global tokenizer."""
+    return argument_utils.core_gpt_dataset_config_from_args(args, get_tokenizer())
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples):
     """Build the train, validation and test datasets (None where a split is empty)."""
-    args = get_args()
-    check_data_prefixes(args)
-    config = core_gpt_dataset_config_from_args(args)
-    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    cfg = get_config()
+    check_data_prefixes(cfg.data)
+    # ids beyond the padded vocabulary are reported naming the .bin file
+    config = cfg.data.to_gpt_dataset_config(get_tokenizer(), seed=cfg.rng.seed,
+                                            vocab_size=cfg.tokenizer.padded_vocab_size)
+    dataset_type = MockGPTDataset if cfg.data.mock_data else GPTDataset
     print_rank_0("> building train, validation, and test datasets for GPT ...")
     try:
         train_ds, valid_ds, test_ds = BlendedMegatronDatasetBuilder(

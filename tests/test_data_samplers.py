@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import megatron.training.global_vars as global_vars
+from megatron.training.config import DataConfig, RNGConfig, TrainingConfig, ValidationConfig
 from megatron.core.datasets.utils import Split
 from megatron.training.datasets.data_samplers import (
     MegatronPretrainingRandomSampler,
@@ -73,17 +74,19 @@ def test_random_sampler_epochs_and_resume(data_sharding):
         assert list(resumed) == epoch1[r][2:]
 
 
-def _args(**overrides):
-    args = argparse.Namespace(dataloader_type="single", micro_batch_size=2, num_workers=0, seed=1234,
-                              data_sharding=True, full_validation=False)
-    vars(args).update(overrides)
-    return args
+def _config(dataloader_type="single", micro_batch_size=2, num_workers=0, seed=1234, data_sharding=True,
+            full_validation=False):
+    """The slices of the run's configuration that build_pretraining_data_loader reads."""
+    return argparse.Namespace(
+        data=DataConfig(dataloader_type=dataloader_type, num_workers=num_workers, data_sharding=data_sharding),
+        train=TrainingConfig(micro_batch_size=micro_batch_size), rng=RNGConfig(seed=seed),
+        validation=ValidationConfig(full_validation=full_validation))
 
 
 @pytest.fixture
 def installed_args():
     previous = global_vars._GLOBAL_ARGS
-    yield lambda **kw: global_vars.set_args(_args(**kw))
+    yield lambda **kw: global_vars.set_config(_config(**kw))
     global_vars.set_args(previous)
 
 

@@ -231,7 +231,8 @@ def test_distributed_timeout_reaches_the_process_group(monkeypatch):
     monkeypatch.setattr(parallel_state, "initialize_model_parallel", lambda **kwargs: seen.update(groups=kwargs))
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 1)
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda: 1)
-    initialize._initialize_distributed(_args("--distributed-timeout-minutes", "3", "--distributed-backend", "gloo"))
+    cfg = pretrain_cfg_container_from_args(_args("--distributed-timeout-minutes", "3", "--distributed-backend", "gloo"))
+    initialize._initialize_distributed(cfg.model, cfg.dist)
     assert seen["init"]["timeout"] == timedelta(minutes=3)
     assert seen["groups"]["distributed_timeout_minutes"] == 3
 

@@ -34,15 +34,13 @@ def test_rendezvous_from_slurm_variables(monkeypatch):
 
 
 def test_cuda_device_max_connections_set_for_tp_and_user_value_kept(monkeypatch):
-    from types import SimpleNamespace
-
     from megatron.training.initialize import _set_cuda_device_max_connections
 
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
-    _set_cuda_device_max_connections(SimpleNamespace(tensor_model_parallel_size=1))
+    _set_cuda_device_max_connections(1)
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ
-    _set_cuda_device_max_connections(SimpleNamespace(tensor_model_parallel_size=2))
+    _set_cuda_device_max_connections(2)
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
-    _set_cuda_device_max_connections(SimpleNamespace(tensor_model_parallel_size=2))
+    _set_cuda_device_max_connections(2)
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"

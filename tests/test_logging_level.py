@@ -7,6 +7,7 @@ import pytest
 from megatron.core.telemetry.logging_bridge import OtelLogHandler
 from megatron.training import initialize, training_log
 from megatron.training.arguments import parse_args
+from megatron.training.config import DistributedInitConfig, LoggerConfig
 from pretrain_utils import LOG_LINE, console_objects, run_pretrain
 
 
@@ -53,21 +54,22 @@ def bare_logging():
 
 
 def _args(level=None, rank=1):
-    return SimpleNamespace(logging_level=level, rank=rank)
+    """setup_logging's two slices: the LoggerConfig and the DistributedInitConfig."""
+    return LoggerConfig(logging_level=level), DistributedInitConfig(rank=rank)
 
 
 def test_level_applied_to_root_and_megatron_and_printed_once(bare_logging, capsys, monkeypatch):
     monkeypatch.delenv("MEGATRON_LOGGING_LEVEL", raising=False)
     root, framework = bare_logging
     root.handlers[:] = []
-    assert initialize.setup_logging(_args(logging.DEBUG)) == logging.DEBUG
+    assert initialize.setup_logging(*_args(logging.DEBUG)) == logging.DEBUG
     assert root.level == framework.level == logging.DEBUG
     logging.getLogger("megatron.core.something").debug("a debug record")
     training_log.log_operator_message("an already printed line", printed_on_this_rank=True)
     err = capsys.readouterr().err
     assert err == "a debug record\n"  # the printed line is not printed a second time
     # Calling it again (a second run in one process) replaces the handler instead of adding one.
-    initialize.setup_logging(_args(logging.INFO))
+    initialize.setup_logging(*_args(logging.INFO))
     assert sum(isinstance(h, initialize._ConsoleHandler) for h in root.handlers) == 1
     logging.getLogger("megatron.x").debug("hidden")
     logging.getLogger("megatron.x").info("shown")
@@ -81,7 +83,7 @@ def test_default_sends_info_to_logging_but_prints_only_warnings(bare_logging, ca
     collect = _Collect()
     root.addHandler(collect)
     try:
-        assert initialize.setup_logging(_args(None)) == logging.INFO
+        assert initialize.setup_logging(*_args(None)) == logging.INFO
         assert root.level == logging.WARNING  # the user's other libraries are left as they were
         logging.getLogger("megatron.x").info("info record")
         logging.getLogger("megatron.x").warning("warning record")
@@ -96,11 +98,11 @@ def test_environment_variable_and_its_errors(bare_logging, monkeypatch):
     root, framework = bare_logging
     root.handlers[:] = []
     monkeypatch.setenv("MEGATRON_LOGGING_LEVEL", "ERROR")
-    assert initialize.setup_logging(_args(None)) == logging.ERROR
-    assert initialize.setup_logging(_args(logging.INFO)) == logging.INFO  # the flag wins
+    assert initialize.setup_logging(*_args(None)) == logging.ERROR
+    assert initialize.setup_logging(*_args(logging.INFO)) == logging.INFO  # the flag wins
     monkeypatch.setenv("MEGATRON_LOGGING_LEVEL", "chatty")
     with pytest.raises(ValueError, match="MEGATRON_LOGGING_LEVEL: 'chatty' is neither a number nor a logging level"):
-        initialize.setup_logging(_args(None))
+        initialize.setup_logging(*_args(None))
 
 
 def test_console_handler_only_when_nobody_else_handles(bare_logging, monkeypatch):
@@ -109,13 +111,13 @@ def test_console_handler_only_when_nobody_else_handles(bare_logging, monkeypatch
     monkeypatch.delenv("MEGATRON_LOGGING_LEVEL", raising=False)
     bridge = OtelLogHandler(logger_provider=None)
     root.addHandler(bridge)
-    initialize.setup_logging(_args(None))
+    initialize.setup_logging(*_args(None))
     # The bridge alone would swallow warnings (Python's last-resort printer only runs with no handler).
     assert any(isinstance(h, initialize._ConsoleHandler) for h in root.handlers)
     root.removeHandler(bridge)
     users = logging.StreamHandler()
     root.addHandler(users)
-    initialize.setup_logging(_args(None))
+    initialize.setup_logging(*_args(None))
     assert root.handlers == [users]
 
 

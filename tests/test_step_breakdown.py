@@ -297,10 +297,14 @@ def test_one_gather_per_report_and_the_straggler_is_found():
 
 def test_straggler_flags_reach_the_breakdown():
     from megatron.training.arguments import parse_args
+    from megatron.training.config import LoggerConfig
 
-    args = parse_args(args=["--log-straggler", "--straggler-minmax-count", "3"])
-    breakdown = StepBreakdown.create(args, handle=None)  # on with --log-straggler even without telemetry
-    assert breakdown.log_straggler and breakdown.minmax_count == 3 and breakdown.meter is None
+    def logger_config(*flags):  # the flags' LoggerConfig, as the config builder makes it
+        args = vars(parse_args(args=list(flags)))
+        return LoggerConfig(log_straggler=args["log_straggler"], straggler_minmax_count=args["straggler_minmax_count"])
+
+    breakdown = StepBreakdown.create(logger_config("--log-straggler", "--straggler-minmax-count", "3"), handle=None)
+    assert breakdown.log_straggler and breakdown.minmax_count == 3 and breakdown.meter is None  # on without telemetry
     breakdown.close()
-    assert StepBreakdown.create(parse_args(args=[]), handle=None) is None  # neither flag nor telemetry: off
+    assert StepBreakdown.create(logger_config(), handle=None) is None  # neither flag nor telemetry: off
     assert step_timing.active_recorder() is None

@@ -392,14 +392,40 @@ def _train_iters(args):
     return {}
 
 
+def tokenizer_config_from_args(args) -> TokenizerConfig:
+    """The TokenizerConfig of ``args`` (every field copied by name)."""
+    return _fields_from_args(TokenizerConfig, args)
+
+
 def tokenizer_settings_from_args(args):
     """``(TokenizerConfig, tensor-parallel size, rank)`` from ``args`` for Megatron-style callers of the
     tokenizer factory (a flag missing from ``args`` keeps its default: tp 1, rank 0)."""
-    return (_fields_from_args(TokenizerConfig, args), getattr(args, "tensor_model_parallel_size", 1),
+    return (tokenizer_config_from_args(args), getattr(args, "tensor_model_parallel_size", 1),
             getattr(args, "rank", 0))
 
 
-def _checkpoint_config_from_args(args) -> CheckpointConfig:
+def training_config_from_args(args) -> TrainingConfig:
+    """The TrainingConfig of ``args`` (every field copied by name)."""
+    return _fields_from_args(TrainingConfig, args)
+
+
+def scheduler_config_from_args(args) -> SchedulerConfig:
+    """The SchedulerConfig of ``args``, with the lengths in samples derived once (``_scheduler_steps``)."""
+    return _fields_from_args(SchedulerConfig, args, **_scheduler_steps(args))
+
+
+def logger_config_from_args(args) -> LoggerConfig:
+    """The LoggerConfig of ``args`` (every field copied by name)."""
+    return _fields_from_args(LoggerConfig, args)
+
+
+def rng_config_from_args(args) -> RNGConfig:
+    """The RNGConfig of ``args`` (every field copied by name)."""
+    return _fields_from_args(RNGConfig, args)
+
+
+def checkpoint_config_from_args(args) -> CheckpointConfig:
+    """The CheckpointConfig of ``args``: Megatron's positive names for the ``--no-*`` flags."""
     return _fields_from_args(
         CheckpointConfig, args,
         save_optim=not getattr(args, "no_save_optim", None),
@@ -423,18 +449,18 @@ def pretrain_cfg_container_from_args(args, with_telemetry: bool = True) -> Pretr
     """
     telemetry = telemetry_config_from_args(args) if with_telemetry else TelemetryConfig()
     return PretrainConfigContainer(
-        train=_fields_from_args(TrainingConfig, args, **_train_iters(args)),
+        train=dataclasses.replace(training_config_from_args(args), **_train_iters(args)),
         validation=_fields_from_args(ValidationConfig, args),
         model=core_transformer_config_from_args(args),
         gpt=_fields_from_args(GPTModelProviderConfig, args),
         optimizer=optimizer_config_from_args(args),
-        scheduler=_fields_from_args(SchedulerConfig, args, **_scheduler_steps(args)),
+        scheduler=scheduler_config_from_args(args),
         ddp=ddp_config_from_args(args),
         dist=_fields_from_args(DistributedInitConfig, args),
-        rng=_fields_from_args(RNGConfig, args),
-        logger=_fields_from_args(LoggerConfig, args),
-        checkpoint=_checkpoint_config_from_args(args),
-        tokenizer=_fields_from_args(TokenizerConfig, args),
+        rng=rng_config_from_args(args),
+        logger=logger_config_from_args(args),
+        checkpoint=checkpoint_config_from_args(args),
+        tokenizer=tokenizer_config_from_args(args),
         data=data_config_from_args(args),
         telemetry=telemetry,
     )

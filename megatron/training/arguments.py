@@ -1,7 +1,6 @@
 """The training command line: Megatron-LM's flags and their validation (configs are built in argument_utils)."""
 import argparse
 import difflib
-import os
 import signal
 import warnings
 
@@ -9,10 +8,21 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.console import write_line
-from megatron.core.datasets.utils import parse_and_normalize_split
-# Re-exported: Megatron-LM callers import it from here (it moved to argument_utils, as in Megatron-LM HEAD).
-from megatron.training.argument_utils import core_transformer_config_from_args
-from megatron.training.tokenizer import add_tokenizer_args
+# core_transformer_config_from_args is re-exported: Megatron-LM callers import it from here (it moved to
+# argument_utils, as in Megatron-LM HEAD); the per-config rules live in the configs' validate().
+from megatron.training.argument_utils import (
+    checkpoint_config_from_args,
+    core_transformer_config_from_args,
+    data_config_from_args,
+    logger_config_from_args,
+    rng_config_from_args,
+    scheduler_config_from_args,
+    tokenizer_config_from_args,
+    training_config_from_args,
+)
+from megatron.training.config.training_config import non_directory_ancestor
+from megatron.training.slurm import default_local_rank, launcher_rank_and_world_size
+from megatron.training.tokenizer import TOKENIZER_FILES, add_tokenizer_args
 from megatron.training.user_errors import UserInputError, report_and_exit
 
 __all__ = ["add_megatron_arguments", "parse_args", "validate_args", "non_directory_ancestor",
@@ -90,31 +100,8 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False, args=None):
     if unknown and not ignore_unknown_args:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{parser.suggestions(unknown)}")
 
-    parsed.rank, parsed.world_size = _launcher_rank_and_world_size()
+    parsed.rank, parsed.world_size = launcher_rank_and_world_size()
     return parsed
-
-
-def _env_int(name, default):
-    value = os.getenv(name)
-    if value is None or value.strip() == "":
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
-
-
-def _launcher_rank_and_world_size():
-    # torchrun's variables win; plain `srun` only sets SLURM's, so fall back to those.
-    if os.getenv("RANK") is None and os.getenv("WORLD_SIZE") is None and os.getenv("SLURM_NTASKS") is not None:
-        return _env_int("SLURM_PROCID", 0), _env_int("SLURM_NTASKS", 1)
-    return _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
-
-
-def _default_local_rank():
-    if os.getenv("LOCAL_RANK") is None and os.getenv("SLURM_LOCALID") is not None and os.getenv("RANK") is None:
-        return _env_int("SLURM_LOCALID", 0)
-    return _env_int("LOCAL_RANK", 0)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -423,7 +410,7 @@ def _add_distributed_args(parser):
     group.add_argument("--ddp-bucket-size", type=int, default=None, help="Elements per grad-reduction bucket.")
     group.add_argument("--ddp-average-in-collective", action="store_true",
                        help="Average (not sum) gradients inside the collective.")
-    group.add_argument("--local-rank", type=int, default=_default_local_rank(),
+    group.add_argument("--local-rank", type=int, default=default_local_rank(),
                        help="Local rank (default env LOCAL_RANK).")
     group.add_argument("--use-tp-pp-dp-mapping", action="store_true",
                        help="Rank order tp-pp-dp instead of tp-dp-pp.")
@@ -583,7 +570,7 @@ def validate_args(args, defaults={}):
     _validate_model(args)
     _validate_pipeline(args)
     _validate_checkpointing(args)
-    _validate_wandb(args)
+    logger_config_from_args(args).validate(save=args.save)  # --wandb-*
     _validate_misc(args)
 
     # The run counters (iteration, consumed samples, FLOPs) are not args: the training loop owns them
@@ -593,17 +580,6 @@ def validate_args(args, defaults={}):
 
     _print_args("arguments", args)
     return args
-
-
-# What each tokenizer type reads: (flag, dest).
-_TOKENIZER_FILES = {
-    "GPT2BPETokenizer": (("--vocab-file", "vocab_file"), ("--merge-file", "merge_file")),
-    "SentencePieceTokenizer": (("--tokenizer-model", "tokenizer_model"),),
-    "GPTSentencePieceTokenizer": (("--tokenizer-model", "tokenizer_model"),),
-    "HuggingFaceTokenizer": (("--tokenizer-model", "tokenizer_model"),),
-    "TikTokenizer": (("--tokenizer-model", "tokenizer_model"),),
-    "NullTokenizer": (("--vocab-size", "vocab_size"),),
-}
 
 
 def _validate_required(args):
@@ -625,7 +601,7 @@ def _validate_required(args):
         missing.append("--lr")
     if getattr(args, "require_inputs", False):  # set by scripts that read a tokenizer and a dataset
         missing += [f"{flag} (for --tokenizer-type {args.tokenizer_type})"
-                    for flag, dest in _TOKENIZER_FILES.get(args.tokenizer_type, ()) if getattr(args, dest) is None]
+                    for flag, dest in TOKENIZER_FILES.get(args.tokenizer_type, ()) if getattr(args, dest) is None]
         if not (args.data_path or args.mock_data or args.train_data_path or args.valid_data_path
                 or args.test_data_path):
             missing.append("a data source (--data-path, --train-data-path/--valid-data-path/--test-data-path or "
@@ -663,17 +639,11 @@ def _validate_features(args):
     for flag, dest, default, reason in _NO_EFFECT_HERE:
         if getattr(args, dest) != default:
             raise ValueError(f"{flag} {reason}; remove it (it would otherwise be silently ignored)")
-    for flag, dest, default, tokenizer_type in _TOKENIZER_TYPE_FLAGS:
-        if getattr(args, dest) != default and args.tokenizer_type != tokenizer_type:
-            raise ValueError(f"{flag} applies only to --tokenizer-type {tokenizer_type} (got {args.tokenizer_type}); "
-                             "remove it (it would otherwise be silently ignored)")
+    tokenizer_config_from_args(args).validate()  # flags of another --tokenizer-type than the one given
     if args.tiktoken_pattern is not None and args.tokenizer_type != "TikTokenizer":
         # Megatron-LM reads the pattern only when it builds a TikTokenizer: ignore it as it does, but say so.
         _print_rank_0(args, f"WARNING: --tiktoken-pattern {args.tiktoken_pattern} is ignored: it applies only to "
                             f"--tokenizer-type TikTokenizer (got {args.tokenizer_type})")
-    if args.vocab_extra_ids and args.tokenizer_type != "SentencePieceTokenizer":
-        raise ValueError(f"--vocab-extra-ids only applies to --tokenizer-type SentencePieceTokenizer (got "
-                         f"{args.tokenizer_type}); remove it (it would otherwise be silently ignored)")
     if args.use_mcore_models:
         _print_rank_0(args, "WARNING: --use-mcore-models is deprecated and has no effect: the Megatron Core "
                             "models are the only models")
@@ -695,15 +665,6 @@ _NO_EFFECT_HERE = [
     ("--use-persistent-ckpt-worker", "use_persistent_ckpt_worker", False,
      "has no effect here: the --async-save writer is a background thread in each rank (no worker process to "
      "keep alive between saves)"),
-]
-# Tokenizer flags that act only with one --tokenizer-type: (flag, dest, default, that type).
-_TOKENIZER_TYPE_FLAGS = [
-    ("--tokenizer-special-tokens", "tokenizer_special_tokens", None, "TikTokenizer"),
-    ("--tiktoken-special-tokens", "tiktoken_special_tokens", None, "TikTokenizer"),
-    ("--tiktoken-num-special-tokens", "tiktoken_num_special_tokens", 1000, "TikTokenizer"),
-    ("--trust-remote-code", "trust_remote_code", False, "HuggingFaceTokenizer"),
-    ("--tokenizer-hf-no-use-fast", "tokenizer_hf_use_fast", True, "HuggingFaceTokenizer"),
-    ("--tokenizer-hf-no-include-special-tokens", "tokenizer_hf_include_special_tokens", True, "HuggingFaceTokenizer"),
 ]
 
 
@@ -737,29 +698,16 @@ def _validate_parallel_sizes(args):
 
 
 def _validate_data_sources(args):
-    sources = [name for name, used in (
-        ("--data-path", bool(args.data_path)),
-        ("--mock-data", bool(args.mock_data)),
-        ("--train-data-path/--valid-data-path/--test-data-path",
-         any([args.train_data_path, args.valid_data_path, args.test_data_path])),
-    ) if used]
-    _require(len(sources) <= 1, f"a single data source must be given, got {' and '.join(sources)}")
+    data_config_from_args(args).validate()  # one source, a --split that parses, builder threads > 0
     if args.data_path and args.split is None:
         args.split = "969, 30, 1"
         _print_rank_0(args, "WARNING: Please specify --split when using --data-path. "
                             f'Using legacy default value of "{args.split}"')
-    if args.split is not None:
-        # Parsed here, once, so that a malformed --split stops the run with one line (rank 0) before any rank
-        # builds a dataset; the datasets parse the same string again.
-        parse_and_normalize_split(args.split)  # ValueError naming --split and the value
-    _require(args.num_dataset_builder_threads > 0,
-             f"--num-dataset-builder-threads must be > 0, got {args.num_dataset_builder_threads}")
     if args.dataloader_type is None:
         args.dataloader_type = "single"
 
 
 def _validate_batch_sizes(args):
-    _require(args.micro_batch_size is not None, "--micro-batch-size is required")
     _require(args.micro_batch_size > 0, f"--micro-batch-size must be > 0, got {args.micro_batch_size}")
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
@@ -809,22 +757,6 @@ def _validate_rampup_batch_size(args):
         args.decrease_batch_size_if_needed, -1, start, increment, samples)
 
 
-def _validate_wandb(args):
-    """``--wandb-*``: the package must be importable and the run named; the other two need --wandb-project."""
-    if not args.wandb_project:
-        for flag, value in (("--wandb-exp-name", args.wandb_exp_name), ("--wandb-save-dir", args.wandb_save_dir)):
-            _require(not value, f"{flag} needs --wandb-project (without it nothing is logged to Weights & Biases)")
-        return
-    try:
-        import wandb  # noqa: F401
-    except ImportError:
-        raise ValueError("--wandb-project needs the wandb package, which is not installed: pip install wandb "
-                         "(or remove --wandb-project/--wandb-exp-name/--wandb-save-dir)") from None
-    _require(bool(args.wandb_exp_name), "--wandb-project needs --wandb-exp-name (the Weights & Biases run name)")
-    _require(bool(args.wandb_save_dir or args.save),
-             "--wandb-project needs --wandb-save-dir or --save (W&B files go to <--save>/wandb by default)")
-
-
 def _validate_precision(args):
     _require(not (args.fp16 and args.bf16), "--fp16 and --bf16 are mutually exclusive; give at most one")
     args.params_dtype = torch.float
@@ -851,54 +783,10 @@ def _validate_precision(args):
 
 
 def _validate_schedule(args):
-    _require((args.train_iters is None) != (args.train_samples is None),
-             "exactly one of --train-iters and --train-samples must be given "
-             f"(got --train-iters {args.train_iters}, --train-samples {args.train_samples})")
-    if args.train_iters is not None:
-        _require(args.lr_decay_samples is None, "--lr-decay-samples needs sample-based training (--train-samples); "
-                                                "use --lr-decay-iters with --train-iters")
-        _require(args.lr_warmup_samples == 0, "--lr-warmup-samples needs sample-based training (--train-samples); "
-                                              "use --lr-warmup-iters with --train-iters")
-        _require(args.lr_wsd_decay_samples is None, "--lr-wsd-decay-samples needs sample-based training; "
-                                                    "use --lr-wsd-decay-iters with --train-iters")
-        if args.lr_warmup_fraction is not None:
-            _require(args.lr_warmup_iters == 0, "can only specify one of --lr-warmup-fraction and --lr-warmup-iters")
-    else:
-        _require(args.lr_decay_iters is None, "--lr-decay-iters needs iteration-based training (--train-iters); "
-                                              "use --lr-decay-samples with --train-samples")
-        _require(args.lr_warmup_iters == 0, "--lr-warmup-iters needs iteration-based training (--train-iters); "
-                                            "use --lr-warmup-samples with --train-samples")
-        _require(args.lr_wsd_decay_iters is None, "--lr-wsd-decay-iters needs iteration-based training; "
-                                                  "use --lr-wsd-decay-samples with --train-samples")
-        if args.lr_warmup_fraction is not None:
-            _require(args.lr_warmup_samples == 0,
-                     "can only specify one of --lr-warmup-fraction and --lr-warmup-samples")
-    if not args.skip_train:
-        _require(args.lr is not None, "--lr is required for training")
-        # The scheduler counts in samples; say it in the flags the user gave.
-        if args.lr_warmup_fraction is None and args.train_iters is not None and args.lr_warmup_iters > 0:
-            decay = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
-            _require(args.lr_warmup_iters < decay,
-                     f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than --lr-decay-iters ({decay}; "
-                     f"it defaults to --train-iters)")
-        if args.lr_warmup_fraction is None and args.train_samples is not None and args.lr_warmup_samples > 0:
-            decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
-            _require(args.lr_warmup_samples < decay,
-                     f"--lr-warmup-samples ({args.lr_warmup_samples}) must be smaller than --lr-decay-samples "
-                     f"({decay}; it defaults to --train-samples)")
-    if args.lr is not None:
-        _require(args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
-    _require(not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
-             "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are mutually exclusive")
+    scheduler_config_from_args(args).validate(training_config_from_args(args), args.lr, args.min_lr, args.skip_train)
     if args.weight_decay_incr_style == "constant":
-        _require(args.start_weight_decay is None and args.end_weight_decay is None,
-                 "--start-weight-decay/--end-weight-decay need --weight-decay-incr-style linear or cosine")
         args.start_weight_decay = args.weight_decay
         args.end_weight_decay = args.weight_decay
-    else:
-        _require(args.start_weight_decay is not None and args.end_weight_decay is not None,
-                 f"--weight-decay-incr-style {args.weight_decay_incr_style} needs --start-weight-decay "
-                 "and --end-weight-decay")
 
 
 def _validate_pipeline(args):
@@ -988,16 +876,11 @@ def _validate_model(args):
         args.position_embedding_type = "rope"
     if not args.add_position_embedding and args.position_embedding_type != "rope":
         raise ValueError("--no-position-embedding is deprecated, use --position-embedding-type none")
+    # (None for a required flag was refused by _validate_required, which runs first.)
     for flag, dest in (("--num-layers", "num_layers"), ("--hidden-size", "hidden_size"),
-                       ("--num-attention-heads", "num_attention_heads")):
-        _require(getattr(args, dest) is not None, f"{flag} is required ({dest} argument is None)")
+                       ("--num-attention-heads", "num_attention_heads"), ("--seq-length", "seq_length")):
         _require(getattr(args, dest) > 0, f"{flag} must be > 0, got {getattr(args, dest)}")
-    _require(args.seq_length is not None, "--seq-length is required")
-    _require(args.seq_length > 0, f"--seq-length must be > 0, got {args.seq_length}")
-    if args.position_embedding_type == "learned_absolute":
-        _require(args.max_position_embeddings is not None,
-                 "--max-position-embeddings is required with --position-embedding-type learned_absolute")
-    elif args.max_position_embeddings is None:
+    if args.position_embedding_type != "learned_absolute" and args.max_position_embeddings is None:
         # Table-free position encodings have no length limit of their own.
         args.max_position_embeddings = args.seq_length
     if args.position_embedding_type in _TABLE_POSITION_TYPES:
@@ -1061,50 +944,12 @@ def _validate_model(args):
     check_attention_backend(args.attention_backend)
 
 
-def non_directory_ancestor(path):
-    """The nearest existing entry on ``path`` (itself or an ancestor) when it is not a directory (a regular
-    file, say), else None: no directory can be created at ``path`` then."""
-    path = os.path.abspath(path)
-    while not os.path.lexists(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            return None
-        path = parent
-    return None if os.path.isdir(path) else path
-
-
 def _validate_checkpointing(args):
-    if args.save is not None:
-        _require(args.save_interval is not None, "--save requires --save-interval")
-        # Found now rather than at the first save, after the training it was meant to keep.
-        blocker = non_directory_ancestor(args.save)
-        _require(blocker is None, f"--save {args.save}: {blocker} is a file, not a directory; no checkpoint "
-                                  "directory can be created there")
-    if args.save_interval is not None:
-        _require(args.save_interval > 0, f"--save-interval must be > 0, got {args.save_interval}")
-    _validate_non_persistent(args)
-    if args.async_save and args.ckpt_format != "torch_dist":
-        raise ValueError(f"--async-save needs --ckpt-format torch_dist (got --ckpt-format {args.ckpt_format})")
+    checkpoint_config_from_args(args).validate()
     if args.deprecated_use_dist_ckpt or args.dist_ckpt_format_deprecated is not None:
         _print_rank_0(args, "WARNING: --use-dist-ckpt and --dist-ckpt-format are deprecated and ignored; "
                             "use --ckpt-format")
     args.use_dist_ckpt = args.ckpt_format != "torch"
-
-
-def _validate_non_persistent(args):
-    if args.non_persistent_ckpt_type in ("local", "in_memory"):
-        raise ValueError(f"--non-persistent-ckpt-type {args.non_persistent_ckpt_type} is not available in this "
-                         "version; use --non-persistent-ckpt-type global (a directory on a shared file system, "
-                         "see --non-persistent-global-ckpt-dir)")
-    if args.non_persistent_save_interval is not None:
-        _require(args.non_persistent_save_interval > 0,
-                 f"--non-persistent-save-interval must be > 0, got {args.non_persistent_save_interval}")
-        _require(args.save is not None, "--non-persistent-save-interval requires --save")
-        _require(args.non_persistent_ckpt_type == "global",
-                 "--non-persistent-save-interval requires --non-persistent-ckpt-type global (as in Megatron-LM)")
-    elif args.non_persistent_global_ckpt_dir is not None and args.non_persistent_ckpt_type != "global":
-        raise ValueError("--non-persistent-global-ckpt-dir only applies with --non-persistent-ckpt-type global; "
-                         "remove it (it would otherwise be silently ignored)")
 
 
 def _validate_misc(args):
@@ -1117,8 +962,7 @@ def _validate_misc(args):
     # SIGKILL/SIGSTOP cannot be caught; SIGCHLD is how the DataLoader learns that a worker died.
     _require(args.exit_signal not in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD),
              f"--exit-signal {args.exit_signal.name} cannot be handled; use SIGTERM, SIGINT, SIGUSR1 or SIGUSR2")
-    if args.seed is not None:
-        _require(args.seed > 0, f"--seed must be > 0, got {args.seed}")
+    rng_config_from_args(args).validate()
 
 
 def _print_args(title, args):

@@ -87,7 +87,7 @@ def get_telemetry():
     return _GLOBAL_TELEMETRY
 
 
-def set_global_variables(args, build_tokenizer=True):
+def set_global_variables(args, build_tokenizer=True, config=None):
     """Install args and the configuration built from them once (``get_config()``), and build the
     microbatch calculator, tokenizer, TensorBoard and W&B writers, and timers.
 
@@ -95,14 +95,15 @@ def set_global_variables(args, build_tokenizer=True):
     configuration's telemetry slice is validated first). Telemetry itself is set up by
     ``set_telemetry`` once the process group exists, because its run id and launch uuid are agreed
     over it (one broadcast from rank 0): launcher state such as MASTER_ADDR/MASTER_PORT is the same for
-    two launches on one host, so it cannot name a launch.
+    two launches on one host, so it cannot name a launch. ``config``: the PretrainConfigContainer
+    already built from these args (``initialize_megatron`` builds it first, for the logging level).
     """
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.core.timers import Timers
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
     set_args(args)
-    cfg = pretrain_cfg_container_from_args(args)  # ValueError naming the variable, on every rank
+    cfg = pretrain_cfg_container_from_args(args) if config is None else config  # ValueError naming a variable
     set_config(cfg)
     init_num_microbatches_calculator(
         cfg.dist.rank, cfg.train.rampup_batch_size, cfg.train.global_batch_size,

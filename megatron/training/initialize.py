@@ -14,6 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.console import write_line
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed, set_model_init_seed
+from megatron.training.argument_utils import pretrain_cfg_container_from_args
 from megatron.training.arguments import _logging_level, parse_args, validate_args
 from megatron.training.global_vars import get_args, set_global_variables, set_telemetry
 from megatron.training.training_log import CONSOLE_PRINTED
@@ -52,7 +53,7 @@ class _ConsoleHandler(logging.StreamHandler):
             self.handleError(record)
 
 
-def setup_logging(args) -> int:
+def setup_logging(logger_config, dist_config) -> int:
     """Apply ``--logging-level`` (else env MEGATRON_LOGGING_LEVEL) as Megatron-LM does, and give
     framework records somewhere to go.
 
@@ -63,11 +64,14 @@ def setup_logging(args) -> int:
     when no handler other than the log bridge is there (a user's own logging setup is left alone);
     it never prints a message the framework has already printed. Returns the effective level of the
     ``megatron`` logger. Raises ValueError naming MEGATRON_LOGGING_LEVEL when it is not a level.
+
+    ``logger_config``: the LoggerConfig (``logging_level``); ``dist_config``: the DistributedInitConfig
+    (only rank 0 prints the level).
     """
     global _CONSOLE_HANDLER
     from megatron.core.telemetry.logging_bridge import OtelLogHandler
 
-    level = getattr(args, "logging_level", None)
+    level = logger_config.logging_level
     if level is None and os.environ.get("MEGATRON_LOGGING_LEVEL", "").strip():
         try:
             level = _logging_level(os.environ["MEGATRON_LOGGING_LEVEL"])
@@ -77,7 +81,7 @@ def setup_logging(args) -> int:
     if level is not None:
         root.setLevel(level)
         framework.setLevel(level)
-        if getattr(args, "rank", 0) == 0:
+        if dist_config.rank == 0:
             write_line(f"> setting logging level to {logging.getLevelName(level)} ({level})")
     elif framework.level == logging.NOTSET:
         framework.setLevel(logging.INFO)
@@ -118,48 +122,52 @@ def _set_rendezvous_env_from_slurm():
     os.environ.setdefault("MASTER_PORT", "6000")
 
 
-def _set_cuda_device_max_connections(args) -> None:
+def _set_cuda_device_max_connections(tensor_model_parallel_size: int) -> None:
     """Set env CUDA_DEVICE_MAX_CONNECTIONS=1 when TP > 1 unless the user set it.
 
     The TP linear layers' backward overlaps its collectives with the GEMMs, which only works when
     the GPU runs kernels in launch order: one hardware queue. CUDA reads the variable when the
     context is created, so this runs before the first CUDA call.
     """
-    if args.tensor_model_parallel_size > 1 and "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ:
+    if tensor_model_parallel_size > 1 and "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ:
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
 
 
-def _initialize_distributed(args):
-    """Join the default process group (NCCL on GPU, gloo on CPU) and build the model-parallel groups."""
-    _set_cuda_device_max_connections(args)
-    if torch.cuda.is_available() and args.distributed_backend == "nccl":
+def _initialize_distributed(model, dist_config):
+    """Join the default process group (NCCL on GPU, gloo on CPU) and build the model-parallel groups.
+
+    ``model``: the TransformerConfig (the parallel sizes); ``dist_config``: the DistributedInitConfig.
+    """
+    _set_cuda_device_max_connections(model.tensor_model_parallel_size)
+    backend, local_rank = dist_config.distributed_backend, dist_config.local_rank
+    if torch.cuda.is_available() and backend == "nccl":
         device_count = torch.cuda.device_count()
-        if args.local_rank >= device_count:
+        if local_rank >= device_count:
             raise RuntimeError(
-                f"local rank {args.local_rank} has no GPU: this node has {device_count} (check --nproc_per_node)"
+                f"local rank {local_rank} has no GPU: this node has {device_count} (check --nproc_per_node)"
             )
-        torch.cuda.set_device(args.local_rank)
-    elif args.distributed_backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    elif backend == "nccl":
         raise RuntimeError("--distributed-backend nccl needs CUDA GPUs; use --distributed-backend gloo on CPU")
 
     if not dist.is_initialized():
         _set_rendezvous_env_from_slurm()
-        init_kwargs = dict(
-            backend=args.distributed_backend,
-            world_size=args.world_size,
-            rank=args.rank,
-            timeout=timedelta(minutes=args.distributed_timeout_minutes),
+        init_options = dict(
+            backend=backend,
+            world_size=dist_config.world_size,
+            rank=dist_config.rank,
+            timeout=timedelta(minutes=dist_config.distributed_timeout_minutes),
         )
-        if torch.cuda.is_available() and args.distributed_backend == "nccl":
-            init_kwargs["device_id"] = torch.device(f"cuda:{args.local_rank}")
-        dist.init_process_group(**init_kwargs)
+        if torch.cuda.is_available() and backend == "nccl":
+            init_options["device_id"] = torch.device(f"cuda:{local_rank}")
+        dist.init_process_group(**init_options)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=args.tensor_model_parallel_size,
-            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-            context_parallel_size=args.context_parallel_size,
-            distributed_timeout_minutes=args.distributed_timeout_minutes,
+            tensor_model_parallel_size=model.tensor_model_parallel_size,
+            pipeline_model_parallel_size=model.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=model.virtual_pipeline_model_parallel_size,
+            context_parallel_size=model.context_parallel_size,
+            distributed_timeout_minutes=dist_config.distributed_timeout_minutes,
         )
         print_rank_0(
             f"> initialized tensor model parallel with size {parallel_state.get_tensor_model_parallel_world_size()}\n"
@@ -196,9 +204,10 @@ def initialize_megatron(extra_args_provider=None, args_defaults=None, ignore_unk
     Raises:
         UserInputError: a bad flag (exit status 2), a missing tokenizer file or a bad telemetry variable.
 
-    Order: parse + validate flags (fails fast with the flag named), apply the logging level, set
-    globals (telemetry settings checked, microbatch calculator, tokenizer, timers, TensorBoard, W&B),
-    join the process group, build the parallel groups, set telemetry up, seed.
+    Order: parse + validate flags (fails fast with the flag named), build the configuration once
+    (telemetry settings checked), apply the logging level, set globals (microbatch calculator,
+    tokenizer, timers, TensorBoard, W&B), join the process group, build the parallel groups, set
+    telemetry up, seed.
     """
     args = parsed_args if parsed_args is not None else parse_args(extra_args_provider, ignore_unknown_args, argv)
     try:
@@ -206,15 +215,19 @@ def initialize_megatron(extra_args_provider=None, args_defaults=None, ignore_unk
     except ValueError as error:  # validate_args raises ValueError only to name a bad flag
         # The flags are the same on every rank, so is this error: rank 0 alone reports it.
         raise UserInputError(str(error), exit_status=2, same_on_every_rank=True) from error
-    setup_logging(args)
     try:
-        set_global_variables(args)
-    except (FileNotFoundError, ValueError) as error:
-        # A missing --vocab-file/--tokenizer-model, a bad MEGATRON_OTEL_* variable: the messages name them.
+        cfg = pretrain_cfg_container_from_args(args)
+    except ValueError as error:  # a bad MEGATRON_OTEL_* variable: the message names it
         raise UserInputError(str(error)) from error
-    _initialize_distributed(args)
+    setup_logging(cfg.logger, cfg.dist)
+    try:
+        set_global_variables(args, config=cfg)
+    except (FileNotFoundError, ValueError) as error:
+        # A missing --vocab-file/--tokenizer-model: the messages name them.
+        raise UserInputError(str(error)) from error
+    _initialize_distributed(cfg.model, cfg.dist)
     set_telemetry(args)  # after the process group: its run id and launch uuid are agreed over it
-    _set_random_seed(args.seed, getattr(args, "data_parallel_random_init", False))
-    if torch.cuda.is_available() and getattr(args, "bf16", False):
+    _set_random_seed(cfg.rng.seed, cfg.rng.data_parallel_random_init)
+    if torch.cuda.is_available() and cfg.model.bf16:
         torch.backends.cuda.matmul.allow_tf32 = True
     return get_args()

@@ -1,4 +1,4 @@
-"""Turn SLURM's job variables into torch.distributed's launch environment (one task per GPU) or torchrun's flags.
+"""Launch environment from SLURM: torch.distributed's variables (one task per GPU), torchrun's flags, this process's rank.
 
 Under ``srun`` every task is one rank: ``python -m megatron.training.slurm pretrain_gpt.py FLAGS...`` sets
 ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``NODE_RANK``, ``MASTER_ADDR`` and
@@ -121,6 +121,32 @@ def torchrun_args_from_slurm(env: Mapping[str, str]) -> List[str]:
     return ["--nnodes", str(_int(env, "SLURM_JOB_NUM_NODES", "SLURM_NNODES")),
             "--node_rank", str(_int(env, "SLURM_NODEID")), "--rdzv_id", str(_int(env, "SLURM_JOB_ID")),
             "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{host}:{port}"]
+
+
+def _env_int(name, default):
+    value = os.getenv(name)
+    if value is None or value.strip() == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def launcher_rank_and_world_size() -> tuple:
+    """This process's ``(rank, world size)`` as the launcher set them: torchrun's RANK/WORLD_SIZE, else
+    (plain ``srun``, which sets only SLURM's) SLURM_PROCID/SLURM_NTASKS; ``(0, 1)`` without either.
+    Raises ValueError naming a variable that is not an integer."""
+    if os.getenv("RANK") is None and os.getenv("WORLD_SIZE") is None and os.getenv("SLURM_NTASKS") is not None:
+        return _env_int("SLURM_PROCID", 0), _env_int("SLURM_NTASKS", 1)
+    return _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+
+
+def default_local_rank() -> int:
+    """``--local-rank``'s default: LOCAL_RANK, else SLURM_LOCALID under plain ``srun``, else 0."""
+    if os.getenv("LOCAL_RANK") is None and os.getenv("SLURM_LOCALID") is not None and os.getenv("RANK") is None:
+        return _env_int("SLURM_LOCALID", 0)
+    return _env_int("LOCAL_RANK", 0)
 
 
 def main(argv=None) -> None:

@@ -223,7 +223,8 @@ def stage_stragglers(table: torch.Tensor) -> Dict[int, Dict[str, float]]:
 class StepBreakdown:
     """The step-time recorder of one training run and its per-log-interval report.
 
-    Use: ``create(args, handle)`` (None when neither ``--log-straggler`` nor telemetry metrics are on),
+    Use: ``create(logger, handle)`` (``logger``: the run's LoggerConfig; None when neither
+    ``--log-straggler`` nor telemetry metrics are on),
     ``step_begin()``/``step_end()`` around each iteration, ``report(flops_per_rank)`` on every log
     iteration (collective: every rank calls it), ``close()`` at the end.
     """
@@ -241,15 +242,17 @@ class StepBreakdown:
         step_timing.install(self.recorder)
 
     @classmethod
-    def create(cls, args, handle) -> Optional["StepBreakdown"]:
-        log_straggler = bool(getattr(args, "log_straggler", False))
+    def create(cls, logger, handle) -> Optional["StepBreakdown"]:
+        """The recorder for ``logger`` (LoggerConfig: ``log_straggler``, ``straggler_minmax_count``) and
+        the telemetry ``handle``, or None when there is nothing to record."""
+        log_straggler = bool(logger.log_straggler)
         metrics_on = handle is not None and handle.config.enabled and handle.config.metrics_enabled
         if not (log_straggler or metrics_on):
             return None
         meter = handle.meter if handle is not None and handle.is_exporting else None
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
-        return cls(rank, world, meter, log_straggler, minmax_count=int(getattr(args, "straggler_minmax_count", 1) or 1),
+        return cls(rank, world, meter, log_straggler, minmax_count=int(logger.straggler_minmax_count or 1),
                    run_id=getattr(handle, "run_id", None))
 
     def step_begin(self) -> None:

@@ -107,26 +107,27 @@ def _export_now():
 
 
 def record_step_metrics(elapsed_ms, loss, throughput_tflops, tokens_per_sec, grad_norm, skipped, learning_rate,
-                        iteration=None, consumed_samples=None):
+                        iteration=None, consumed_samples=None, seq_length=None):
     """The ``megatron.training.*`` instruments at a log iteration (exporting ranks only), then a
     snapshot for export, so every logged value reaches the exporter whatever
     ``OTEL_METRIC_EXPORT_INTERVAL`` is. ``skipped`` is the number of skipped iterations since the last
     log: it is added only when non-zero (the counter's zero series exists from the first export, see
     ``prepare_metrics``). Progress comes from the training loop's state: ``megatron.training.iteration``
-    (``iteration``), ``consumed_samples`` and ``consumed_tokens`` (``consumed_samples`` x ``--seq-length``)."""
+    (``iteration``), ``consumed_samples`` and ``consumed_tokens`` (``consumed_samples`` x ``seq_length``,
+    the run's ``DataConfig.seq_length``; taken from ``get_config()`` when the caller does not pass it)."""
     meter = _meter()
     if meter is None:
         return
     memory_gb = None
     import torch
 
-    from megatron.training.global_vars import get_args
-
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         memory_gb = torch.cuda.max_memory_allocated() / 1e9
-    args = get_args()
+    if seq_length is None:
+        from megatron.training.global_vars import get_config
+
+        seq_length = get_config().data.seq_length
     samples = consumed_samples
-    seq_length = getattr(args, "seq_length", None)
     record_training_metrics(
         meter, step_duration_ms=elapsed_ms, loss=loss, throughput_tflops=throughput_tflops,
         tokens_per_sec=tokens_per_sec, grad_norm=grad_norm, skipped_iters=skipped or 0,

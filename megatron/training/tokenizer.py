@@ -36,6 +36,16 @@ TOKENIZER_TYPES = [
 SUPPORTED_TOKENIZER_TYPES = ["GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
                              "HuggingFaceTokenizer", "TikTokenizer", "NullTokenizer"]
 
+# What each tokenizer type reads: (flag, dest). validate_args names the missing ones together.
+TOKENIZER_FILES = {
+    "GPT2BPETokenizer": (("--vocab-file", "vocab_file"), ("--merge-file", "merge_file")),
+    "SentencePieceTokenizer": (("--tokenizer-model", "tokenizer_model"),),
+    "GPTSentencePieceTokenizer": (("--tokenizer-model", "tokenizer_model"),),
+    "HuggingFaceTokenizer": (("--tokenizer-model", "tokenizer_model"),),
+    "TikTokenizer": (("--tokenizer-model", "tokenizer_model"),),
+    "NullTokenizer": (("--vocab-size", "vocab_size"),),
+}
+
 
 def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add Megatron's "tokenizer" argument group (same flags and defaults) to ``parser``; returns it."""

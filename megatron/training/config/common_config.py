@@ -10,6 +10,11 @@ class RNGConfig:
     seed: int = 1234
     data_parallel_random_init: bool = False
 
+    def validate(self) -> None:
+        """``--seed`` must be positive (ValueError naming it)."""
+        if self.seed is not None and not self.seed > 0:
+            raise ValueError(f"--seed must be > 0, got {self.seed}")
+
 
 @dataclass(kw_only=True)
 class DistributedInitConfig:

@@ -37,6 +37,27 @@ class DataConfig:
     mid_level_dataset_surplus: float = 0.005
     num_dataset_builder_threads: int = 1
 
+    def validate(self) -> None:
+        """One data source at most, a ``--split`` that parses, builder threads > 0 (ValueError naming the flag).
+
+        The split is parsed here, once, so that a malformed --split stops the run with one line (rank 0)
+        before any rank builds a dataset; the datasets parse the same string again.
+        """
+        from megatron.core.datasets.utils import parse_and_normalize_split
+
+        sources = [name for name, used in (
+            ("--data-path", bool(self.data_path)),
+            ("--mock-data", bool(self.mock_data)),
+            ("--train-data-path/--valid-data-path/--test-data-path",
+             any([self.train_data_path, self.valid_data_path, self.test_data_path])),
+        ) if used]
+        if len(sources) > 1:
+            raise ValueError(f"a single data source must be given, got {' and '.join(sources)}")
+        if self.split is not None:
+            parse_and_normalize_split(self.split)  # ValueError naming --split and the value
+        if not self.num_dataset_builder_threads > 0:
+            raise ValueError(f"--num-dataset-builder-threads must be > 0, got {self.num_dataset_builder_threads}")
+
     def to_gpt_dataset_config(self, tokenizer, seed: int, vocab_size: Optional[int]):
         """The core ``GPTDatasetConfig`` of these flags (``pretrain_gpt.py``'s ``core_gpt_dataset_config_from_args``).
 

@@ -5,8 +5,26 @@ Each class holds the flags of one parser group of ``megatron/training/arguments.
 home is ``TransformerConfig``, ``OptimizerConfig`` or ``DistributedDataParallelConfig`` is not repeated
 here: there is one home per setting. ``megatron/training/argument_utils.py`` builds them from ``args``.
 """
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
+
+
+def _require(condition, message):
+    if not condition:
+        raise ValueError(message)
+
+
+def non_directory_ancestor(path):
+    """The nearest existing entry on ``path`` (itself or an ancestor) when it is not a directory (a regular
+    file, say), else None: no directory can be created at ``path`` then."""
+    path = os.path.abspath(path)
+    while not os.path.lexists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+    return None if os.path.isdir(path) else path
 
 
 @dataclass(kw_only=True)
@@ -77,6 +95,58 @@ class SchedulerConfig:
     wd_incr_steps: Optional[int] = None
     wsd_decay_steps: Optional[int] = None
 
+    def validate(self, train: "TrainingConfig", lr: Optional[float], min_lr: float, skip_train: bool) -> None:
+        """The schedule's flags against each other and the run's length (``train``), peak ``lr`` and
+        ``min_lr``, as ``validate_args`` checks them; ValueError naming the flags."""
+        train_iters, train_samples = train.train_iters, train.train_samples
+        _require((train_iters is None) != (train_samples is None),
+                 "exactly one of --train-iters and --train-samples must be given "
+                 f"(got --train-iters {train_iters}, --train-samples {train_samples})")
+        if train_iters is not None:
+            _require(self.lr_decay_samples is None, "--lr-decay-samples needs sample-based training "
+                                                    "(--train-samples); use --lr-decay-iters with --train-iters")
+            _require(self.lr_warmup_samples == 0, "--lr-warmup-samples needs sample-based training "
+                                                  "(--train-samples); use --lr-warmup-iters with --train-iters")
+            _require(self.lr_wsd_decay_samples is None, "--lr-wsd-decay-samples needs sample-based training; "
+                                                        "use --lr-wsd-decay-iters with --train-iters")
+            if self.lr_warmup_fraction is not None:
+                _require(self.lr_warmup_iters == 0,
+                         "can only specify one of --lr-warmup-fraction and --lr-warmup-iters")
+        else:
+            _require(self.lr_decay_iters is None, "--lr-decay-iters needs iteration-based training "
+                                                  "(--train-iters); use --lr-decay-samples with --train-samples")
+            _require(self.lr_warmup_iters == 0, "--lr-warmup-iters needs iteration-based training (--train-iters); "
+                                                "use --lr-warmup-samples with --train-samples")
+            _require(self.lr_wsd_decay_iters is None, "--lr-wsd-decay-iters needs iteration-based training; "
+                                                      "use --lr-wsd-decay-samples with --train-samples")
+            if self.lr_warmup_fraction is not None:
+                _require(self.lr_warmup_samples == 0,
+                         "can only specify one of --lr-warmup-fraction and --lr-warmup-samples")
+        if not skip_train:
+            _require(lr is not None, "--lr is required for training")
+            # The scheduler counts in samples; say it in the flags the user gave.
+            if self.lr_warmup_fraction is None and train_iters is not None and self.lr_warmup_iters > 0:
+                decay = self.lr_decay_iters if self.lr_decay_iters is not None else train_iters
+                _require(self.lr_warmup_iters < decay,
+                         f"--lr-warmup-iters ({self.lr_warmup_iters}) must be smaller than --lr-decay-iters "
+                         f"({decay}; it defaults to --train-iters)")
+            if self.lr_warmup_fraction is None and train_samples is not None and self.lr_warmup_samples > 0:
+                decay = self.lr_decay_samples if self.lr_decay_samples is not None else train_samples
+                _require(self.lr_warmup_samples < decay,
+                         f"--lr-warmup-samples ({self.lr_warmup_samples}) must be smaller than --lr-decay-samples "
+                         f"({decay}; it defaults to --train-samples)")
+        if lr is not None:
+            _require(min_lr <= lr, f"--min-lr ({min_lr}) must be <= --lr ({lr})")
+        _require(not (self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler),
+                 "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are mutually exclusive")
+        if self.weight_decay_incr_style == "constant":
+            _require(self.start_weight_decay is None and self.end_weight_decay is None,
+                     "--start-weight-decay/--end-weight-decay need --weight-decay-incr-style linear or cosine")
+        else:
+            _require(self.start_weight_decay is not None and self.end_weight_decay is not None,
+                     f"--weight-decay-incr-style {self.weight_decay_incr_style} needs --start-weight-decay "
+                     "and --end-weight-decay")
+
 
 @dataclass(kw_only=True)
 class LoggerConfig:
@@ -103,6 +173,24 @@ class LoggerConfig:
     wandb_exp_name: str = ""
     wandb_save_dir: str = ""
     logging_level: Optional[int] = None
+
+    def validate(self, save: Optional[str] = None) -> None:
+        """``--wandb-*``: the package must be importable and the run named; the other two need
+        --wandb-project; files need a directory (``save``: the checkpoint directory). ValueError naming them."""
+        if not self.wandb_project:
+            for flag, value in (("--wandb-exp-name", self.wandb_exp_name), ("--wandb-save-dir", self.wandb_save_dir)):
+                _require(not value, f"{flag} needs --wandb-project (without it nothing is logged to Weights & Biases)")
+            return
+        try:
+            import wandb
+
+            del wandb  # only whether it imports matters here
+        except ImportError:
+            raise ValueError("--wandb-project needs the wandb package, which is not installed: pip install wandb "
+                             "(or remove --wandb-project/--wandb-exp-name/--wandb-save-dir)") from None
+        _require(bool(self.wandb_exp_name), "--wandb-project needs --wandb-exp-name (the Weights & Biases run name)")
+        _require(bool(self.wandb_save_dir or save),
+                 "--wandb-project needs --wandb-save-dir or --save (W&B files go to <--save>/wandb by default)")
 
 
 @dataclass(kw_only=True)
@@ -134,6 +222,32 @@ class CheckpointConfig:
     non_persistent_global_ckpt_dir: Optional[str] = None
     verify_checkpoint: bool = True
 
+    def validate(self) -> None:
+        """The checkpoint flags against each other (and ``--save`` against the file system, found now rather
+        than at the first save, after the training it was meant to keep). ValueError naming the flags."""
+        if self.save is not None:
+            _require(self.save_interval is not None, "--save requires --save-interval")
+            blocker = non_directory_ancestor(self.save)
+            _require(blocker is None, f"--save {self.save}: {blocker} is a file, not a directory; no checkpoint "
+                                      "directory can be created there")
+        if self.save_interval is not None:
+            _require(self.save_interval > 0, f"--save-interval must be > 0, got {self.save_interval}")
+        if self.non_persistent_ckpt_type in ("local", "in_memory"):
+            raise ValueError(f"--non-persistent-ckpt-type {self.non_persistent_ckpt_type} is not available in this "
+                             "version; use --non-persistent-ckpt-type global (a directory on a shared file system, "
+                             "see --non-persistent-global-ckpt-dir)")
+        if self.non_persistent_save_interval is not None:
+            _require(self.non_persistent_save_interval > 0,
+                     f"--non-persistent-save-interval must be > 0, got {self.non_persistent_save_interval}")
+            _require(self.save is not None, "--non-persistent-save-interval requires --save")
+            _require(self.non_persistent_ckpt_type == "global",
+                     "--non-persistent-save-interval requires --non-persistent-ckpt-type global (as in Megatron-LM)")
+        elif self.non_persistent_global_ckpt_dir is not None and self.non_persistent_ckpt_type != "global":
+            raise ValueError("--non-persistent-global-ckpt-dir only applies with --non-persistent-ckpt-type global; "
+                             "remove it (it would otherwise be silently ignored)")
+        if self.async_save and self.ckpt_format != "torch_dist":
+            raise ValueError(f"--async-save needs --ckpt-format torch_dist (got --ckpt-format {self.ckpt_format})")
+
 
 @dataclass(kw_only=True)
 class TokenizerConfig:
@@ -159,3 +273,25 @@ class TokenizerConfig:
     trust_remote_code: bool = False
     tokenizer_hf_use_fast: bool = True
     tokenizer_hf_include_special_tokens: bool = True
+
+    def validate(self) -> None:
+        """A flag that acts only with another ``--tokenizer-type`` than the one given is refused (ValueError
+        naming it) rather than silently ignored."""
+        for flag, field, default, tokenizer_type in _TOKENIZER_TYPE_FLAGS:
+            if getattr(self, field) != default and self.tokenizer_type != tokenizer_type:
+                raise ValueError(f"{flag} applies only to --tokenizer-type {tokenizer_type} (got {self.tokenizer_type}); "
+                                 "remove it (it would otherwise be silently ignored)")
+        if self.vocab_extra_ids and self.tokenizer_type != "SentencePieceTokenizer":
+            raise ValueError(f"--vocab-extra-ids only applies to --tokenizer-type SentencePieceTokenizer (got "
+                             f"{self.tokenizer_type}); remove it (it would otherwise be silently ignored)")
+
+
+# Tokenizer flags that act only with one --tokenizer-type: (flag, field, default, that type).
+_TOKENIZER_TYPE_FLAGS = [
+    ("--tokenizer-special-tokens", "tokenizer_special_tokens", None, "TikTokenizer"),
+    ("--tiktoken-special-tokens", "tiktoken_special_tokens", None, "TikTokenizer"),
+    ("--tiktoken-num-special-tokens", "tiktoken_num_special_tokens", 1000, "TikTokenizer"),
+    ("--trust-remote-code", "trust_remote_code", False, "HuggingFaceTokenizer"),
+    ("--tokenizer-hf-no-use-fast", "tokenizer_hf_use_fast", True, "HuggingFaceTokenizer"),
+    ("--tokenizer-hf-no-include-special-tokens", "tokenizer_hf_include_special_tokens", True, "HuggingFaceTokenizer"),
+]

@@ -244,11 +244,11 @@ def build_pretraining_data_loader_from(
 
 
 def build_pretraining_data_loader(dataset: Any, consumed_samples: int, micro_batch_size: Optional[int] = None) -> Any:
-    """``build_pretraining_data_loader_from`` with the settings of ``get_args()`` and the DP rank/size of
-    ``megatron.core.parallel_state`` (``--dataloader-type``, ``--micro-batch-size`` unless
-    ``micro_batch_size`` is given (evaluation uses ``--eval-micro-batch-size``), ``--num-workers``,
-    ``--seed``, ``--no-data-sharding``, ``--full-validation``; workers ignore ``--exit-signal`` under
-    ``--exit-signal-handler``).
+    """``build_pretraining_data_loader_from`` with the run's configuration (``get_config()``: Megatron's
+    signature, so this entry point fetches it) and the DP rank/size of ``megatron.core.parallel_state``:
+    ``--dataloader-type``, ``--micro-batch-size`` unless ``micro_batch_size`` is given (evaluation uses
+    ``--eval-micro-batch-size``), ``--num-workers``, ``--seed``, data sharding, ``--full-validation``;
+    workers ignore ``--exit-signal`` under ``--exit-signal-handler``.
 
     Returns:
         see ``build_pretraining_data_loader_from``; None when ``dataset`` is None.
@@ -256,19 +256,20 @@ def build_pretraining_data_loader(dataset: Any, consumed_samples: int, micro_bat
     if dataset is None:
         return None
     from megatron.core import parallel_state
-    from megatron.training.global_vars import get_args
+    from megatron.training.global_vars import get_config
 
-    args = get_args()
+    cfg = get_config()
+    data, train = cfg.data, cfg.train
     return build_pretraining_data_loader_from(
         dataset,
         consumed_samples,
-        dataloader_type=getattr(args, "dataloader_type", None),
-        micro_batch_size=micro_batch_size if micro_batch_size is not None else args.micro_batch_size,
+        dataloader_type=data.dataloader_type,
+        micro_batch_size=micro_batch_size if micro_batch_size is not None else train.micro_batch_size,
         data_parallel_rank=parallel_state.get_data_parallel_rank(),
         data_parallel_size=parallel_state.get_data_parallel_world_size(),
-        num_workers=getattr(args, "num_workers", 2),
-        seed=getattr(args, "seed", 1234),
-        data_sharding=getattr(args, "data_sharding", True),
-        full_validation=getattr(args, "full_validation", False),
-        worker_ignored_signals=(args.exit_signal,) if getattr(args, "exit_signal_handler", False) else (),
+        num_workers=data.num_workers,
+        seed=cfg.rng.seed,
+        data_sharding=data.data_sharding,
+        full_validation=cfg.validation.full_validation,
+        worker_ignored_signals=(train.exit_signal,) if train.exit_signal_handler else (),
     )
