@@ -8,8 +8,19 @@ import torch
 from megatron.core.console import write_line
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training import telemetry_hooks as telemetry
+from megatron.training.argument_utils import (
+    core_transformer_config_from_args,
+    data_config_from_args,
+    tokenizer_config_from_args,
+)
 from megatron.training.config.training_config import LoggerConfig
-from megatron.training.global_vars import get_config, get_telemetry, get_tensorboard_writer, get_timers, get_wandb_writer
+from megatron.training.global_vars import (
+    get_config,
+    get_telemetry,
+    get_tensorboard_writer,
+    get_timers,
+    get_wandb_writer,
+)
 from megatron.training.theoretical_memory_usage import report_theoretical_memory
 from megatron.training.utils import is_last_rank, print_rank_last, report_memory
 
@@ -42,10 +53,12 @@ def gpt_floating_point_operations(model_cfg: TransformerConfig, seq_length: int,
 
 
 def num_floating_point_operations(args, batch_size: int) -> int:
-    """:func:`gpt_floating_point_operations` with Megatron-LM's signature (over the validated ``args``)."""
-    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
-    return _gpt_flops(batch_size, args.seq_length, args.num_layers, args.hidden_size, args.ffn_hidden_size,
-                      args.padded_vocab_size, args.kv_channels, args.num_attention_heads, groups, args.swiglu)
+    """:func:`gpt_floating_point_operations` with Megatron-LM's signature, over validated ``args``
+    (their model, sequence length and padded vocabulary, read by ``argument_utils``' builders)."""
+    model_cfg = core_transformer_config_from_args(args)
+    seq_length = data_config_from_args(args).seq_length
+    return gpt_floating_point_operations(model_cfg, seq_length, tokenizer_config_from_args(args).padded_vocab_size,
+                                         batch_size)
 
 
 def _gpt_flops(batch_size, s, L, h, f, V, kv_channels, heads, groups, gated) -> int:
