@@ -9,7 +9,7 @@ import torch
 
 from dist_utils import run_distributed
 from megatron.core import num_microbatches_calculator as nmc
-from megatron.training import global_vars, training
+from megatron.training import argument_utils, global_vars, training
 from megatron.training.argument_utils import pretrain_cfg_container_from_args
 from megatron.training.arguments import core_transformer_config_from_args, parse_args, validate_args
 from megatron.training.training_state import TrainingState
@@ -145,7 +145,7 @@ def test_flag_reaches_the_transformer_config(flags, field, value):
     (["--log-num-zeros-in-grad"], "log_num_zeros_in_grad", True),
 ])
 def test_flag_reaches_the_optimizer_config(flags, field, value):
-    assert getattr(training._optimizer_config_from_args(_args(*flags)), field) == value
+    assert getattr(argument_utils.optimizer_config_from_args(_args(*flags)), field) == value
 
 
 class _Groups:
@@ -195,7 +195,7 @@ def _wrapped_model_worker(rank, world_size, flags, check_seed):
     draw = torch.rand(3).tolist() if check_seed else None
     model = training.get_model(_pretrain_gpt().model_provider)
     ddp = model[0].ddp_config
-    optimizer = get_megatron_optimizer(training._optimizer_config_from_args(args), model)
+    optimizer = get_megatron_optimizer(argument_utils.optimizer_config_from_args(args), model)
     group = optimizer.param_groups[0]
     return {"draw": draw, "grad_reduce_in_fp32": ddp.grad_reduce_in_fp32, "overlap": ddp.overlap_grad_reduce,
             "bucket": ddp.bucket_size, "average": ddp.average_in_collective, "betas": group["betas"],
@@ -405,7 +405,8 @@ def test_decrease_batch_size_if_needed_rounds_down(capsys):
 def test_deprecated_megatron_no_ops_warn_and_change_nothing(capsys, flags, warning):
     def settings(args):
         config = core_transformer_config_from_args(args)
-        return {k: v for k, v in vars(config).items() if not callable(v)}, training._optimizer_config_from_args(args)
+        plain_fields = {k: v for k, v in vars(config).items() if not callable(v)}
+        return plain_fields, argument_utils.optimizer_config_from_args(args)
 
     plain_args = _args()
     plain = settings(plain_args)
@@ -423,7 +424,8 @@ def test_megatron_flags_without_effect_here_are_accepted_and_change_nothing(caps
     # only picks a fused kernel for the same loss (this project has one cross entropy).
     def settings(args):
         config = core_transformer_config_from_args(args)
-        return {k: v for k, v in vars(config).items() if not callable(v)}, training._optimizer_config_from_args(args)
+        plain_fields = {k: v for k, v in vars(config).items() if not callable(v)}
+        return plain_fields, argument_utils.optimizer_config_from_args(args)
 
     plain = settings(_args("--pipeline-model-parallel-size", "1"))
     args = _args("--pipeline-model-parallel-size", "1", flag)

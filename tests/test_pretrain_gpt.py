@@ -130,16 +130,15 @@ def test_sample_based_run_timers_tensorboard_and_eval_only_reload(shared_data, s
 
 def test_weight_decay_exclusions_follow_megatron():
     import torch
-    from types import SimpleNamespace
 
-    from megatron.training.training import _no_weight_decay_cond
+    from megatron.core.optimizer.weight_decay import no_weight_decay_cond
 
     weight, bias, norm = torch.zeros(2, 2), torch.zeros(2), torch.zeros(2)
-    default = _no_weight_decay_cond(SimpleNamespace(apply_wd_to_qk_layernorm=False))
+    default = no_weight_decay_cond(apply_wd_to_qk_layernorm=False)
     assert not default("decoder.layers.0.mlp.linear_fc1.weight", weight)
     assert default("decoder.layers.0.mlp.linear_fc1.bias", bias)
     assert default("decoder.layers.0.self_attention.q_layernorm.weight", norm)
-    with_qk = _no_weight_decay_cond(SimpleNamespace(apply_wd_to_qk_layernorm=True))
+    with_qk = no_weight_decay_cond(apply_wd_to_qk_layernorm=True)
     assert not with_qk("decoder.layers.0.self_attention.q_layernorm.weight", norm)
     assert with_qk("decoder.layers.0.input_layernorm.weight", norm)
 

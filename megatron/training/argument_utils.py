@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.num_microbatches_calculator import build_num_microbatches_calculator
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.telemetry.config import TelemetryConfig
 from megatron.core.telemetry.groups import SpanGroup
@@ -367,6 +368,34 @@ def _scheduler_steps(args):
     return out
 
 
+def train_iters_for_samples(args) -> int:
+    """Iterations that ``--train-samples`` allows: each iteration consumes the global batch of the
+    batch-size schedule at that point (``--rampup-batch-size``), and only whole batches that fit in
+    ``--train-samples`` run (a partial last batch is dropped, as Megatron-LM does for a constant batch).
+    """
+    calculator = build_num_microbatches_calculator(
+        -1, args.rampup_batch_size, args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
+        args.decrease_batch_size_if_needed)
+    rampup_samples = args.rampup_batch_size[2] if args.rampup_batch_size is not None else -1
+    iterations = consumed = 0
+    while consumed <= rampup_samples:  # the ramp: batch sizes change, count iteration by iteration
+        calculator.update(consumed)
+        batch = calculator.get_current_running_global_batch_size()
+        if consumed + batch > args.train_samples:
+            return iterations
+        consumed += batch
+        iterations += 1
+    calculator.update(consumed)
+    return iterations + (args.train_samples - consumed) // calculator.get_current_running_global_batch_size()
+
+
+def _train_iters(args):
+    """A ``--train-samples`` run counts iterations too: ``train_iters`` derived once, here."""
+    if getattr(args, "train_iters", None) is None and getattr(args, "train_samples", None) is not None:
+        return {"train_iters": train_iters_for_samples(args)}
+    return {}
+
+
 def tokenizer_config_from_args(args) -> TokenizerConfig:
     """The TokenizerConfig of ``args`` (every field copied by name)."""
     return _fields_from_args(TokenizerConfig, args)
@@ -424,7 +453,7 @@ def pretrain_cfg_container_from_args(args, with_telemetry: bool = True) -> Pretr
     """
     telemetry = telemetry_config_from_args(args) if with_telemetry else TelemetryConfig()
     return PretrainConfigContainer(
-        train=training_config_from_args(args),
+        train=dataclasses.replace(training_config_from_args(args), **_train_iters(args)),
         validation=_fields_from_args(ValidationConfig, args),
         model=core_transformer_config_from_args(args),
         gpt=_fields_from_args(GPTModelProviderConfig, args),

@@ -14,17 +14,18 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.collective_device import get_collective_device
 from megatron.core.console import write_line
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.num_microbatches_calculator import (
-    build_num_microbatches_calculator,
     get_num_microbatches,
     update_num_microbatches,
 )
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer.weight_decay import no_weight_decay_cond
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
 from megatron.core.utils import get_model_config
+from megatron.training import argument_utils
 from megatron.training import telemetry_hooks as telemetry
 from megatron.training.checkpoint_errors import checkpoint_errors_as_user_errors
 from megatron.training.checkpointing import (
@@ -37,21 +38,32 @@ from megatron.training.checkpointing import (
     wait_for_async_staging,
 )
 from megatron.training.datasets.data_samplers import build_pretraining_data_loader
-from megatron.training.global_vars import get_args, get_telemetry, get_tensorboard_writer, get_timers, get_wandb_writer
+from megatron.training.config import CheckpointConfig, DataConfig, TrainingConfig, ValidationConfig
+from megatron.training.global_vars import (
+    get_args,
+    get_config,
+    get_telemetry,
+    get_tensorboard_writer,
+    get_timers,
+    get_wandb_writer,
+)
 from megatron.training.initialize import initialize_megatron
 from megatron.training.step_breakdown import StepBreakdown, wrap_data_iterator
 from megatron.training.training_state import TrainingState
 from megatron.training.user_errors import UserInputError, one_line
 from megatron.training.training_log import (
     LogAccumulator,
+    gpt_floating_point_operations,
     log_operator_message,
-    num_floating_point_operations,
     training_log,
 )
 from megatron.training.utils import calc_params_l2_norm, forget_broadcast_batch_shape, get_device
 from megatron.training.utils import get_rank, is_last_rank, print_rank_0, print_rank_last
 
 _TRAIN_START_TIME = time.time()
+
+# Moved to the configuration builder, which derives a --train-samples run's iterations; kept importable here.
+train_iters_for_samples = argument_utils.train_iters_for_samples
 
 # ---------------------------------------------------------------------------------------------------
 # Model, optimizer, scheduler
@@ -82,8 +94,12 @@ def _build_model_chunks(model_provider_func):
 
 
 def get_model(model_provider_func, wrap_with_ddp: bool = True):
-    """Build this rank's model chunk(s) (a list), move them to the device and dtype, wrap with DDP."""
-    args = get_args()
+    """Build this rank's model chunk(s) (a list), move them to the device and dtype, wrap with DDP.
+
+    Megatron's signature: the dtype (``model.params_dtype``) and the DDP settings (``ddp``) come from
+    the run's configuration (``get_config()``).
+    """
+    cfg = get_config()
     model = _build_model_chunks(model_provider_func)
     for chunk in model:
         for param in chunk.parameters():
@@ -95,21 +111,12 @@ def get_model(model_provider_func, wrap_with_ddp: bool = True):
                    f"{parallel_state.get_pipeline_model_parallel_rank()}): {count}")
     device = get_device()
     for chunk in model:
-        chunk.to(device=device, dtype=args.params_dtype)
+        chunk.to(device=device, dtype=cfg.model.params_dtype)
     if not wrap_with_ddp:
         return model
     config = get_model_config(model[0])
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        overlap_param_gather=args.overlap_param_gather,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
-        bucket_size=args.ddp_bucket_size,
-        average_in_collective=args.ddp_average_in_collective,
-    )
     # Chunks after the first run their backward last in an iteration: no bucketing (Megatron-LM).
-    model = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=index > 0)
+    model = [DistributedDataParallel(config, cfg.ddp, chunk, disable_bucketing=index > 0)
              for index, chunk in enumerate(model)]
     for chunk in model:
         chunk.broadcast_params()
@@ -117,66 +124,46 @@ def get_model(model_provider_func, wrap_with_ddp: bool = True):
 
 
 def get_optimizer_param_scheduler(optimizer):
-    """Learning-rate / weight-decay schedule in samples, from the iteration- or sample-based flags."""
-    args = get_args()
-    gbs = args.global_batch_size
-    if args.train_samples is None:
-        if args.lr_decay_iters is None:
-            args.lr_decay_iters = args.train_iters
-        lr_decay_steps = args.lr_decay_iters * gbs
-        wd_incr_steps = args.train_iters * gbs
-        wsd_decay_steps = args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters else None
-        if args.lr_warmup_fraction is not None:
-            lr_warmup_steps = args.lr_warmup_fraction * lr_decay_steps
-        else:
-            lr_warmup_steps = args.lr_warmup_iters * gbs
+    """Learning-rate / weight-decay schedule in samples, from the iteration- or sample-based flags.
+
+    The lengths in samples (warm-up, decay, weight-decay increment, WSD anneal) are derived once by the
+    configuration builder (``scheduler`` slice); the peak and final lr are the optimizer's.
+    """
+    cfg = get_config()
+    scheduler_cfg = cfg.scheduler
+    # Megatron-LM fills the defaulted decay length in on args here, and checkpoints save args.
+    if cfg.train.train_samples is None:
+        _record_on_args(lr_decay_iters=scheduler_cfg.lr_decay_iters)
     else:
-        if args.lr_decay_samples is None:
-            args.lr_decay_samples = args.train_samples
-        lr_decay_steps = args.lr_decay_samples
-        wd_incr_steps = args.train_samples
-        wsd_decay_steps = args.lr_wsd_decay_samples
-        if args.lr_warmup_fraction is not None:
-            lr_warmup_steps = args.lr_warmup_fraction * lr_decay_steps
-        else:
-            lr_warmup_steps = args.lr_warmup_samples
+        _record_on_args(lr_decay_samples=scheduler_cfg.lr_decay_samples)
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=args.lr_warmup_init,
-        max_lr=args.lr,
-        min_lr=args.min_lr,
-        lr_warmup_steps=lr_warmup_steps,
-        lr_decay_steps=lr_decay_steps,
-        lr_decay_style=args.lr_decay_style,
-        start_wd=args.start_weight_decay,
-        end_wd=args.end_weight_decay,
-        wd_incr_steps=wd_incr_steps,
-        wd_incr_style=args.weight_decay_incr_style,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        override_opt_param_scheduler=args.override_opt_param_scheduler,
-        wsd_decay_steps=wsd_decay_steps,
-        lr_wsd_decay_style=args.lr_wsd_decay_style,
+        init_lr=scheduler_cfg.lr_warmup_init,
+        max_lr=cfg.optimizer.lr,
+        min_lr=cfg.optimizer.min_lr,
+        lr_warmup_steps=scheduler_cfg.lr_warmup_steps,
+        lr_decay_steps=scheduler_cfg.lr_decay_steps,
+        lr_decay_style=scheduler_cfg.lr_decay_style,
+        start_wd=scheduler_cfg.start_weight_decay,
+        end_wd=scheduler_cfg.end_weight_decay,
+        wd_incr_steps=scheduler_cfg.wd_incr_steps,
+        wd_incr_style=scheduler_cfg.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=scheduler_cfg.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=scheduler_cfg.override_opt_param_scheduler,
+        wsd_decay_steps=scheduler_cfg.wsd_decay_steps,
+        lr_wsd_decay_style=scheduler_cfg.lr_wsd_decay_style,
     )
 
 
-def _optimizer_config_from_args(args) -> OptimizerConfig:
-    """OptimizerConfig from every args attribute that names one of its fields."""
-    names = {f.name for f in dataclasses.fields(OptimizerConfig)}
-    kwargs = {name: getattr(args, name) for name in names if hasattr(args, name)}
-    return OptimizerConfig(**kwargs)
-
-
-def _no_weight_decay_cond(args):
-    """Megatron's rule: no weight decay on 1-D params (norms) and biases, except q/k layernorm
-    weights with ``--apply-wd-to-qk-layernorm``."""
-    apply_to_qk = getattr(args, "apply_wd_to_qk_layernorm", False)
-
-    def no_wd(name, param):
-        if apply_to_qk and ("q_layernorm" in name or "k_layernorm" in name) and not name.endswith(".bias"):
-            return False
-        return name.endswith(".bias") or param.dim() == 1
-
-    return no_wd
+def _record_on_args(**values):
+    """Set run-time values on the global ``args`` where Megatron-LM sets them (``lr_decay_iters``,
+    ``do_train``/``do_valid``/``do_test``, ``start_iteration``, ``curr_iteration``, a sample-based
+    run's ``train_iters``). Checkpoints save ``args``, so the saved args stay as they were, and
+    Megatron-LM code that reads them there finds them; this package reads its configuration instead.
+    """
+    args = get_args()
+    for name, value in values.items():
+        setattr(args, name, value)
 
 
 def _grad_nan_check(model):
@@ -203,9 +190,10 @@ def setup_model_and_optimizer(model_provider_func, train_state=None):
     """Model chunks, optimizer and scheduler; loads ``--load`` when given. Returns the three.
 
     ``train_state`` (a :class:`TrainingState`, the loop's counters) receives the loaded counters;
-    without one they are loaded into a throw-away state.
+    without one they are loaded into a throw-away state. Megatron's signature: the settings come from
+    the run's configuration (``get_config()``).
     """
-    args = get_args()
+    cfg = get_config()
     train_state = TrainingState() if train_state is None else train_state
     timers = get_timers()
     with telemetry.span("model_init", "megatron.model_init"):
@@ -213,31 +201,30 @@ def setup_model_and_optimizer(model_provider_func, train_state=None):
         config = get_model_config(model[0])
         config.timers = timers
         optimizer, opt_param_scheduler = None, None
-        if not (args.skip_train and args.lr is None):  # evaluation-only runs need no optimizer
-            optimizer_config = _optimizer_config_from_args(args)
-            optimizer_config.timers = timers
-            optimizer = get_megatron_optimizer(optimizer_config, model,
-                                               no_weight_decay_cond=_no_weight_decay_cond(args))
+        if not (cfg.validation.skip_train and cfg.optimizer.lr is None):  # evaluation-only runs need no optimizer
+            optimizer_config = dataclasses.replace(cfg.optimizer, timers=timers)
+            no_wd = no_weight_decay_cond(cfg.optimizer.apply_wd_to_qk_layernorm)
+            optimizer = get_megatron_optimizer(optimizer_config, model, no_weight_decay_cond=no_wd)
             opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
             config.grad_scale_func = optimizer.scale_loss
-            if args.check_for_nan_in_loss_and_grad:
+            if cfg.ddp.check_for_nan_in_grad:
                 for chunk in model:
                     chunk.defer_nan_check = True
                 optimizer.grad_norm_check = _grad_nan_check(model)
         config.finalize_model_grads_func = finalize_model_grads
-        if not args.overlap_grad_reduce:
+        if not cfg.ddp.overlap_grad_reduce:
             # Several chunks (interleaving): one per chunk, as Megatron-LM passes them to the schedule.
             config.no_sync_func = model[0].no_sync if len(model) == 1 else [chunk.no_sync for chunk in model]
 
-    if args.load is not None:
+    if cfg.checkpoint.load is not None:
         with telemetry.span("load_checkpoint", "megatron.load_checkpoint"):
             timers("load-checkpoint", log_level=0).start(barrier=True)
             with checkpoint_errors_as_user_errors():  # a bad checkpoint is one line naming its file
                 load_checkpoint(model, optimizer, opt_param_scheduler, train_state=train_state)
             timers("load-checkpoint").stop(barrier=True)
             timers.log(["load-checkpoint"])
-        if train_state.iteration > 0 or args.finetune:
-            log_operator_message(f"successfully loaded checkpoint from {args.load} at iteration "
+        if train_state.iteration > 0 or cfg.checkpoint.finetune:
+            log_operator_message(f"successfully loaded checkpoint from {cfg.checkpoint.load} at iteration "
                                  f"{train_state.iteration}", printed_on_this_rank=get_rank() == 0)
     return model, optimizer, opt_param_scheduler
 
@@ -247,86 +234,113 @@ def setup_model_and_optimizer(model_provider_func, train_state=None):
 # ---------------------------------------------------------------------------------------------------
 
 def get_train_valid_test_num_samples():
-    """Samples each split must provide (spec §2.2)."""
-    args = get_args()
-    train = args.train_samples if args.train_samples else args.train_iters * args.global_batch_size
-    eval_iters = (args.train_iters // args.eval_interval + 1) * args.eval_iters if args.eval_interval else args.eval_iters
-    return [train, eval_iters * args.eval_global_batch_size, args.eval_iters * args.eval_global_batch_size]
+    """Samples each split must provide (spec §2.2), from the run's configuration."""
+    cfg = get_config()
+    return _split_num_samples(cfg.train, cfg.validation)
+
+
+def _split_num_samples(train_cfg: TrainingConfig, validation_cfg: ValidationConfig):
+    """``[train, valid, test]`` samples: the run's training samples; ``eval_iters`` global evaluation
+    batches per evaluation, one evaluation every ``eval_interval`` iterations plus the final one."""
+    eval_iters, interval = validation_cfg.eval_iters, validation_cfg.eval_interval
+    train = train_cfg.train_samples if train_cfg.train_samples else train_cfg.train_iters * train_cfg.global_batch_size
+    valid_iters = (train_cfg.train_iters // interval + 1) * eval_iters if interval else eval_iters
+    eval_batch = validation_cfg.eval_global_batch_size
+    return [train, valid_iters * eval_batch, eval_iters * eval_batch]
 
 
 def build_train_valid_test_data_iterators(train_valid_test_dataset_provider, train_state=None):
     """Datasets -> resumable samplers -> iterators (None for a split that has no data).
 
     The train and validation samplers start after ``train_state``'s consumed samples (a fresh run
-    without a state).
+    without a state). Megatron's signature: the settings come from the run's configuration.
     """
-    args = get_args()
+    cfg = get_config()
+    iterators, _ = _data_iterators(train_valid_test_dataset_provider, train_state, cfg.train, cfg.validation,
+                                   cfg.data, cfg.checkpoint)
+    return iterators
+
+
+def _data_iterators(train_valid_test_dataset_provider, train_state, train_cfg: TrainingConfig,
+                    validation_cfg: ValidationConfig, data_cfg: DataConfig, checkpoint_cfg: CheckpointConfig):
+    """``((train, valid, test) iterators, (do_train, do_valid, do_test))``: which splits this run has,
+    agreed by every rank (ranks without datasets, TP rank > 0, learn it from the others).
+
+    Raises:
+        UserInputError: training asked for (``--train-iters`` > 0, no ``--skip-train``) on an empty
+            training split; or a checkpoint that consumed a whole split (see ``_resumed_data_loader``).
+    """
     train_state = TrainingState() if train_state is None else train_state
     print_rank_0("> building train, validation, and test datasets ...")
-    train_ds, valid_ds, test_ds = train_valid_test_dataset_provider(get_train_valid_test_num_samples())
-    train_loader = _resumed_data_loader("training", train_ds, train_state.consumed_train_samples, args)
-    valid_loader = _resumed_data_loader("validation", valid_ds, train_state.consumed_valid_samples, args,
-                                        args.eval_micro_batch_size)
-    test_loader = build_pretraining_data_loader(test_ds, 0, args.eval_micro_batch_size)
+    train_ds, valid_ds, test_ds = train_valid_test_dataset_provider(_split_num_samples(train_cfg, validation_cfg))
+    sizes = (train_cfg, validation_cfg, data_cfg, checkpoint_cfg.load)
+    train_loader = _resumed_data_loader("training", train_ds, train_state.consumed_train_samples, *sizes)
+    valid_loader = _resumed_data_loader("validation", valid_ds, train_state.consumed_valid_samples, *sizes,
+                                        validation_cfg.eval_micro_batch_size)
+    test_loader = build_pretraining_data_loader(test_ds, 0, validation_cfg.eval_micro_batch_size)
     # Ranks without datasets (TP rank > 0) learn from the others which splits exist.
+    eval_iters = validation_cfg.eval_iters
     flags = torch.tensor(
-        [train_loader is not None and args.train_iters > 0, valid_loader is not None and args.eval_iters > 0,
-         test_loader is not None and args.eval_iters > 0], dtype=torch.int32, device=get_collective_device())
+        [train_loader is not None and train_cfg.train_iters > 0, valid_loader is not None and eval_iters > 0,
+         test_loader is not None and eval_iters > 0], dtype=torch.int32, device=get_collective_device())
     if dist.is_initialized():
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    args.do_train, args.do_valid, args.do_test = (bool(v) for v in flags.tolist())
-    if args.train_iters > 0 and not args.skip_train and not args.do_train:
+    do_train, do_valid, do_test = (bool(v) for v in flags.tolist())
+    _record_on_args(do_train=do_train, do_valid=do_valid, do_test=do_test)
+    if train_cfg.train_iters > 0 and not validation_cfg.skip_train and not do_train:
         # Every rank agrees (flags are reduced): rank 0 alone reports it.
-        raise UserInputError(_empty_train_split_message(args), same_on_every_rank=True)
+        raise UserInputError(_empty_train_split_message(data_cfg, train_cfg.train_iters), same_on_every_rank=True)
 
     def _iterator(loader):
         if loader is None:
             return None
-        if args.dataloader_type == "cyclic":
+        if data_cfg.dataloader_type == "cyclic":
             return _cyclic_iter(loader)
         return iter(loader)
 
-    return _iterator(train_loader), _iterator(valid_loader), _iterator(test_loader)
+    return (_iterator(train_loader), _iterator(valid_loader), _iterator(test_loader)), (do_train, do_valid, do_test)
 
 
-def _resumed_data_loader(split, dataset, consumed, args, micro_batch_size=None):
+def _resumed_data_loader(split, dataset, consumed, train_cfg: TrainingConfig, validation_cfg: ValidationConfig,
+                         data_cfg: DataConfig, load, micro_batch_size=None):
     """``build_pretraining_data_loader``; a checkpoint that consumed the whole split is the user's error.
 
     Raises:
-        UserInputError: ``consumed`` >= the dataset's length, naming the split, the dataset and the flags
-            that size it.
+        UserInputError: ``consumed`` >= the dataset's length, naming the split, the dataset, the
+            checkpoint (``load``, the ``--load`` folder) and the flags that size it.
     """
     if dataset is None or consumed < len(dataset):
         return build_pretraining_data_loader(dataset, consumed, micro_batch_size)
-    if args.data_path:
-        source = f"--data-path {' '.join(args.data_path)} --split {args.split}"
+    if data_cfg.data_path:
+        source = f"--data-path {' '.join(data_cfg.data_path)} --split {data_cfg.split}"
     else:
-        paths = args.train_data_path if split == "training" else args.valid_data_path
+        paths = data_cfg.train_data_path if split == "training" else data_cfg.valid_data_path
         source = f"--{'train' if split == 'training' else 'valid'}-data-path {' '.join(paths or [])}"
-    wanted = get_train_valid_test_num_samples()[0 if split == "training" else 1]
+    wanted = _split_num_samples(train_cfg, validation_cfg)[0 if split == "training" else 1]
     if split == "training":
-        sizing = (f"this run asks for {wanted} (--train-iters {args.train_iters} x --global-batch-size "
-                  f"{args.global_batch_size}, or --train-samples): ask for more than the checkpoint has consumed")
+        sizing = (f"this run asks for {wanted} (--train-iters {train_cfg.train_iters} x --global-batch-size "
+                  f"{train_cfg.global_batch_size}, or --train-samples): ask for more than the checkpoint has consumed")
     else:
-        sizing = (f"this run asks for {wanted} ((--train-iters {args.train_iters} // --eval-interval "
-                  f"{args.eval_interval} + 1) x --eval-iters {args.eval_iters} x --eval-global-batch-size "
-                  f"{args.eval_global_batch_size}): raise --eval-iters or lower --eval-interval to ask for more "
-                  "than the checkpoint has consumed")
-    raise UserInputError(f"no {split} samples left to consume: the checkpoint of --load {args.load} has consumed "
+        sizing = (f"this run asks for {wanted} ((--train-iters {train_cfg.train_iters} // --eval-interval "
+                  f"{validation_cfg.eval_interval} + 1) x --eval-iters {validation_cfg.eval_iters} x "
+                  f"--eval-global-batch-size {validation_cfg.eval_global_batch_size}): raise --eval-iters or lower "
+                  "--eval-interval to ask for more than the checkpoint has consumed")
+    raise UserInputError(f"no {split} samples left to consume: the checkpoint of --load {load} has consumed "
                          f"{consumed} {split} samples of {source}, this run's {split} dataset holds {len(dataset)}; "
                          f"{sizing}")
 
 
-def _empty_train_split_message(args) -> str:
+def _empty_train_split_message(data_cfg: DataConfig, train_iters: int) -> str:
     """Why training was asked for but there is nothing to train on, naming the flags to change."""
-    if args.data_path:
-        where = (f"--split {args.split!r} leaves no documents of --data-path {' '.join(args.data_path)} "
+    if data_cfg.data_path:
+        where = (f"--split {data_cfg.split!r} leaves no documents of --data-path {' '.join(data_cfg.data_path)} "
                  "for training; give the first (train) weight of --split a positive value")
-    elif args.train_data_path or args.valid_data_path or args.test_data_path:
-        where = f"--train-data-path is {' '.join(args.train_data_path) if args.train_data_path else 'not given'}"
+    elif data_cfg.train_data_path or data_cfg.valid_data_path or data_cfg.test_data_path:
+        train_paths = data_cfg.train_data_path
+        where = f"--train-data-path is {' '.join(train_paths) if train_paths else 'not given'}"
     else:
         where = "the dataset provider returned no training dataset"
-    return (f"--train-iters {args.train_iters} asks for training, but the training split is empty: {where} "
+    return (f"--train-iters {train_iters} asks for training, but the training split is empty: {where} "
             "(or pass --skip-train to only evaluate)")
 
 
@@ -362,9 +376,10 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     """Forward/backward over the global batch, optimizer step, scheduler step.
 
     Returns ``(loss_dict, skipped_iter, grad_norm, num_zeros_in_grad)``; loss_dict is empty on
-    ranks that do not hold the loss.
+    ranks that do not hold the loss. Megatron's signature: the sizes come from the run's configuration.
     """
-    args = get_args()
+    cfg = get_config()
+    train_cfg = cfg.train
     timers = get_timers()
     for chunk in model:
         chunk.zero_grad_buffer()
@@ -377,12 +392,12 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
             data_iterator=data_iterator,
             model=model,
             num_microbatches=get_num_microbatches(),
-            seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size,
+            seq_length=cfg.data.seq_length,
+            micro_batch_size=train_cfg.micro_batch_size,
             forward_only=False,
         )
         timers("forward-backward").stop()
-    if args.empty_unused_memory_level >= 1 and torch.cuda.is_available():
+    if train_cfg.empty_unused_memory_level >= 1 and torch.cuda.is_available():
         torch.cuda.empty_cache()  # trade speed for headroom against fragmentation
 
     with telemetry.span("optimizer", "megatron.optimizer_step") as span:
@@ -393,10 +408,11 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         timers("optimizer").stop()
         telemetry.set_attributes(span, update_successful=update_successful, grad_norm=grad_norm)
 
-    if args.empty_unused_memory_level >= 2 and torch.cuda.is_available():
+    if train_cfg.empty_unused_memory_level >= 2 and torch.cuda.is_available():
         torch.cuda.empty_cache()
     if update_successful:
-        opt_param_scheduler.step(increment=get_num_microbatches() * args.micro_batch_size * args.data_parallel_size)
+        opt_param_scheduler.step(
+            increment=get_num_microbatches() * train_cfg.micro_batch_size * cfg.dist.data_parallel_size)
     skipped_iter = 0 if update_successful else 1
     loss_dict = _reduce_reports(reports) if parallel_state.is_pipeline_last_stage() else {}
     return loss_dict, skipped_iter, grad_norm, num_zeros_in_grad
@@ -410,29 +426,32 @@ def evaluate(forward_step_func, data_iterator, model, verbose=False, train_state
     """``--eval-iters`` forward-only global batches; returns ``{key: token-weighted mean loss}``.
 
     Advances ``train_state.consumed_valid_samples`` (the validation iterator's position) when given.
+    Megatron's signature: the sizes come from the run's configuration.
     """
-    args = get_args()
+    cfg = get_config()
+    validation_cfg = cfg.validation
+    eval_iters, eval_global_batch_size = validation_cfg.eval_iters, validation_cfg.eval_global_batch_size
     for chunk in model:
         chunk.eval()
-    num_microbatches = args.eval_global_batch_size // (args.eval_micro_batch_size * args.data_parallel_size)
+    num_microbatches = eval_global_batch_size // (validation_cfg.eval_micro_batch_size * cfg.dist.data_parallel_size)
     totals = {}
     forget_broadcast_batch_shape()  # --eval-micro-batch-size may differ from training's
-    with torch.no_grad(), telemetry.span("evaluate", "megatron.evaluate", eval_iters=args.eval_iters):
-        for step in range(args.eval_iters):
+    with torch.no_grad(), telemetry.span("evaluate", "megatron.evaluate", eval_iters=eval_iters):
+        for step in range(eval_iters):
             if verbose:
-                print_rank_0(f"Evaluating iter {step + 1}/{args.eval_iters}")
+                print_rank_0(f"Evaluating iter {step + 1}/{eval_iters}")
             with telemetry.span("evaluate", "megatron.evaluate.step"):
                 reports = get_forward_backward_func()(
                     forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-                    num_microbatches=num_microbatches, seq_length=args.seq_length,
-                    micro_batch_size=args.eval_micro_batch_size, forward_only=True,
+                    num_microbatches=num_microbatches, seq_length=cfg.data.seq_length,
+                    micro_batch_size=validation_cfg.eval_micro_batch_size, forward_only=True,
                 )
             for report in reports:
                 for key, value in report.items():
                     value = value.view(-1).double()
                     totals[key] = totals.get(key, 0) + value
             if train_state is not None:
-                train_state.consumed_valid_samples += args.eval_global_batch_size
+                train_state.consumed_valid_samples += eval_global_batch_size
     for chunk in model:
         chunk.train()
     forget_broadcast_batch_shape()
@@ -450,8 +469,9 @@ def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, 
                                split="validation", train_state=None):
     """Evaluate, print Megatron's validation block on the last rank (also sent through ``logging``),
     and write TensorBoard and W&B scalars. ``split`` ("validation" or "test") labels the telemetry
-    gauges (TensorBoard keeps Megatron's tags, which do not name the split)."""
-    args = get_args()
+    gauges (TensorBoard keeps Megatron's tags, which do not name the split). Megatron's signature: what
+    is logged where comes from the run's configuration (``logger``)."""
+    log_ppl = get_config().logger.log_validation_ppl_to_tensorboard
     writer = get_tensorboard_writer()
     wandb_writer = get_wandb_writer()
     results = evaluate(forward_step_func, data_iterator, model, verbose, train_state=train_state)
@@ -463,14 +483,14 @@ def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, 
         if writer is not None:
             writer.add_scalar(f"{key} validation", loss, iteration)
             writer.add_scalar(f"{key} validation vs samples", loss, consumed_train_samples)
-            if args.log_validation_ppl_to_tensorboard:
+            if log_ppl:
                 writer.add_scalar(f"{key} validation ppl", ppl, iteration)
                 writer.add_scalar(f"{key} validation ppl vs samples", ppl, consumed_train_samples)
         if key == "lm loss":
             telemetry.record_validation_metrics(loss=loss, ppl=ppl, split=split)
         if wandb_writer is not None:
             scalars = {f"{key} validation": loss}
-            if args.log_validation_ppl_to_tensorboard:
+            if log_ppl:
                 scalars[f"{key} validation ppl"] = ppl
             wandb_writer.log(scalars, step=iteration)
     length = len(string) + 1
@@ -516,7 +536,10 @@ def checkpoint_save_errors_as_user_errors():
         raise UserInputError(one_line(error)) from error
 
 
-def _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state=None, non_persistent=False):
+def _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state, checkpoint_cfg: CheckpointConfig,
+          non_persistent=False):
+    """``save_checkpoint`` timed and in a span; then the operator message naming where it went
+    (``checkpoint_cfg.save``, or the non-persistent folder)."""
     timers = get_timers()
     with telemetry.span("checkpoint", "megatron.save_checkpoint", iteration=iteration):
         timers("save-checkpoint", log_level=0).start(barrier=True)
@@ -525,7 +548,7 @@ def _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_
                             non_persistent_ckpt=non_persistent)
         timers("save-checkpoint").stop(barrier=True)
         timers.log(["save-checkpoint"])
-    where = non_persistent_checkpoint_dir(get_args()) if non_persistent else get_args().save
+    where = non_persistent_checkpoint_dir(checkpoint_cfg) if non_persistent else checkpoint_cfg.save
     log_operator_message(f"successfully saved {'non-persistent ' if non_persistent else ''}checkpoint from "
                          f"iteration {iteration:7d} to {where}", printed_on_this_rank=get_rank() == 0)
 
@@ -539,34 +562,43 @@ def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration,
                                train_state=None):
     """Save on schedule or on exit conditions (signal, duration, exit interval); True means stop now.
 
-    ``train_state`` (the loop's counters) is what the checkpoints record.
+    ``train_state`` (the loop's counters) is what the checkpoints record. Megatron's name: the schedule
+    comes from the run's configuration (``checkpoint`` and ``train``).
     """
-    args = get_args()
+    cfg = get_config()
+    checkpoint_cfg, train_cfg = cfg.checkpoint, cfg.train
+    save = checkpoint_cfg.save
+
+    def _save_now(non_persistent=False):
+        _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state, checkpoint_cfg,
+              non_persistent=non_persistent)
+
     saved = False
     if signal_flag is not None and _any_rank(signal_flag.received):
-        if args.save:
-            _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state)
+        if save:
+            _save_now()
         _exit_message(f"exiting program after receiving {signal_flag.signal.name}.")
         return True
-    if args.save and args.save_interval and iteration % args.save_interval == 0:
-        _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state)
+    if save and checkpoint_cfg.save_interval and iteration % checkpoint_cfg.save_interval == 0:
+        _save_now()
         saved = True
-    elif args.save and args.non_persistent_save_interval and iteration % args.non_persistent_save_interval == 0:
-        _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state, non_persistent=True)
+    elif (save and checkpoint_cfg.non_persistent_save_interval
+          and iteration % checkpoint_cfg.non_persistent_save_interval == 0):
+        _save_now(non_persistent=True)
         saved = True
-    if args.exit_duration_in_mins:
+    if train_cfg.exit_duration_in_mins:
         elapsed_minutes = (time.time() - _TRAIN_START_TIME) / 60.0
         value = torch.tensor([elapsed_minutes], dtype=torch.float64, device=get_collective_device())
         if dist.is_initialized():
             dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        if value.item() > args.exit_duration_in_mins:
-            if args.save and not saved:
-                _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state)
+        if value.item() > train_cfg.exit_duration_in_mins:
+            if save and not saved:
+                _save_now()
             _exit_message(f"exiting program after {value.item():.2f} minutes")
             return True
-    if args.exit_interval and iteration % args.exit_interval == 0:
-        if args.save and not saved:
-            _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state)
+    if train_cfg.exit_interval and iteration % train_cfg.exit_interval == 0:
+        if save and not saved:
+            _save_now()
         _exit_message(f"exiting program at iteration {iteration}")
         return True
     return False
@@ -577,45 +609,54 @@ def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration,
 # ---------------------------------------------------------------------------------------------------
 
 def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator, valid_data_iterator,
-          train_state=None):
+          train_state=None, do_valid=None):
     """Run iterations until ``--train-iters`` or an exit condition. Returns (iteration, flops_so_far, exited).
 
     ``train_state`` (a :class:`TrainingState`, the loaded one on a resume; fresh when None) is advanced
-    in place every iteration and is what the checkpoints record.
+    in place every iteration and is what the checkpoints record. ``do_valid``: whether the run has
+    validation data (``pretrain`` passes it); None reads it where Megatron-LM's callers of this
+    function leave it, on ``args`` (``build_train_valid_test_data_iterators`` sets it there). Megatron's
+    name: the settings come from the run's configuration.
     """
-    args = get_args()
+    cfg = get_config()
+    train_cfg, validation_cfg, logger_cfg = cfg.train, cfg.validation, cfg.logger
+    if do_valid is None:
+        args = get_args()
+        do_valid = args.do_valid
     train_state = TrainingState() if train_state is None else train_state
     for chunk in model:
         chunk.train()
-    iteration = train_state.iteration
-    args.start_iteration = iteration
+    iteration = start_iteration = train_state.iteration
+    _record_on_args(start_iteration=start_iteration)
     flops_so_far = train_state.num_floating_point_operations_so_far
-    signal_flag = _SignalFlag(args.exit_signal) if args.exit_signal_handler else None
+    signal_flag = _SignalFlag(train_cfg.exit_signal) if train_cfg.exit_signal_handler else None
     acc = LogAccumulator()
-    if args.manual_gc:
+    if train_cfg.manual_gc:
         # Python's automatic GC pauses ranks at different moments and stalls the collectives of
         # the others; collect at the same iterations everywhere instead.
         gc.disable()
         gc.collect()
+    gc_eval = train_cfg.manual_gc and train_cfg.manual_gc_eval
     last_log_time, last_log_iteration = time.perf_counter(), iteration
     # Where each rank's step time goes (--log-straggler or telemetry metrics): see step_breakdown.py.
-    breakdown = StepBreakdown.create(args, get_telemetry())
+    breakdown = StepBreakdown.create(logger_cfg, get_telemetry())
     train_data_iterator = wrap_data_iterator(train_data_iterator)
     telemetry.prepare_metrics()
+    world_size, data_parallel_size, seq_length = cfg.dist.world_size, cfg.dist.data_parallel_size, cfg.data.seq_length
 
     print_rank_0("training ...")
-    with telemetry.span("job", "megatron.train", train_iters=args.train_iters):
-        while iteration < args.train_iters:
+    with telemetry.span("job", "megatron.train", train_iters=train_cfg.train_iters):
+        while iteration < train_cfg.train_iters:
             # --rampup-batch-size: this iteration's batch follows the samples consumed so far.
             update_num_microbatches(train_state.consumed_train_samples, consistency_check=True, verbose=True)
             num_microbatches = get_num_microbatches()
-            args.curr_iteration = iteration
+            _record_on_args(curr_iteration=iteration)
             if async_save_pending():  # every rank has the same pending save: publish it once all wrote it
                 with checkpoint_save_errors_as_user_errors():
                     finalize_async_save(blocking=False)
             if breakdown is not None:
                 breakdown.step_begin()
-            with telemetry.step_span(iteration + 1, first=(iteration == args.start_iteration)) as step_span:
+            with telemetry.step_span(iteration + 1, first=(iteration == start_iteration)) as step_span:
                 loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
                     forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler
                 )
@@ -624,66 +665,48 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
                 breakdown.step_end()
             telemetry.note_step_finished()
             iteration += 1
-            batch_size = args.micro_batch_size * args.data_parallel_size * num_microbatches
-            flops_so_far += num_floating_point_operations(args, batch_size)
+            batch_size = train_cfg.micro_batch_size * data_parallel_size * num_microbatches
+            flops = gpt_floating_point_operations(cfg.model, seq_length, cfg.tokenizer.padded_vocab_size, batch_size)
+            flops_so_far += flops
             train_state.iteration = iteration
             train_state.consumed_train_samples += batch_size
             train_state.num_floating_point_operations_so_far = flops_so_far
 
-            is_log_iteration = iteration % args.log_interval == 0 or iteration == args.start_iteration + 1
-            if args.log_params_norm and is_log_iteration and args.overlap_param_gather:
+            is_log_iteration = iteration % logger_cfg.log_interval == 0 or iteration == start_iteration + 1
+            if logger_cfg.log_params_norm and is_log_iteration and cfg.ddp.overlap_param_gather:
                 for chunk in model:  # the updated shards are otherwise gathered only by the next forward
                     chunk.sync_params_for_read()
-            params_norm = calc_params_l2_norm(model) if args.log_params_norm and is_log_iteration else None
+            params_norm = calc_params_l2_norm(model) if logger_cfg.log_params_norm and is_log_iteration else None
             now = time.perf_counter() if is_log_iteration else last_log_time
             learning_rate = optimizer.param_groups[0]["lr"]
             if is_log_iteration and breakdown is not None:  # collective: every rank, same iterations
-                breakdown.report(num_floating_point_operations(args, batch_size) / args.world_size)
+                breakdown.report(flops / world_size)
             training_log(
                 acc, loss_dict, learning_rate, optimizer.get_loss_scale(),
                 iteration, grad_norm, params_norm, num_zeros, skipped_iter, now - last_log_time,
                 iteration - last_log_iteration, num_microbatches, is_log_iteration, train_state=train_state,
+                logger_cfg=logger_cfg, train_iters=train_cfg.train_iters, world_size=world_size,
+                seq_length=seq_length, batch_size=batch_size, flops=flops,
             )
             if is_log_iteration:
                 last_log_time, last_log_iteration = time.perf_counter(), iteration
 
-            if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
+            if train_cfg.manual_gc and train_cfg.manual_gc_interval and iteration % train_cfg.manual_gc_interval == 0:
                 gc.collect()
             # Evaluation and checkpoint time is not training time: shift the log window past it.
             paused_at = time.perf_counter()
-            if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
-                if args.manual_gc and args.manual_gc_eval:
+            if validation_cfg.eval_interval and iteration % validation_cfg.eval_interval == 0 and do_valid:
+                if gc_eval:
                     gc.collect()
                 evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator, model,
                                            iteration, train_state=train_state)
-                if args.manual_gc and args.manual_gc_eval:
+                if gc_eval:
                     gc.collect()
             if checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration, flops_so_far, signal_flag,
                                           train_state):
                 return iteration, flops_so_far, True
             last_log_time += time.perf_counter() - paused_at
     return iteration, flops_so_far, False
-
-
-def train_iters_for_samples(args) -> int:
-    """Iterations that ``--train-samples`` allows: each iteration consumes the global batch of the
-    batch-size schedule at that point (``--rampup-batch-size``), and only whole batches that fit in
-    ``--train-samples`` run (a partial last batch is dropped, as Megatron-LM does for a constant batch).
-    """
-    calculator = build_num_microbatches_calculator(
-        -1, args.rampup_batch_size, args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
-        args.decrease_batch_size_if_needed)
-    rampup_samples = args.rampup_batch_size[2] if args.rampup_batch_size is not None else -1
-    iterations = consumed = 0
-    while consumed <= rampup_samples:  # the ramp: batch sizes change, count iteration by iteration
-        calculator.update(consumed)
-        batch = calculator.get_current_running_global_batch_size()
-        if consumed + batch > args.train_samples:
-            return iterations
-        consumed += batch
-        iterations += 1
-    calculator.update(consumed)
-    return iterations + (args.train_samples - consumed) // calculator.get_current_running_global_batch_size()
 
 
 def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_func, extra_args_provider=None,
@@ -697,33 +720,37 @@ def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fun
         argv: flags to parse instead of ``sys.argv`` (tests).
     """
     initialize_megatron(extra_args_provider, args_defaults, argv=argv)
-    args = get_args()
-    if args.train_iters is None:  # --train-samples: the loop still counts iterations
-        args.train_iters = train_iters_for_samples(args)
-    with telemetry.span("job", "megatron.pretrain", model_type="GPT", train_iters=args.train_iters,
-                        global_batch_size=args.global_batch_size):
+    cfg = get_config()
+    train_cfg, checkpoint_cfg = cfg.train, cfg.checkpoint
+    # A --train-samples run still counts iterations: the configuration derived them; Megatron-LM sets
+    # them on args too (and checkpoints save args).
+    _record_on_args(train_iters=train_cfg.train_iters)
+    with telemetry.span("job", "megatron.pretrain", model_type="GPT", train_iters=train_cfg.train_iters,
+                        global_batch_size=train_cfg.global_batch_size):
         # The loop's counters: loaded with the checkpoint, advanced by train(), saved in checkpoints.
         train_state = TrainingState()
         model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, train_state)
-        train_it, valid_it, test_it = build_train_valid_test_data_iterators(train_valid_test_dataset_provider,
-                                                                            train_state)
+        (train_it, valid_it, test_it), (do_train, do_valid, do_test) = _data_iterators(
+            train_valid_test_dataset_provider, train_state, train_cfg, cfg.validation, cfg.data, checkpoint_cfg)
         if len(model) > 1:
             # Interleaving: the schedule takes one iterator per chunk. Only chunk 0 of the first stage and
             # the last chunk of the last stage read data (see pretrain_gpt.get_batch), so they can share one.
             train_it, valid_it, test_it = ([it] * len(model) for it in (train_it, valid_it, test_it))
         iteration = train_state.iteration
         exited = False
-        if args.do_train and not args.skip_train:
+        if do_train and not cfg.validation.skip_train:
             iteration, flops_so_far, exited = train(
-                forward_step_func, model, optimizer, opt_param_scheduler, train_it, valid_it, train_state
+                forward_step_func, model, optimizer, opt_param_scheduler, train_it, valid_it, train_state,
+                do_valid=do_valid,
             )
-            if not exited and args.save and iteration != 0 and iteration % args.save_interval != 0:
-                _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state)
+            if (not exited and checkpoint_cfg.save and iteration != 0
+                    and iteration % checkpoint_cfg.save_interval != 0):
+                _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state, checkpoint_cfg)
         if not exited:
-            if args.do_valid:
+            if do_valid:
                 evaluate_and_print_results(f"iteration {iteration} on validation set", forward_step_func, valid_it,
                                            model, iteration, verbose=True, train_state=train_state)
-            if args.do_test:
+            if do_test:
                 evaluate_and_print_results(f"iteration {iteration} on test set", forward_step_func, test_it,
                                            model, iteration, verbose=True, split="test")
     with checkpoint_save_errors_as_user_errors():

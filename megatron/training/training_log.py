@@ -6,8 +6,21 @@ from datetime import datetime
 import torch
 
 from megatron.core.console import write_line
+from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training import telemetry_hooks as telemetry
-from megatron.training.global_vars import get_args, get_telemetry, get_tensorboard_writer, get_timers, get_wandb_writer
+from megatron.training.argument_utils import (
+    core_transformer_config_from_args,
+    data_config_from_args,
+    tokenizer_config_from_args,
+)
+from megatron.training.config.training_config import LoggerConfig
+from megatron.training.global_vars import (
+    get_config,
+    get_telemetry,
+    get_tensorboard_writer,
+    get_timers,
+    get_wandb_writer,
+)
 from megatron.training.theoretical_memory_usage import report_theoretical_memory
 from megatron.training.utils import is_last_rank, print_rank_last, report_memory
 
@@ -26,22 +39,35 @@ _LOGGED_TIMERS = [
 ]
 
 
-def num_floating_point_operations(args, batch_size: int) -> int:
+def gpt_floating_point_operations(model_cfg: TransformerConfig, seq_length: int, padded_vocab_size: int,
+                                  batch_size: int) -> int:
     """Training FLOPs of one iteration of a dense GPT (forward + backward), Megatron's formula.
 
     ``B*s*[6*h*f*g*L + 6*L*(h*(q+k+v) + q*h) + 6*h*V] + B*s^2*L*6*q`` with q = kv_channels*heads,
-    k = v = kv_channels*groups, g = 3 for SwiGLU else 2 (spec §8.3; Narayanan et al. 2021, §5.1).
+    k = v = kv_channels*groups, g = 3 for SwiGLU (a gated linear unit) else 2 (spec §8.3; Narayanan et
+    al. 2021, §5.1). ``model_cfg.num_query_groups`` is the heads without grouped-query attention.
     """
-    s, L, h = args.seq_length, args.num_layers, args.hidden_size
-    f = args.ffn_hidden_size
-    V = args.padded_vocab_size
-    q = args.kv_channels * args.num_attention_heads
-    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
-    kv = args.kv_channels * groups
-    g = 3 if args.swiglu else 2
+    return _gpt_flops(batch_size, seq_length, model_cfg.num_layers, model_cfg.hidden_size,
+                      model_cfg.ffn_hidden_size, padded_vocab_size, model_cfg.kv_channels,
+                      model_cfg.num_attention_heads, model_cfg.num_query_groups, model_cfg.gated_linear_unit)
+
+
+def num_floating_point_operations(args, batch_size: int) -> int:
+    """:func:`gpt_floating_point_operations` with Megatron-LM's signature, over validated ``args``
+    (their model, sequence length and padded vocabulary, read by ``argument_utils``' builders)."""
+    model_cfg = core_transformer_config_from_args(args)
+    seq_length = data_config_from_args(args).seq_length
+    return gpt_floating_point_operations(model_cfg, seq_length, tokenizer_config_from_args(args).padded_vocab_size,
+                                         batch_size)
+
+
+def _gpt_flops(batch_size, s, L, h, f, V, kv_channels, heads, groups, gated) -> int:
+    """The formula of :func:`gpt_floating_point_operations` over plain numbers (integer arithmetic)."""
+    q = kv_channels * heads
+    kv = kv_channels * groups
+    g = 3 if gated else 2
     per_token = 6 * h * f * g * L + 6 * L * (h * (q + 2 * kv) + q * h) + 6 * h * V
     return batch_size * s * per_token + batch_size * s * s * L * 6 * q
-
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -144,7 +170,8 @@ class LogAccumulator:
 
 def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm, params_norm,
                  num_zeros_in_grad, skipped_iter, elapsed_since_last_log, iterations_since_last_log,
-                 num_microbatches, is_log_iteration, train_state=None):
+                 num_microbatches, is_log_iteration, train_state=None, *, logger_cfg: LoggerConfig,
+                 train_iters: int, world_size: int, seq_length: int, batch_size: int, flops: int):
     """Accumulate this iteration; on log iterations print Megatron's log line (last rank).
 
     TensorBoard scalars (and the same names on W&B, without the ``vs samples`` twins) are written
@@ -153,20 +180,22 @@ def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm
     ``global batch size`` shown follows ``--rampup-batch-size``. Returns the averaged losses on log
     iterations, else None. ``train_state`` (the loop's :class:`TrainingState`) gives the consumed
     samples shown and logged (0 without one).
+
+    ``logger_cfg`` says what goes where; ``train_iters`` (the run's length), ``world_size`` (ranks) and
+    ``seq_length`` are shown or divide the throughput; ``batch_size`` is this iteration's global batch
+    (micro batch x data-parallel size x ``num_microbatches``) and ``flops`` its training FLOPs.
     """
-    args = get_args()
     timers = get_timers()
     writer = get_tensorboard_writer()
     wandb_writer = get_wandb_writer()
     acc.add(loss_dict, skipped_iter, grad_norm)
     consumed_train_samples = train_state.consumed_train_samples if train_state is not None else 0
-    batch_size = args.micro_batch_size * args.data_parallel_size * num_microbatches
 
-    if (writer is not None or wandb_writer is not None) and iteration % args.tensorboard_log_interval == 0:
+    if (writer is not None or wandb_writer is not None) and iteration % logger_cfg.tensorboard_log_interval == 0:
         samples = consumed_train_samples
         scalars = {"learning-rate": learning_rate, "batch-size": batch_size}
         scalars.update({key: float(value) for key, value in loss_dict.items()})
-        if args.log_loss_scale_to_tensorboard:
+        if logger_cfg.log_loss_scale_to_tensorboard:
             scalars["loss-scale"] = float(loss_scale)
         if grad_norm is not None:
             scalars["grad-norm"] = grad_norm
@@ -175,9 +204,9 @@ def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm
         if params_norm is not None:
             scalars["params-norm"] = params_norm
         per_iteration = {}  # no "vs samples" twin
-        if args.log_world_size_to_tensorboard:
-            per_iteration["world-size"] = args.world_size
-        if args.log_memory_to_tensorboard and torch.cuda.is_available():
+        if logger_cfg.log_world_size_to_tensorboard:
+            per_iteration["world-size"] = world_size
+        if logger_cfg.log_memory_to_tensorboard and torch.cuda.is_available():
             stats = torch.cuda.memory_stats()
             per_iteration["mem-reserved-bytes"] = stats["reserved_bytes.all.current"]
             per_iteration["mem-allocated-bytes"] = stats["allocated_bytes.all.current"]
@@ -195,22 +224,21 @@ def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm
     if not is_log_iteration:
         return None
     elapsed_per_iteration = elapsed_since_last_log / max(iterations_since_last_log, 1)
-    flops = num_floating_point_operations(args, batch_size)
-    throughput = flops / (elapsed_per_iteration * 1e12 * args.world_size)
-    if args.log_timers_to_tensorboard:
+    throughput = flops / (elapsed_per_iteration * 1e12 * world_size)
+    if logger_cfg.log_timers_to_tensorboard:
         for target in (writer, _WandbScalars(wandb_writer) if wandb_writer is not None else None):
             if target is None:
                 continue
             target.add_scalar("iteration-time", elapsed_per_iteration, iteration)
-            if args.log_throughput:
+            if logger_cfg.log_throughput:
                 target.add_scalar("throughput", throughput, iteration)
             timers.write(_LOGGED_TIMERS, target, iteration, normalizer=max(iterations_since_last_log, 1))
 
     line = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f')}]"
-    line += f" iteration {iteration:8d}/{args.train_iters:8d} |"
+    line += f" iteration {iteration:8d}/{train_iters:8d} |"
     line += f" consumed samples: {consumed_train_samples:12d} |"
     line += f" elapsed time per iteration (ms): {elapsed_per_iteration * 1000.0:.1f} |"
-    if args.log_throughput:
+    if logger_cfg.log_throughput:
         line += f" throughput per GPU (TFLOP/s/GPU): {throughput:.1f} |"
     if learning_rate is not None:
         line += f" learning rate: {learning_rate:.6E} |"
@@ -234,7 +262,7 @@ def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm
     log_operator_message(line, printed_on_this_rank=is_last_rank())
     telemetry.record_step_metrics(
         elapsed_ms=elapsed_per_iteration * 1000.0, loss=averages.get("lm loss"), throughput_tflops=throughput,
-        tokens_per_sec=batch_size * args.seq_length / max(elapsed_per_iteration, 1e-12), grad_norm=grad_norm,
+        tokens_per_sec=batch_size * seq_length / max(elapsed_per_iteration, 1e-12), grad_norm=grad_norm,
         skipped=acc.skipped, learning_rate=learning_rate, iteration=iteration,
         consumed_samples=consumed_train_samples,
     )
@@ -249,10 +277,11 @@ def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm
 def _report_memory(iteration, num_microbatches):
     """After the first log line, once the optimizer state exists: the theoretical footprint and, on
     CUDA, the allocator's statistics, as Megatron-LM prints them. Printed by the rank that prints the
-    log line (Megatron-LM uses rank 0), so that no other rank's output can land inside these lines."""
+    log line (Megatron-LM uses rank 0), so that no other rank's output can land inside these lines.
+    The estimator reads the whole run's configuration (model, parallel sizes, precision, batch)."""
     if not is_last_rank():
         return
-    report_theoretical_memory(get_args(), num_microbatches=num_microbatches, verbose=True)
+    report_theoretical_memory(get_config(), num_microbatches=num_microbatches, verbose=True)
     measured = report_memory(f"{iteration} iterations")
     if measured:
         write_line(measured)
