@@ -144,7 +144,7 @@ def _as_python_rng_state(value):
 
 
 def _sanitize(value):
-    """``value`` reduced to types torch.load(weights_only=True) accepts, or _DROP.
+    """``value`` reduced to types a weights-only torch load accepts, or _DROP.
 
     Enums Megatron-LM stores in its args (AttnBackend, ModelType) are kept: both loaders admit them.
     """
