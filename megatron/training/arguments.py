@@ -1,6 +1,5 @@
-"""The training command line: Megatron-LM's flags, their validation, and args -> TransformerConfig."""
+"""The training command line: Megatron-LM's flags and their validation (configs are built in argument_utils)."""
 import argparse
-import dataclasses
 import difflib
 import os
 import signal
@@ -11,8 +10,13 @@ import torch.nn.functional as F
 
 from megatron.core.console import write_line
 from megatron.core.datasets.utils import parse_and_normalize_split
+# Re-exported: Megatron-LM callers import it from here (it moved to argument_utils, as in Megatron-LM HEAD).
+from megatron.training.argument_utils import core_transformer_config_from_args
 from megatron.training.tokenizer import add_tokenizer_args
 from megatron.training.user_errors import UserInputError, report_and_exit
+
+__all__ = ["add_megatron_arguments", "parse_args", "validate_args", "non_directory_ancestor",
+           "core_transformer_config_from_args"]
 
 # Position embeddings that need a learned table of size --max-position-embeddings.
 _TABLE_POSITION_TYPES = ("learned_absolute", "rope")
@@ -1129,72 +1133,3 @@ def _print_args(title, args):
     for line in sorted(lines, key=lambda x: x.lower()):
         write_line(line)
     write_line(f"-------------------- end of {title} ---------------------")
-
-
-# ---------------------------------------------------------------------------------------------------
-# args -> TransformerConfig
-# ---------------------------------------------------------------------------------------------------
-
-def _squared_relu(x):
-    """ReLU(x)^2 (Primer, So et al. 2021, section 2)."""
-    return torch.pow(F.relu(x), 2)
-
-
-def _openai_gelu(x):
-    """GeLU with the tanh approximation used by OpenAI GPT (Hendrycks & Gimpel 2016, section 2)."""
-    return F.gelu(x, approximate="tanh")
-
-
-def core_transformer_config_from_args(args, config_class=None):
-    """Build a TransformerConfig from validated args.
-
-    Every args attribute whose name is a field of ``config_class`` is copied; then Megatron's
-    translations are applied (only for fields the class has): persist_layer_norm,
-    layernorm_zero_centered_gamma (--apply-layernorm-1p), layernorm_epsilon (--norm-epsilon),
-    deallocate_pipeline_outputs, pipeline_dtype (= params_dtype), batch_p2p_comm, the activation
-    (SiLU + gated for --swiglu, squared ReLU, tanh GeLU), num_query_groups (None without
-    --group-query-attention) and the xavier-uniform init methods.
-
-    Args:
-        args: the Namespace returned by validate_args.
-        config_class: a dataclass; default megatron.core.transformer.transformer_config.TransformerConfig.
-    Raises TypeError if ``config_class`` is not a dataclass.
-    """
-    if config_class is None:
-        from megatron.core.transformer.transformer_config import TransformerConfig
-
-        config_class = TransformerConfig
-    if not dataclasses.is_dataclass(config_class):
-        raise TypeError(f"config_class {config_class!r} is not a dataclass")
-    fields = {f.name for f in dataclasses.fields(config_class) if f.init}
-    kw_args = {name: getattr(args, name) for name in fields if hasattr(args, name)}
-
-    special = {
-        "persist_layer_norm": not getattr(args, "no_persist_layer_norm", False),
-        "layernorm_zero_centered_gamma": getattr(args, "apply_layernorm_1p", False),
-        "layernorm_epsilon": getattr(args, "norm_epsilon", 1e-5),
-        "deallocate_pipeline_outputs": True,
-        "pipeline_dtype": getattr(args, "params_dtype", torch.float),
-        "batch_p2p_comm": not getattr(args, "overlap_p2p_comm", True),
-        "num_moe_experts": getattr(args, "num_experts", None),
-        "num_layers_in_first_pipeline_stage": getattr(args, "decoder_first_pipeline_num_layers", None),
-        "num_layers_in_last_pipeline_stage": getattr(args, "decoder_last_pipeline_num_layers", None),
-        "num_query_groups": args.num_query_groups if getattr(args, "group_query_attention", False) else None,
-    }
-    if getattr(args, "swiglu", False):
-        special["activation_func"] = F.silu
-        special["gated_linear_unit"] = True
-        special["bias_activation_fusion"] = getattr(args, "bias_swiglu_fusion", True)
-    else:
-        special["bias_activation_fusion"] = getattr(args, "bias_gelu_fusion", True)
-    if getattr(args, "squared_relu", False):
-        special["activation_func"] = _squared_relu
-    if getattr(args, "openai_gelu", False):
-        special["activation_func"] = _openai_gelu
-    # A config that knows init_method_xavier_uniform builds its own (TP-aware) xavier init.
-    if getattr(args, "init_method_xavier_uniform", False) and "init_method_xavier_uniform" not in fields:
-        special["init_method"] = torch.nn.init.xavier_uniform_
-        special["output_layer_init_method"] = torch.nn.init.xavier_uniform_
-        special["scaled_init_method"] = torch.nn.init.xavier_uniform_
-    kw_args.update({name: value for name, value in special.items() if name in fields})
-    return config_class(**kw_args)

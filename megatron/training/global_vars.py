@@ -7,6 +7,7 @@ from urllib.parse import urlparse
 from megatron.core.console import write_line
 
 _GLOBAL_ARGS = None
+_GLOBAL_CONFIG = None
 _GLOBAL_TOKENIZER = None
 _GLOBAL_TENSORBOARD_WRITER = None
 _GLOBAL_WANDB_WRITER = None
@@ -28,9 +29,34 @@ def get_args():
 
 
 def set_args(args):
-    """Install ``args`` as the global arguments (tests and tools use this directly)."""
-    global _GLOBAL_ARGS
+    """Install ``args`` as the global arguments (tests and tools use this directly).
+
+    Forgets the cached configuration: the next ``get_config()`` builds it from these args.
+    """
+    global _GLOBAL_ARGS, _GLOBAL_CONFIG
     _GLOBAL_ARGS = args
+    _GLOBAL_CONFIG = None
+
+
+def get_config():
+    """The run's ``PretrainConfigContainer``, built once from ``get_args()`` on first use and cached.
+
+    Call it after ``validate_args`` and after the tokenizer is built (``set_global_variables`` builds it
+    then), so that derived values such as ``tokenizer.padded_vocab_size`` are in. ``set_args`` and
+    ``destroy_global_variables`` forget it. Raises RuntimeError before ``set_args()``.
+    """
+    global _GLOBAL_CONFIG
+    if _GLOBAL_CONFIG is None:
+        from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
+        _GLOBAL_CONFIG = pretrain_cfg_container_from_args(get_args())
+    return _GLOBAL_CONFIG
+
+
+def set_config(config):
+    """Install ``config`` (a ``PretrainConfigContainer``) as the run's configuration, or ``None`` to forget it."""
+    global _GLOBAL_CONFIG
+    _GLOBAL_CONFIG = config
 
 
 def get_tokenizer():
@@ -84,6 +110,10 @@ def set_global_variables(args, build_tokenizer=True):
     )
     if build_tokenizer:
         _build_tokenizer(args)
+    # Built once here, after validation and the tokenizer (which fixes padded_vocab_size).
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
+    set_config(pretrain_cfg_container_from_args(args))
     _set_tensorboard_writer(args)
     _set_wandb_writer(args)
     global _GLOBAL_TIMERS
@@ -177,7 +207,7 @@ def set_telemetry(args):
 def destroy_global_variables():
     """Close the writers, shut telemetry down and forget every singleton (tests, repeated runs)."""
     global _GLOBAL_ARGS, _GLOBAL_TOKENIZER, _GLOBAL_TENSORBOARD_WRITER, _GLOBAL_WANDB_WRITER, _GLOBAL_TIMERS
-    global _GLOBAL_TELEMETRY
+    global _GLOBAL_TELEMETRY, _GLOBAL_CONFIG
     if _GLOBAL_TENSORBOARD_WRITER is not None:
         _GLOBAL_TENSORBOARD_WRITER.close()
     if _GLOBAL_WANDB_WRITER is not None:
@@ -185,4 +215,4 @@ def destroy_global_variables():
     if _GLOBAL_TELEMETRY is not None:
         _GLOBAL_TELEMETRY.shutdown()
     _GLOBAL_ARGS = _GLOBAL_TOKENIZER = _GLOBAL_TENSORBOARD_WRITER = _GLOBAL_WANDB_WRITER = None
-    _GLOBAL_TIMERS = _GLOBAL_TELEMETRY = None
+    _GLOBAL_TIMERS = _GLOBAL_TELEMETRY = _GLOBAL_CONFIG = None

@@ -21,6 +21,8 @@ class OptimizerConfig:
         use_distributed_optimizer: shard optimizer state over data-parallel ranks.
         clip_grad: max global L2 grad norm (0 disables clipping).
         log_num_zeros_in_grad: count zero entries of the grads at every step.
+        apply_wd_to_qk_layernorm: keep weight decay on the q/k layernorm weights (which, being 1-D, are
+            otherwise exempt like every norm weight and bias).
         timers: Megatron Timers used for the ``optimizer-*`` timers, or None.
     """
 
@@ -45,6 +47,7 @@ class OptimizerConfig:
     use_distributed_optimizer: bool = False
     clip_grad: float = 1.0
     log_num_zeros_in_grad: bool = False
+    apply_wd_to_qk_layernorm: bool = False
     timers: Optional[Callable] = None
 
     def __post_init__(self):
