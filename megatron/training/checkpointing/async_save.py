@@ -30,6 +30,7 @@ from megatron.training.checkpointing.collectives import world_rank
 from megatron.training.checkpointing.durable import fault_point, write_durably
 from megatron.training.checkpointing.layout import common_file_name, rng_file_name
 from megatron.training.checkpointing.manifest import digest_files
+from megatron.training.config.training_config import CheckpointConfig
 from megatron.training.utils import get_device
 
 # Host copies reused across async saves: {(key, global offset): tensor}. A buffer is rewritten only
@@ -46,10 +47,10 @@ def _writer_group():
     return _WRITER_GROUP
 
 
-def sharded_state_to_save(args, model, optimizer) -> List[ShardedTensor]:
+def sharded_state_to_save(cfg: CheckpointConfig, model, optimizer) -> List[ShardedTensor]:
     """This rank's chunks of the model and (unless --no-save-optim) the optimizer state."""
     sharded = mo.model_sharded_state(model, with_objects=True)
-    if optimizer is not None and not args.no_save_optim:
+    if optimizer is not None and cfg.save_optim:
         sharded += mo.optimizer_sharded_state(model, optimizer)
     return sharded
 
@@ -63,19 +64,21 @@ def _write_small_files(tmp_dir, common, rng_state):
                       rng_file_name(tmp_dir, rank))
 
 
-def start_torch_dist_save(args, tmp_dir, model, optimizer, common, rng_state, asynchronous=False):
+def start_torch_dist_save(cfg: CheckpointConfig, tmp_dir, model, optimizer, common, rng_state,
+                          worker_attributes=None):
     """Write a torch_dist checkpoint into ``tmp_dir``; all ranks call it.
 
-    Returns None once written (synchronous), or the started :class:`AsyncTorchDistWriter`.
+    Returns None once written, or with ``cfg.async_save`` the started :class:`AsyncTorchDistWriter`, whose
+    background span carries ``worker_attributes``.
     """
-    sharded = sharded_state_to_save(args, model, optimizer)
+    sharded = sharded_state_to_save(cfg, model, optimizer)
     if rng_state is not None:  # for Megatron-LM's loader; this project restores from rng/rank_XXXXX.pt
         sharded.append(mo.rng_state_object(rng_state))
     _write_small_files(tmp_dir, common, rng_state)
-    if not asynchronous:
+    if not cfg.async_save:
         serialization.save(sharded, tmp_dir)
         return None
-    return AsyncTorchDistWriter(sharded, tmp_dir, _writer_group(), _worker_attributes(args),
+    return AsyncTorchDistWriter(sharded, tmp_dir, _writer_group(), worker_attributes or {},
                                 iteration=common["iteration"])
 
 
@@ -122,18 +125,6 @@ def _stage(sharded: List[ShardedTensor], ready=None, device: Optional[int] = Non
         copied.record(stream)
         copied.synchronize()
     return staged
-
-
-def _worker_attributes(args) -> Dict:
-    """Span attributes of the background writer from the shared worker bootstrap (rank, service, resource)."""
-    from megatron.core.telemetry import build_otel_worker_bootstrap
-
-    bootstrap = build_otel_worker_bootstrap(args)
-    attrs = {"megatron.worker": "async_checkpoint_writer", "megatron.rank": bootstrap.get("rank"),
-             "megatron.world_size": bootstrap.get("world_size"), "service.name": bootstrap.get("service_name")}
-    for key, value in (bootstrap.get("resource_attrs") or {}).items():
-        attrs.setdefault(key, value)
-    return {k: v for k, v in attrs.items() if v is not None}
 
 
 def _files_written_by(checkpoint_dir, group) -> List[str]:

@@ -23,31 +23,35 @@ from megatron.training.checkpointing.state import (
     set_rng_state,
     warn_if_vocab_padding_differs,
 )
+from megatron.training.config.training_config import CheckpointConfig
 from megatron.training.utils import print_rank_0
 
 
-def save_torch_dist(args, tmp_dir, model, optimizer, opt_param_scheduler, rng_state, state):
+def save_torch_dist(args, cfg: CheckpointConfig, tmp_dir, model, optimizer, opt_param_scheduler, rng_state, state,
+                    distributed_optimizer=False, worker_attributes=None):
     """Write a torch_dist checkpoint of ``state.iteration`` into ``tmp_dir``; all ranks call it. Returns None once
-    written, or the started async_save.AsyncTorchDistWriter with ``--async-save``."""
-    return start_torch_dist_save(args, tmp_dir, model, optimizer,
-                                 torch_dist_common_state(args, optimizer, opt_param_scheduler, state), rng_state,
-                                 asynchronous=bool(getattr(args, "async_save", False)))
+    written, or the started async_save.AsyncTorchDistWriter with ``--async-save``. ``args`` is only stored
+    (sanitized) in ``common.pt``; ``distributed_optimizer``: --use-distributed-optimizer."""
+    common = torch_dist_common_state(args, cfg, optimizer, opt_param_scheduler, state, distributed_optimizer)
+    return start_torch_dist_save(cfg, tmp_dir, model, optimizer, common, rng_state, worker_attributes)
 
 
-def torch_dist_common_state(args, optimizer, opt_param_scheduler, state):
-    """``common.pt`` of a torch_dist checkpoint (written by rank 0; the same on every rank)."""
+def torch_dist_common_state(args, cfg: CheckpointConfig, optimizer, opt_param_scheduler, state,
+                            distributed_optimizer=False):
+    """``common.pt`` of a torch_dist checkpoint (written by rank 0; the same on every rank); ``args`` is stored
+    sanitized."""
     saved_args = sanitized_args(args)
     for name in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
         setattr(saved_args, name, getattr(state, name))  # where Megatron-LM readers look for them
-    save_optim = not args.no_save_optim
+    save_optim = cfg.save_optim
     return common_state(
         saved_args, state.iteration, state.state_dict(), state.num_floating_point_operations_so_far,
-        current_parallel_layout(), bool(getattr(args, "use_distributed_optimizer", False)),
+        current_parallel_layout(), distributed_optimizer,
         mo.optimizer_common_state(optimizer) if save_optim and optimizer is not None else None,
         opt_param_scheduler.state_dict() if save_optim and opt_param_scheduler is not None else None)
 
 
-def load_torch_dist(args, iteration_dir, iteration, release, context, model, optimizer, opt_param_scheduler,
+def load_torch_dist(cfg: CheckpointConfig, iteration_dir, iteration, release, context, model, optimizer, opt_param_scheduler,
                     strict, restored):
     """Load a torch_dist checkpoint, resharding to this run's layout; returns the iteration. All ranks call it.
 
@@ -61,7 +65,7 @@ def load_torch_dist(args, iteration_dir, iteration, release, context, model, opt
     checkpoint_args = saved_args(common, common_name, context)
     set_checkpoint_version(common.get("checkpoint_version", 0))
     warn_if_vocab_padding_differs(checkpoint_args, iteration_dir)
-    if args.finetune or release:
+    if cfg.finetune or release:
         iteration = 0
     else:
         if "iteration" not in common:
@@ -77,10 +81,10 @@ def load_torch_dist(args, iteration_dir, iteration, release, context, model, opt
                 setattr(restored, name, getattr(checkpoint_args, name, 0) or 0)
             restored.num_floating_point_operations_so_far = common.get("num_floating_point_operations_so_far", 0)
     restored.iteration = iteration
-    if args.finetune:
+    if cfg.finetune:
         restored.num_floating_point_operations_so_far = 0
 
-    load_optim = optimizer is not None and not release and not args.finetune and not args.no_load_optim
+    load_optim = optimizer is not None and not release and not cfg.finetune and cfg.load_optim
     if load_optim and "optimizer" not in common:
         raise CheckpointContentError(f"unable to load optimizer state from checkpoint {iteration_dir} (saved with "
                                      "--no-save-optim); specify --no-load-optim or --finetune to skip it")
@@ -118,12 +122,12 @@ def load_torch_dist(args, iteration_dir, iteration, release, context, model, opt
                                              "--no-load-optim or --finetune to skip it")
             opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
 
-    if not release and not args.finetune and not args.no_load_rng:
-        _load_torch_dist_rng(args, iteration_dir, common, context)
+    if not release and not cfg.finetune and cfg.load_rng:
+        _load_torch_dist_rng(iteration_dir, common, context)
     return iteration
 
 
-def _load_torch_dist_rng(args, iteration_dir, common, context):
+def _load_torch_dist_rng(iteration_dir, common, context):
     if "parallel_layout" not in common and not os.path.isdir(os.path.join(iteration_dir, RNG_DIRNAME)):
         print_rank_0(f"WARNING: checkpoint {iteration_dir} was written by Megatron-LM (its RNG states are pickled "
                      "objects, which this loader does not unpickle): the RNG states are not restored")

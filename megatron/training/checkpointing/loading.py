@@ -2,6 +2,7 @@
 import os
 
 from megatron.core.optimizer_param_scheduler import SchedulerMismatchError
+from megatron.training.argument_utils import _checkpoint_config_from_args as checkpoint_config_from_args
 from megatron.training.checkpointing import integrity
 from megatron.training.checkpointing.collectives import barrier, rank_summary
 from megatron.training.checkpointing.dist_format import load_torch_dist
@@ -10,13 +11,14 @@ from megatron.training.checkpointing.layout import detect_format, get_checkpoint
 from megatron.training.checkpointing.saving import non_persistent_checkpoint_dir
 from megatron.training.checkpointing.state import unwrap_model
 from megatron.training.checkpointing.torch_format import legacy_checkpoint_file, load_torch_format
+from megatron.training.config.training_config import CheckpointConfig
 from megatron.training.global_vars import get_args
 from megatron.training.training_state import TrainingState
 from megatron.training.user_errors import UserInputError
 from megatron.training.utils import print_rank_0
 
 
-def _checkpoint_dir_to_load(args, load_dir, load_arg="load"):
+def _checkpoint_dir_to_load(cfg: CheckpointConfig, load_dir, load_arg="load"):
     """Which iteration directory of ``load_dir`` to load, for both formats.
 
     Returns ``(iteration directory, iteration, release, source)`` (``source`` says where the
@@ -30,20 +32,20 @@ def _checkpoint_dir_to_load(args, load_dir, load_arg="load"):
     """
     tracker = get_checkpoint_tracker_filename(load_dir)
     non_persistent_dir = None
-    if load_arg == "load" and getattr(args, "non_persistent_ckpt_type", None) == "global":
-        non_persistent_dir = non_persistent_checkpoint_dir(args, load_dir)
+    if load_arg == "load" and cfg.non_persistent_ckpt_type == "global":
+        non_persistent_dir = non_persistent_checkpoint_dir(cfg, load_dir)
     chosen = integrity.choose_checkpoint(
-        load_dir, ckpt_step=args.ckpt_step, verify=not getattr(args, "no_verify_checkpoint", False),
+        load_dir, ckpt_step=cfg.ckpt_step, verify=cfg.verify_checkpoint,
         non_persistent_dir=non_persistent_dir, flag=f"--{load_arg.replace('_', '-')}", warn=print_rank_0)
     if chosen is None:
-        if args.exit_on_missing_checkpoint:
+        if cfg.exit_on_missing_checkpoint:
             raise FileNotFoundError(f"--exit-on-missing-checkpoint: no checkpoint tracker {tracker} "
                                     f"in --load directory {load_dir}")
         print_rank_0(f"WARNING: could not find the metadata file {tracker}")
         print_rank_0("    will not load any checkpoints and will start from random")
         return None
     load_dir, iteration, release = chosen
-    source = (f"--ckpt-step {args.ckpt_step}" if args.ckpt_step is not None
+    source = (f"--ckpt-step {cfg.ckpt_step}" if cfg.ckpt_step is not None
               else f"tracker {get_checkpoint_tracker_filename(load_dir)}")
 
     iteration_dir = os.path.join(load_dir, iteration_dirname(iteration, release))
@@ -83,14 +85,16 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
     the load directory: empty, truncated, corrupt or not a checkpoint), CheckpointContentError (a
     RuntimeError: model mismatch, missing optimizer/RNG state without --no-load-optim / --no-load-rng).
     """
+    # Megatron's signature: the configuration comes from the global args, adapted here once.
     args = get_args()
+    cfg = checkpoint_config_from_args(args)
     load_dir = getattr(args, load_arg)
     if load_dir is None:
         raise ValueError(f"load_checkpoint needs --{load_arg.replace('_', '-')}")
     model = unwrap_model(model)
 
     restored = TrainingState()
-    found = _checkpoint_dir_to_load(args, load_dir, load_arg)
+    found = _checkpoint_dir_to_load(cfg, load_dir, load_arg)
     if found is None:
         _deliver_training_state(restored, train_state, args)
         return 0, 0
@@ -98,14 +102,16 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
     flag = f"--{load_arg.replace('_', '-')} {load_dir}"
     context = f"release checkpoint of {flag}" if release else f"iteration {iteration} of {flag}"
     try:
-        ckpt_format = _format_to_load(args, iteration_dir, iteration, source)
+        ckpt_format = _format_to_load(cfg, iteration_dir, iteration, source)
         if ckpt_format == "torch_dist":
-            iteration = load_torch_dist(args, iteration_dir, iteration, release, context, model, optimizer,
+            iteration = load_torch_dist(cfg, iteration_dir, iteration, release, context, model, optimizer,
                                          opt_param_scheduler, strict, restored)
         else:
             checkpoint_name = legacy_checkpoint_file(iteration_dir, iteration, release)
-            iteration = load_torch_format(args, checkpoint_name, iteration, release, context, model, optimizer,
-                                           opt_param_scheduler, strict, restored)
+            iteration = load_torch_format(
+                cfg, checkpoint_name, iteration, release, context, model, optimizer, opt_param_scheduler, strict,
+                restored, mixed_precision=bool(getattr(args, "fp16", False) or getattr(args, "bf16", False)),
+                data_parallel_random_init=bool(getattr(args, "data_parallel_random_init", False)))
     except UserInputError:
         raise
     except SchedulerMismatchError as error:  # flags vs checkpoint: every rank reads the same schedule
@@ -119,7 +125,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
     return iteration, restored.num_floating_point_operations_so_far
 
 
-def _format_to_load(args, iteration_dir, iteration, source):
+def _format_to_load(cfg: CheckpointConfig, iteration_dir, iteration, source):
     """The format of ``iteration_dir``; ValueError when it is not ``--ckpt-format`` and
     ``--auto-detect-ckpt-format`` is not given, FileNotFoundError when it holds no checkpoint."""
     found = detect_format(iteration_dir)
@@ -127,8 +133,8 @@ def _format_to_load(args, iteration_dir, iteration, source):
         raise FileNotFoundError(f"checkpoint directory {iteration_dir} (iteration {iteration}, from {source}) holds "
                                 "no checkpoint: neither torch_dist files (.metadata, common.pt) nor torch-format "
                                 "mp_rank_* directories")
-    wanted = getattr(args, "ckpt_format", "torch")
-    if found != wanted and not getattr(args, "auto_detect_ckpt_format", False):
+    wanted = cfg.ckpt_format
+    if found != wanted and not cfg.auto_detect_ckpt_format:
         raise CheckpointMismatchError(f"checkpoint {iteration_dir} is in the {found} format but --ckpt-format is {wanted}; "
                          f"pass --ckpt-format {found} or --auto-detect-ckpt-format to load it")
     return found

@@ -1,8 +1,10 @@
 """Save a checkpoint in either format, atomically: prepare the hidden directory, write, publish; and the pending ``--async-save``."""
 import os
 import shutil
+from typing import Dict
 
 from megatron.core.dist_checkpointing.serialization import SaveFailedOnAnotherRankError
+from megatron.training.argument_utils import _checkpoint_config_from_args as checkpoint_config_from_args
 from megatron.training.checkpointing import integrity
 from megatron.training.checkpointing.collectives import (
     all_ranks,
@@ -18,23 +20,26 @@ from megatron.training.checkpointing.errors import CheckpointSaveError, FailedOn
 from megatron.training.checkpointing.layout import CKPT_FORMATS, NON_PERSISTENT_SUBDIR, iteration_dirname
 from megatron.training.checkpointing.state import get_rng_state, unwrap_model
 from megatron.training.checkpointing.torch_format import write_torch_format
+from megatron.training.config.training_config import CheckpointConfig
 from megatron.training.global_vars import get_args
 from megatron.training.training_state import TrainingState
 from megatron.training.utils import print_rank_0
 
 
-def non_persistent_checkpoint_dir(args, save_dir=None):
+def non_persistent_checkpoint_dir(config, save_dir=None):
     """Where --non-persistent-save-interval checkpoints go: ``--non-persistent-global-ckpt-dir``, else
-    ``<save_dir or --save>/non_persistent`` (Megatron-LM's layout); None when neither is set."""
-    explicit = getattr(args, "non_persistent_global_ckpt_dir", None)
+    ``<save_dir or --save>/non_persistent`` (Megatron-LM's layout); None when neither is set.
+
+    ``config``: the CheckpointConfig (or, as before, the args Namespace: the same two attributes)."""
+    explicit = getattr(config, "non_persistent_global_ckpt_dir", None)
     if explicit:
         return explicit
-    base = save_dir if save_dir is not None else args.save
+    base = save_dir if save_dir is not None else config.save
     return None if base is None else os.path.join(base, NON_PERSISTENT_SUBDIR)
 
 
-def _ckpt_format(args):
-    ckpt_format = getattr(args, "ckpt_format", "torch")
+def _ckpt_format(cfg: CheckpointConfig):
+    ckpt_format = cfg.ckpt_format
     if ckpt_format not in CKPT_FORMATS:
         raise ValueError(f"--ckpt-format {ckpt_format} is not available in this version; use torch_dist or torch")
     return ckpt_format
@@ -63,7 +68,7 @@ def _prepare_save_directory(save_dir, dirname, iteration):
 
 
 def _publish_checkpoint(save_dir, iteration, tmp_dir, final_dir, write_error=None, non_persistent=False,
-                        known_digests=None):
+                        known_digests=None, retain_interval=None):
     """The last step of every save, in both formats, synchronous or asynchronous; all ranks call it.
 
     Every rank reports whether its writes (``write_error``) succeeded; only when all did,
@@ -72,7 +77,7 @@ def _publish_checkpoint(save_dir, iteration, tmp_dir, final_dir, write_error=Non
     atomically replaces the tracker, so it never names an incomplete directory; then
     --save-retain-interval prunes older iterations (``non_persistent``: only the newest is kept). On
     any failure the temporary directory is removed, the previous checkpoint and tracker stay as they
-    were, and every rank raises. ``known_digests``: this rank's CRC-32s computed by an ``--async-save``
+    were, and every rank raises. ``retain_interval``: --save-retain-interval. ``known_digests``: this rank's CRC-32s computed by an ``--async-save``
     background writer (manifest.write_manifest digests only the other files).
     """
     rank = world_rank()
@@ -85,7 +90,7 @@ def _publish_checkpoint(save_dir, iteration, tmp_dir, final_dir, write_error=Non
         # Manifest, then the directory, and the tracker last: it never names an incomplete directory.
         integrity.publish_iteration(
             save_dir, tmp_dir, iteration, keep_only_newest=non_persistent, known_digests=known_digests,
-            retain_interval=None if non_persistent else getattr(get_args(), "save_retain_interval", None))
+            retain_interval=None if non_persistent else retain_interval)
     except Exception as exc:  # raised on every rank
         if rank == 0:
             shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -135,13 +140,15 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     Raises ValueError without ``--save`` or with an unavailable ``--ckpt-format``; RuntimeError
     (or the original error on the failing rank) when writing fails.
     """
+    # Megatron's signature: the configuration comes from the global args, adapted here once.
     args = get_args()
-    save_dir = args.save
+    cfg = checkpoint_config_from_args(args)
+    save_dir = cfg.save
     if save_dir is None:
         raise ValueError("save_checkpoint needs --save")
     if non_persistent_ckpt:
-        save_dir = non_persistent_checkpoint_dir(args, save_dir)
-    ckpt_format = _ckpt_format(args)
+        save_dir = non_persistent_checkpoint_dir(cfg, save_dir)
+    ckpt_format = _ckpt_format(cfg)
     # The previous asynchronous save is published before this one starts.
     finalize_async_save(blocking=True)
     for chunk in (model if isinstance(model, (list, tuple)) else [model]):
@@ -155,26 +162,45 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     print_rank_0("saving checkpoint at iteration {:7d} to {} in {} format".format(iteration, save_dir, ckpt_format))
 
     # Every rank takes part: with --data-parallel-random-init this is a collective.
-    rng_state = None if args.no_save_rng else get_rng_state(
+    rng_state = None if not cfg.save_rng else get_rng_state(
         getattr(args, "data_parallel_random_init", False) and ckpt_format == "torch")
 
     tmp_dir, final_dir = _prepare_save_directory(save_dir, iteration_dirname(iteration, release=False), iteration)
     error = None
     try:
         if ckpt_format == "torch":
-            write_torch_format(args, tmp_dir, final_dir, model, optimizer, opt_param_scheduler, rng_state, state)
+            write_torch_format(args, cfg, tmp_dir, final_dir, model, optimizer, opt_param_scheduler, rng_state, state)
         else:
-            writer = save_torch_dist(args, tmp_dir, model, optimizer, opt_param_scheduler, rng_state, state)
+            writer = save_torch_dist(
+                args, cfg, tmp_dir, model, optimizer, opt_param_scheduler, rng_state, state,
+                distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+                worker_attributes=writer_span_attributes(args) if cfg.async_save else None)
             if writer is not None:  # --async-save: published later by finalize_async_save
-                _PENDING.append((writer, save_dir, iteration, tmp_dir, final_dir, non_persistent_ckpt))
+                _PENDING.append((writer, save_dir, iteration, tmp_dir, final_dir, non_persistent_ckpt,
+                                 cfg.save_retain_interval))
                 return
         fault_point("in_write", iteration)
     except Exception as exc:
         error = exc
-    _publish_checkpoint(save_dir, iteration, tmp_dir, final_dir, error, non_persistent_ckpt)
+    _publish_checkpoint(save_dir, iteration, tmp_dir, final_dir, error, non_persistent_ckpt,
+                        retain_interval=cfg.save_retain_interval)
 
 
-# Asynchronous saves started but not yet published: (writer, save_dir, iteration, tmp_dir, final_dir, non-persistent).
+def writer_span_attributes(args) -> Dict:
+    """Span attributes of the ``--async-save`` background writer from the shared worker bootstrap (rank,
+    service, resource)."""
+    from megatron.core.telemetry import build_otel_worker_bootstrap
+
+    bootstrap = build_otel_worker_bootstrap(args)
+    attrs = {"megatron.worker": "async_checkpoint_writer", "megatron.rank": bootstrap.get("rank"),
+             "megatron.world_size": bootstrap.get("world_size"), "service.name": bootstrap.get("service_name")}
+    for key, value in (bootstrap.get("resource_attrs") or {}).items():
+        attrs.setdefault(key, value)
+    return {k: v for k, v in attrs.items() if v is not None}
+
+
+# Asynchronous saves started but not yet published: (writer, save_dir, iteration, tmp_dir, final_dir, non-persistent,
+# --save-retain-interval).
 _PENDING = []
 
 
@@ -189,13 +215,13 @@ def finalize_async_save(blocking=True):
     """
     if not _PENDING:
         return True
-    writer, save_dir, iteration, tmp_dir, final_dir, non_persistent = _PENDING[0]
+    writer, save_dir, iteration, tmp_dir, final_dir, non_persistent, retain_interval = _PENDING[0]
     if not blocking and not all_ranks(writer.done()):
         return False
     _PENDING.pop(0)
     error = writer.wait()
     writer.publish_span(lambda: _publish_checkpoint(save_dir, iteration, tmp_dir, final_dir, error, non_persistent,
-                                                    writer.digests))
+                                                    writer.digests, retain_interval))
     return True
 
 

@@ -20,15 +20,18 @@ from megatron.training.checkpointing.state import (
     set_checkpoint_version,
     set_rng_state,
 )
+from megatron.training.config.training_config import CheckpointConfig
 from megatron.training.utils import print_rank_0
 
 
-def write_torch_format(args, tmp_dir, final_dir, model, optimizer, opt_param_scheduler, rng_state, state):
+def write_torch_format(args, cfg: CheckpointConfig, tmp_dir, final_dir, model, optimizer, opt_param_scheduler,
+                       rng_state, state):
     """Write this (tp, pp) rank's ``model_optim_rng.pt`` (and ``distrib_optim.pt``) of ``state.iteration`` into
-    ``tmp_dir``, which becomes ``final_dir``; all ranks call it, data-parallel rank 0 writes."""
+    ``tmp_dir``, which becomes ``final_dir``; all ranks call it, data-parallel rank 0 writes. ``args`` is what
+    generate_state_dict stores (sanitized)."""
     # The distributed optimizer's shards are gathered to data-parallel rank 0 (a collective).
     param_state = None
-    if is_distributed_optimizer(optimizer) and not args.no_save_optim:
+    if is_distributed_optimizer(optimizer) and cfg.save_optim:
         param_state = optimizer.get_parameter_state_dp_zero()
     if parallel_state.get_data_parallel_rank() == 0:
         final_name = get_checkpoint_name(os.path.dirname(final_dir), state.iteration)
@@ -70,9 +73,13 @@ def _check_layout(checkpoint_args, checkpoint_name):
                              f"{current}; the torch format cannot reshard, use {flag} {saved}")
 
 
-def load_torch_format(args, checkpoint_name, iteration, release, context, model, optimizer, opt_param_scheduler,
-                      strict, restored):
-    """Load a legacy per-rank file into model, optimizer, scheduler, RNG and ``restored``; returns the iteration."""
+def load_torch_format(cfg: CheckpointConfig, checkpoint_name, iteration, release, context, model, optimizer,
+                      opt_param_scheduler, strict, restored, mixed_precision=False, data_parallel_random_init=False):
+    """Load a legacy per-rank file into model, optimizer, scheduler, RNG and ``restored``; returns the iteration.
+
+    ``mixed_precision`` (--fp16 or --bf16): fresh fp32 main params are rebuilt from the loaded weights when the
+    optimizer state is not loaded; ``data_parallel_random_init``: each data-parallel rank restores its own RNG.
+    """
     state_dict = load_torch_file(checkpoint_name, context)
     checkpoint_args = saved_args(state_dict, checkpoint_name, context)
     set_checkpoint_version(state_dict.get("checkpoint_version", 0))
@@ -80,7 +87,7 @@ def load_torch_format(args, checkpoint_name, iteration, release, context, model,
     if checkpoint_args is not None:
         _check_layout(checkpoint_args, checkpoint_name)
 
-    if args.finetune or release:
+    if cfg.finetune or release:
         iteration = 0
     else:
         try:
@@ -89,7 +96,7 @@ def load_torch_format(args, checkpoint_name, iteration, release, context, model,
             raise CheckpointContentError(f"checkpoint {checkpoint_name} has no 'iteration' entry; load it with "
                                          "--finetune to start from iteration 0") from None
 
-    if args.finetune:
+    if cfg.finetune:
         num_floating_point_operations_so_far = 0
     else:
         if checkpoint_args is not None:
@@ -105,7 +112,7 @@ def load_torch_format(args, checkpoint_name, iteration, release, context, model,
 
     _load_model(model, state_dict, strict, checkpoint_name)
 
-    if not release and not args.finetune and not args.no_load_optim:
+    if not release and not cfg.finetune and cfg.load_optim:
         try:
             if optimizer is not None:
                 optimizer.load_state_dict(_named_optimizer_state(state_dict, model, optimizer, checkpoint_name))
@@ -116,15 +123,15 @@ def load_torch_format(args, checkpoint_name, iteration, release, context, model,
         except KeyError as exc:
             raise CheckpointContentError(f"unable to load optimizer state ({exc} missing) from checkpoint {checkpoint_name}; "
                                          "specify --no-load-optim or --finetune to skip it") from None
-    elif (args.fp16 or args.bf16) and optimizer is not None and hasattr(optimizer, "reload_model_params"):
+    elif mixed_precision and optimizer is not None and hasattr(optimizer, "reload_model_params"):
         # Fresh fp32 main params must start from the loaded (low-precision) weights.
         optimizer.reload_model_params()
 
-    if not release and not args.finetune and not args.no_load_rng:
+    if not release and not cfg.finetune and cfg.load_rng:
         try:
             rng_states = state_dict["rng_state"]
             index = 0
-            if getattr(args, "data_parallel_random_init", False) and len(rng_states) > 1:
+            if data_parallel_random_init and len(rng_states) > 1:
                 index = parallel_state.get_data_parallel_rank()
             set_rng_state(rng_states[index], checkpoint_name)
         except (KeyError, IndexError) as exc:
