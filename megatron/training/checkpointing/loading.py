@@ -7,7 +7,14 @@ from megatron.training.checkpointing import integrity
 from megatron.training.checkpointing.collectives import barrier, rank_summary
 from megatron.training.checkpointing.dist_format import load_torch_dist
 from megatron.training.checkpointing.errors import CheckpointMismatchError
-from megatron.training.checkpointing.layout import detect_format, get_checkpoint_tracker_filename, iteration_dirname
+from megatron.training.checkpointing.layout import (
+    COMMON_BASENAME,
+    METADATA_FILENAME,
+    RANK_DIR_PREFIX,
+    detect_format,
+    get_checkpoint_tracker_filename,
+    iteration_dirname,
+)
 from megatron.training.checkpointing.saving import non_persistent_checkpoint_dir
 from megatron.training.checkpointing.state import unwrap_model
 from megatron.training.checkpointing.torch_format import legacy_checkpoint_file, load_torch_format
@@ -131,8 +138,8 @@ def _format_to_load(cfg: CheckpointConfig, iteration_dir, iteration, source):
     found = detect_format(iteration_dir)
     if found is None:
         raise FileNotFoundError(f"checkpoint directory {iteration_dir} (iteration {iteration}, from {source}) holds "
-                                "no checkpoint: neither torch_dist files (.metadata, common.pt) nor torch-format "
-                                "mp_rank_* directories")
+                                f"no checkpoint: neither torch_dist files ({METADATA_FILENAME}, {COMMON_BASENAME}) nor "
+                                f"torch-format {RANK_DIR_PREFIX}* directories")
     wanted = cfg.ckpt_format
     if found != wanted and not cfg.auto_detect_ckpt_format:
         raise CheckpointMismatchError(f"checkpoint {iteration_dir} is in the {found} format but --ckpt-format is {wanted}; "

@@ -8,6 +8,7 @@ from megatron.training.checkpointing.collectives import any_rank
 from megatron.training.checkpointing.durable import write_durably
 from megatron.training.checkpointing.errors import CheckpointContentError, CheckpointMismatchError
 from megatron.training.checkpointing.layout import (
+    RANK_DIR_PREFIX,
     get_checkpoint_name,
     get_distributed_optimizer_checkpoint_name,
     rank_dirnames,
@@ -45,7 +46,7 @@ def write_torch_format(args, cfg: CheckpointConfig, tmp_dir, final_dir, model, o
 
 def _layout_hint(iteration_dir):
     found = rank_dirnames(iteration_dir)
-    return ", ".join(found) if found else "no mp_rank_* directories"
+    return ", ".join(found) if found else f"no {RANK_DIR_PREFIX}* directories"
 
 
 def legacy_checkpoint_file(iteration_dir, iteration, release):
