@@ -264,10 +264,13 @@ def test_injected_enospc_gives_a_clear_error_and_keeps_the_previous_checkpoint(t
     args, model = _saved(tmp_path, [2])
     monkeypatch.setenv("MEGATRON_TEST_ENOSPC_IN_SAVE", "1")
     monkeypatch.setenv("MEGATRON_TEST_HOOK_ITERATION", "4")
-    monkeypatch.setattr(durable, "_STORAGE", faulty_pretrain.FaultyStorage())
+    previous = faulty_pretrain.install()  # the storage seam; put back at the end of the test
     with pytest.raises(OSError, match="No space left on device .*saving checkpoint at iteration 4 to .*iter_0000004 "
                                       "failed; the previous checkpoint and tracker were left unchanged") as info:
-        _saved(tmp_path, [4])
+        try:
+            _saved(tmp_path, [4])
+        finally:
+            durable.set_storage(previous)
     assert info.value.errno == errno.ENOSPC
     assert sorted(os.listdir(args.save)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
     fresh = _fresh()

@@ -95,18 +95,20 @@ def test_layout_names_and_rank_order():
         "virtual_pipeline_model_parallel_size": None, "world_size": 4}
 
 
-def test_durable_writes_go_through_the_replaceable_storage(tmp_path, monkeypatch):
+def test_durable_writes_go_through_the_replaceable_storage(tmp_path):
     from megatron.training.checkpointing import durable
 
     class FullDisk(durable.CheckpointStorage):
         def fsync(self, f):
             raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(durable, "_STORAGE", FullDisk())
-    with pytest.raises(durable.CheckpointWriteError, match="could not write .*x.pt: No space left on device "
-                                                           r"\(disk full\)"):
-        durable.write_durably({"a": 1}, str(tmp_path / "x.pt"))
-    monkeypatch.setattr(durable, "_STORAGE", durable.CheckpointStorage())
+    previous = durable.set_storage(FullDisk())
+    try:
+        with pytest.raises(durable.CheckpointWriteError, match="could not write .*x.pt: No space left on device "
+                                                               r"\(disk full\)"):
+            durable.write_durably({"a": 1}, str(tmp_path / "x.pt"))
+    finally:
+        assert durable.set_storage(previous).__class__ is FullDisk
     durable.write_durably({"a": 1}, str(tmp_path / "y.pt"))
     from megatron.training.checkpointing import load_state_dict_file
 
