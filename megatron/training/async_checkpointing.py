@@ -52,10 +52,11 @@ def sharded_state_to_save(args, model, optimizer) -> List[ShardedTensor]:
 
 def _write_small_files(tmp_dir, common, rng_state):
     from megatron.training.checkpointing import _rng_file_name, _world_rank, _write_durably
+    from megatron.training.checkpointing.layout import common_file_name
 
     rank = _world_rank()
     if rank == 0:
-        _write_durably(common, os.path.join(tmp_dir, "common.pt"))
+        _write_durably(common, common_file_name(tmp_dir))
     if rng_state is not None:
         _write_durably({"rng_state": rng_state, "parallel_layout": common["parallel_layout"]},
                        _rng_file_name(tmp_dir, rank))

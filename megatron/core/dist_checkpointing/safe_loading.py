@@ -24,6 +24,7 @@ import pickle
 import re
 import stat
 import types
+import zipfile
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,8 +37,11 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadat
                                                    TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import SavePlan
 
+from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.safe_globals import safe_globals
 
-class UnsafeCheckpointError(pickle.UnpicklingError):
+
+class UnsafeCheckpointError(CheckpointingException, pickle.UnpicklingError):
     """A checkpoint file holds pickled objects other than the data it may hold (never executed).
 
     ``refused``: the global (``module.name``), function or class that was refused.
@@ -51,7 +55,7 @@ class UnsafeCheckpointError(pickle.UnpicklingError):
         return type(self), (self.where, self.refused, self.what)
 
 
-class CheckpointFileError(RuntimeError):
+class CheckpointFileError(CheckpointingException, RuntimeError):
     """A checkpoint file that exists but cannot be read: empty, truncated, corrupt or of another kind."""
 
 
@@ -636,3 +640,74 @@ class SafeFileSystemReader(FileSystemReader):
             cause = exc.__cause__ if isinstance(exc, CheckpointFileError) and exc.__cause__ is not None else exc
             raise CheckpointFileError(f"cannot read {where}: it is truncated or corrupt ({type(cause).__name__}: "
                                       f"{str(cause).splitlines()[0][:120] if str(cause) else ''})") from exc
+
+
+# ---------------------------------------------------------------------------------------------------
+# One checkpoint file read with torch.load (was megatron.training.checkpointing.load_state_dict_file)
+# ---------------------------------------------------------------------------------------------------
+
+class CheckpointReadError(CheckpointFileError):
+    """A checkpoint file that exists but cannot be loaded: empty, truncated, corrupt or not a checkpoint."""
+
+
+# torch.save writes a zip archive (since torch 1.6); older versions wrote a bare pickle (protocol 2).
+_ZIP_MAGIC = b"PK\x03\x04"
+_PICKLE_PROTO = b"\x80"
+
+
+def torch_error_summary(exc):
+    """One line of what torch.load said (its weights-only messages are many lines of advice)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        if "WeightsUnpickler error" in line:
+            rest = line.split("WeightsUnpickler error:", 1)[1].strip() or (lines[i + 1] if i + 1 < len(lines) else "")
+            return f"{type(exc).__name__}: {rest}"[:200]
+    return f"{type(exc).__name__}: {lines[0] if lines else exc!r}"[:200]
+
+
+def unreadable_reason(path, exc):
+    """What is wrong with ``path``, which torch.load failed on with ``exc``, judged from its bytes."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(len(_ZIP_MAGIC))
+    except OSError as error:
+        return f"cannot be read ({error.strerror or error})"
+    if size == 0:
+        return "is empty (0 bytes): a save or copy that never wrote it"
+    if head == _ZIP_MAGIC[:len(head)]:
+        if len(head) < len(_ZIP_MAGIC) or not zipfile.is_zipfile(path):
+            return (f"is truncated ({size} bytes; the zip archive torch.save writes ends before its "
+                    "end-of-archive record): a save or copy that was cut short")
+        return f"is corrupt: its zip archive is complete but its contents cannot be read ({torch_error_summary(exc)})"
+    if head.startswith(_PICKLE_PROTO):
+        return (f"is truncated or corrupt ({size} bytes in the pickle format of torch.save before 1.6; "
+                f"{torch_error_summary(exc)})")
+    return f"is not a checkpoint: it does not start like a file torch.save writes (first bytes {head!r}, {size} bytes)"
+
+
+def load_torch_file(path, context=None):
+    """``torch.load(path, weights_only=True)`` on the CPU, admitting only megatron.core.safe_globals.SAFE_GLOBALS.
+
+    ``context`` (e.g. ``"iteration 8 of --load DIR"``) is added to error messages after the path.
+    Raises UnsafeCheckpointError (a pickle.UnpicklingError) naming the file and the refused global
+    (``module.name``) when it holds objects other than tensors and plain data (arbitrary pickled
+    objects are never executed), and CheckpointReadError (a CheckpointFileError) naming the file and saying
+    what is wrong for any other unreadable file: cannot be opened, empty, truncated, corrupt, or not
+    written by torch.save.
+    """
+    where = f"{path} ({context})" if context else f"{path}"
+    kind = not_a_regular_file(path)
+    if kind is not None:  # torch.load would block on a FIFO and never end on a device
+        raise CheckpointReadError(f"cannot read checkpoint file {where}: it is {kind}, not a regular file")
+    try:
+        with safe_globals():
+            return checked_tensor_load(lambda: torch.load(path, map_location="cpu", weights_only=True),
+                                       f"checkpoint file {where}")
+    except (MemoryError, CheckpointFileError):  # too big for this host (not damaged); or already named
+        raise
+    except Exception as exc:  # torch.load reports damage as EOFError, OSError(EINVAL), KeyError, RuntimeError...
+        refused = refused_by_weights_only(exc)
+        if refused is not None:
+            raise UnsafeCheckpointError(f"checkpoint {where}", refused) from exc
+        raise CheckpointReadError(f"cannot read checkpoint file {where}: it {unreadable_reason(path, exc)}") from exc

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed._shard._utils import narrow_tensor_by_index
 
 from megatron.core.collective_device import get_collective_device
+from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.safe_loading import (
     SafeFileSystemReader, check_data_files, check_inside, read_dcp_metadata, weights_only_load,
@@ -55,7 +56,7 @@ MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version":
                      "common_backend_version": 1}
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(CheckpointingException, ValueError):
     """The checkpoint does not hold what the model/optimizer needs (missing keys, other shapes)."""
 
 
@@ -266,7 +267,7 @@ def _save_failure(exc: CheckpointException, process_group=None) -> Exception:
                                         f"({type(error).__name__}: {summary})")
 
 
-class SaveFailedOnAnotherRankError(RuntimeError):
+class SaveFailedOnAnotherRankError(CheckpointingException, RuntimeError):
     """A :func:`save` that failed on another rank of its process group (the message names it and its error;
     that rank raises its own)."""
 
@@ -400,3 +401,10 @@ def _agree_or_raise(problem: Optional[Exception], process_group, checkpoint_dir:
 def is_dcp_checkpoint(checkpoint_dir: str) -> bool:
     """Whether ``checkpoint_dir`` holds a torch.distributed.checkpoint (its ``.metadata`` file)."""
     return os.path.isfile(os.path.join(checkpoint_dir, METADATA_FILENAME))
+
+
+def is_distributed_checkpoint(checkpoint_dir: str) -> bool:
+    """Whether ``checkpoint_dir`` is a torch_dist checkpoint: the one test of the format (Megatron core_v0.14's
+    ``check_is_distributed_checkpoint``): its ``metadata.json``, else (checkpoints written without one) a
+    torch.distributed.checkpoint ``.metadata``."""
+    return os.path.isfile(os.path.join(checkpoint_dir, MEGATRON_METADATA_FILENAME)) or is_dcp_checkpoint(checkpoint_dir)

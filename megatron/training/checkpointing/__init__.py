@@ -5,11 +5,9 @@ import enum
 import errno
 import io
 import os
-import pathlib
 import random
 import shutil
 import types
-import zipfile
 
 import numpy as np
 import torch
@@ -18,28 +16,37 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.collective_device import get_collective_device
 from megatron.core.console import write_line
-from megatron.core.dist_checkpointing.safe_loading import (
-    CheckpointFileError,
-    UnsafeCheckpointError,
-    checked_tensor_load,
-    not_a_regular_file,
-    refused_by_weights_only,
-)
+from megatron.core.dist_checkpointing.safe_loading import CheckpointReadError, load_torch_file
 from megatron.core.dist_checkpointing.serialization import SaveFailedOnAnotherRankError
 from megatron.core.optimizer_param_scheduler import SchedulerMismatchError
 from megatron.core.transformer.enums import AttnBackend, ModelType
 from megatron.training import checkpoint_integrity, legacy_optimizer_state
 from megatron.training.arguments import non_directory_ancestor
+from megatron.training.checkpointing.layout import (
+    CHECKPOINT_BASENAME,
+    CHECKPOINT_VERSION,
+    CKPT_FORMATS,
+    COMMON_BASENAME,
+    DISTRIBUTED_OPTIMIZER_BASENAME,
+    RNG_DIRNAME,
+    TRACKER_FILENAME,
+    common_file_name,
+    common_state,
+    current_parallel_layout,
+    get_checkpoint_name,
+    get_checkpoint_tracker_filename,
+    get_distributed_optimizer_checkpoint_name,
+    iteration_dirname,
+    rank_dirnames,
+    read_common_state,
+    rng_file_name,
+)
+from megatron.training.checkpointing.layout import detect_format as detect_checkpoint_format
 from megatron.training.checkpoint_errors import CheckpointContentError
 from megatron.training.global_vars import get_args
 from megatron.training.training_state import TrainingState
 from megatron.training.user_errors import UserInputError, one_line
 from megatron.training.utils import print_rank_0
-
-CHECKPOINT_VERSION = 3.0
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
-CHECKPOINT_BASENAME = "model_optim_rng.pt"
-DISTRIBUTED_OPTIMIZER_BASENAME = "distrib_optim.pt"
 
 _CHECKPOINT_VERSION = None
 
@@ -58,42 +65,6 @@ def get_checkpoint_version():
 # ---------------------------------------------------------------------------------------------------
 # Names and tracker
 # ---------------------------------------------------------------------------------------------------
-
-def get_checkpoint_tracker_filename(checkpoints_path):
-    """``<checkpoints_path>/latest_checkpointed_iteration.txt``: holds the last complete iteration."""
-    return os.path.join(checkpoints_path, TRACKER_FILENAME)
-
-
-def _iteration_dirname(iteration, release):
-    return "release" if release else "iter_{:07d}".format(iteration)
-
-
-def get_checkpoint_name(checkpoints_path, iteration, release=False, pipeline_parallel=None,
-                        tensor_rank=None, pipeline_rank=None):
-    """Path of this rank's checkpoint file.
-
-    ``<path>/iter_{iteration:07d}/mp_rank_{tp:02d}/model_optim_rng.pt`` without pipeline
-    parallelism, ``.../mp_rank_{tp:02d}_{pp:03d}/...`` with it, ``release`` instead of the
-    iteration directory when ``release``. Ranks not given are read from parallel_state
-    (0 in a single process without groups).
-    """
-    if pipeline_parallel is None:
-        pipeline_parallel = parallel_state.get_pipeline_model_parallel_world_size() > 1
-    if tensor_rank is None:
-        tensor_rank = parallel_state.get_tensor_model_parallel_rank()
-    if pipeline_rank is None:
-        pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
-    if pipeline_parallel:
-        rank_dir = f"mp_rank_{tensor_rank:02d}_{pipeline_rank:03d}"
-    else:
-        rank_dir = f"mp_rank_{tensor_rank:02d}"
-    return os.path.join(checkpoints_path, _iteration_dirname(iteration, release), rank_dir, CHECKPOINT_BASENAME)
-
-
-def get_distributed_optimizer_checkpoint_name(model_checkpoint_name):
-    """``distrib_optim.pt`` in the directory of ``model_checkpoint_name`` (Megatron's legacy layout)."""
-    return os.path.join(os.path.dirname(model_checkpoint_name), DISTRIBUTED_OPTIMIZER_BASENAME)
-
 
 def non_persistent_checkpoint_dir(args, save_dir=None):
     """Where --non-persistent-save-interval checkpoints go: ``--non-persistent-global-ckpt-dir``, else
@@ -444,25 +415,7 @@ def _write_durably(state_dict, path):
 # Save
 # ---------------------------------------------------------------------------------------------------
 
-COMMON_BASENAME = "common.pt"
-RNG_DIRNAME = "rng"
-CKPT_FORMATS = ("torch", "torch_dist")
-
-
-def _rng_file_name(checkpoint_dir, rank):
-    """``<iteration dir>/rng/rank_<global rank:05d>.pt``: one rank's RNG states in the torch_dist format."""
-    return os.path.join(checkpoint_dir, RNG_DIRNAME, f"rank_{rank:05d}.pt")
-
-
-def _parallel_layout(args):
-    """The parallel layout a torch_dist checkpoint records (RNG states are restored only at the same one)."""
-    return {
-        "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
-        "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
-        "data_parallel_size": parallel_state.get_data_parallel_world_size() if dist.is_initialized() else 1,
-        "virtual_pipeline_model_parallel_size": parallel_state.get_virtual_pipeline_model_parallel_world_size(),
-        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-    }
+_rng_file_name = rng_file_name  # the names async_checkpointing imports
 
 
 def _ckpt_format(args):
@@ -590,7 +543,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     rng_state = None if args.no_save_rng else get_rng_state(
         getattr(args, "data_parallel_random_init", False) and ckpt_format == "torch")
 
-    tmp_dir, final_dir = _prepare_save_directory(save_dir, _iteration_dirname(iteration, release=False), iteration)
+    tmp_dir, final_dir = _prepare_save_directory(save_dir, iteration_dirname(iteration, release=False), iteration)
     error = None
     try:
         if ckpt_format == "torch":
@@ -667,31 +620,17 @@ def _write_torch_format(args, tmp_dir, final_dir, model, optimizer, opt_param_sc
 
 def _torch_dist_common_state(args, optimizer, opt_param_scheduler, state):
     """``common.pt`` of a torch_dist checkpoint (written by rank 0; the same on every rank)."""
-    from megatron.core.dist_checkpointing.model_and_optimizer import (
-        CONTENT_METADATA_KEY,
-        content_metadata,
-        optimizer_common_state,
-    )
+    from megatron.core.dist_checkpointing.model_and_optimizer import optimizer_common_state
 
     saved_args = _sanitized_args(args)
     for name in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
         setattr(saved_args, name, getattr(state, name))  # where Megatron-LM readers look for them
-    common = {
-        "args": saved_args,
-        "checkpoint_version": CHECKPOINT_VERSION,
-        "ckpt_format": "torch_dist",
-        "iteration": state.iteration,
-        "train_state": state.state_dict(),
-        "num_floating_point_operations_so_far": state.num_floating_point_operations_so_far,
-        "parallel_layout": _parallel_layout(args),
-        CONTENT_METADATA_KEY: content_metadata(bool(getattr(args, "use_distributed_optimizer", False))),
-    }
-    if not args.no_save_optim:
-        if optimizer is not None:
-            common["optimizer"] = optimizer_common_state(optimizer)
-        if opt_param_scheduler is not None:
-            common["opt_param_scheduler"] = opt_param_scheduler.state_dict()
-    return common
+    save_optim = not args.no_save_optim
+    return common_state(
+        saved_args, state.iteration, state.state_dict(), state.num_floating_point_operations_so_far,
+        current_parallel_layout(), bool(getattr(args, "use_distributed_optimizer", False)),
+        optimizer_common_state(optimizer) if save_optim and optimizer is not None else None,
+        opt_param_scheduler.state_dict() if save_optim and opt_param_scheduler is not None else None)
 
 
 class CheckpointSaveError(CheckpointWriteError):
@@ -736,90 +675,7 @@ def _failure_reports(error):
 # Load
 # ---------------------------------------------------------------------------------------------------
 
-def _safe_globals():
-    """Non-tensor types a checkpoint may hold: the args Namespace and the plain types and enums
-    Megatron-LM (core_v0.14.0) stores in it, and numpy's RNG state pieces.
-
-    Megatron-LM's ``megatron.core.enums.ModelType`` is read as this package's ModelType (same
-    values for GPT); AttnBackend has the same import path in both packages.
-    """
-    try:
-        from numpy._core.multiarray import _reconstruct
-    except ImportError:  # numpy < 2
-        from numpy.core.multiarray import _reconstruct
-    allowed = [argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, _reconstruct, np.ndarray, np.dtype,
-               AttnBackend, ModelType, (ModelType, "megatron.core.enums.ModelType")]
-    uint32_dtype = getattr(getattr(np, "dtypes", None), "UInt32DType", None)
-    if uint32_dtype is not None:  # numpy >= 1.25 pickles dtypes through their classes
-        allowed.append(uint32_dtype)
-    return allowed
-
-
-class CheckpointReadError(CheckpointFileError):
-    """A checkpoint file that exists but cannot be loaded: empty, truncated, corrupt or not a checkpoint."""
-
-
-# torch.save writes a zip archive (since torch 1.6); older versions wrote a bare pickle (protocol 2).
-_ZIP_MAGIC = b"PK\x03\x04"
-_PICKLE_PROTO = b"\x80"
-
-
-def _torch_error_summary(exc):
-    """One line of what torch.load said (its weights-only messages are many lines of advice)."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    for i, line in enumerate(lines):
-        if "WeightsUnpickler error" in line:
-            rest = line.split("WeightsUnpickler error:", 1)[1].strip() or (lines[i + 1] if i + 1 < len(lines) else "")
-            return f"{type(exc).__name__}: {rest}"[:200]
-    return f"{type(exc).__name__}: {lines[0] if lines else exc!r}"[:200]
-
-
-def _unreadable_reason(path, exc):
-    """What is wrong with ``path``, which torch.load failed on with ``exc``, judged from its bytes."""
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(len(_ZIP_MAGIC))
-    except OSError as error:
-        return f"cannot be read ({error.strerror or error})"
-    if size == 0:
-        return "is empty (0 bytes): a save or copy that never wrote it"
-    if head == _ZIP_MAGIC[:len(head)]:
-        if len(head) < len(_ZIP_MAGIC) or not zipfile.is_zipfile(path):
-            return (f"is truncated ({size} bytes; the zip archive torch.save writes ends before its "
-                    "end-of-archive record): a save or copy that was cut short")
-        return f"is corrupt: its zip archive is complete but its contents cannot be read ({_torch_error_summary(exc)})"
-    if head.startswith(_PICKLE_PROTO):
-        return (f"is truncated or corrupt ({size} bytes in the pickle format of torch.save before 1.6; "
-                f"{_torch_error_summary(exc)})")
-    return f"is not a checkpoint: it does not start like a file torch.save writes (first bytes {head!r}, {size} bytes)"
-
-
-def load_state_dict_file(path, context=None):
-    """``torch.load(path, weights_only=True)`` on the CPU, allowing only the globals of _safe_globals.
-
-    ``context`` (e.g. ``"iteration 8 of --load DIR"``) is added to error messages after the path.
-    Raises UnsafeCheckpointError (a pickle.UnpicklingError) naming the file and the refused global
-    (``module.name``) when it holds objects other than tensors and plain data (arbitrary pickled
-    objects are never executed), and CheckpointReadError (a CheckpointFileError) naming the file and saying
-    what is wrong for any other unreadable file: cannot be opened, empty, truncated, corrupt, or not
-    written by torch.save.
-    """
-    where = f"{path} ({context})" if context else f"{path}"
-    kind = not_a_regular_file(path)
-    if kind is not None:  # torch.load would block on a FIFO and never end on a device
-        raise CheckpointReadError(f"cannot read checkpoint file {where}: it is {kind}, not a regular file")
-    try:
-        with torch.serialization.safe_globals(_safe_globals()):
-            return checked_tensor_load(lambda: torch.load(path, map_location="cpu", weights_only=True),
-                                       f"checkpoint file {where}")
-    except (MemoryError, CheckpointFileError):  # too big for this host (not damaged); or already named
-        raise
-    except Exception as exc:  # torch.load reports damage as EOFError, OSError(EINVAL), KeyError, RuntimeError...
-        refused = refused_by_weights_only(exc)
-        if refused is not None:
-            raise UnsafeCheckpointError(f"checkpoint {where}", refused) from exc
-        raise CheckpointReadError(f"cannot read checkpoint file {where}: it {_unreadable_reason(path, exc)}") from exc
+load_state_dict_file = load_torch_file  # Megatron-compatible name of core's one torch.load
 
 
 # The model-shape flags a reader of a checkpoint's saved args needs (positive integers).
@@ -863,7 +719,7 @@ def saved_args(state_dict, path, context=None, required=(), positive_if_set=()):
 
 
 def _layout_hint(iteration_dir):
-    found = sorted(e for e in os.listdir(iteration_dir) if e.startswith("mp_rank_"))
+    found = rank_dirnames(iteration_dir)
     return ", ".join(found) if found else "no mp_rank_* directories"
 
 
@@ -897,21 +753,11 @@ def _checkpoint_dir_to_load(args, load_dir, load_arg="load"):
     source = (f"--ckpt-step {args.ckpt_step}" if args.ckpt_step is not None
               else f"tracker {get_checkpoint_tracker_filename(load_dir)}")
 
-    iteration_dir = os.path.join(load_dir, _iteration_dirname(iteration, release))
+    iteration_dir = os.path.join(load_dir, iteration_dirname(iteration, release))
     if not os.path.isdir(iteration_dir):
         raise FileNotFoundError(f"checkpoint directory {iteration_dir} (iteration {iteration}, from {source}) "
                                 "does not exist")
     return iteration_dir, iteration, release, source
-
-
-def detect_checkpoint_format(iteration_dir):
-    """``'torch_dist'`` (DCP ``.metadata`` or ``common.pt``), ``'torch'`` (``mp_rank_*`` directories) or None."""
-    if os.path.isfile(os.path.join(iteration_dir, ".metadata")) or \
-            os.path.isfile(os.path.join(iteration_dir, COMMON_BASENAME)):
-        return "torch_dist"
-    if any(entry.startswith("mp_rank_") for entry in os.listdir(iteration_dir)):
-        return "torch"
-    return None
 
 
 def _legacy_checkpoint_file(iteration_dir, iteration, release):
@@ -1139,13 +985,8 @@ def _load_torch_dist(args, iteration_dir, iteration, release, context, model, op
     from megatron.core.dist_checkpointing import model_and_optimizer as mo
     from megatron.core.dist_checkpointing import serialization
 
-    common_name = os.path.join(iteration_dir, COMMON_BASENAME)
-    if not os.path.isfile(common_name):
-        raise FileNotFoundError(f"torch_dist checkpoint {iteration_dir} ({context}) has no {COMMON_BASENAME}")
-    common = load_state_dict_file(common_name, context)
-    if not isinstance(common, dict) or common.get("ckpt_format", "torch_dist") != "torch_dist":
-        raise CheckpointReadError(f"cannot read checkpoint file {common_name} ({context}): it is not the "
-                                  f"{COMMON_BASENAME} of a torch_dist checkpoint")
+    common_name = common_file_name(iteration_dir)
+    common = read_common_state(iteration_dir, context)
     checkpoint_args = saved_args(common, common_name, context)
     set_checkpoint_version(common.get("checkpoint_version", 0))
     warn_if_vocab_padding_differs(checkpoint_args, iteration_dir)
@@ -1216,7 +1057,7 @@ def _load_torch_dist_rng(args, iteration_dir, common, context):
         print_rank_0(f"WARNING: checkpoint {iteration_dir} was written by Megatron-LM (its RNG states are pickled "
                      "objects, which this loader does not unpickle): the RNG states are not restored")
         return
-    saved_layout, layout = common.get("parallel_layout"), _parallel_layout(args)
+    saved_layout, layout = common.get("parallel_layout"), current_parallel_layout()
     if saved_layout != layout:
         print_rank_0(f"WARNING: checkpoint {iteration_dir} was saved with the parallel layout {saved_layout}, this run "
                      f"uses {layout}: the RNG states are not restored (each layout has its own RNG streams)")
@@ -1283,6 +1124,8 @@ __all__ = [
     "wait_for_async_staging", "detect_checkpoint_format",
     "CheckpointReadError", "check_checkpoint_args", "saved_args", "MODEL_SHAPE_ARGS",
     "CheckpointWriteError", "CheckpointSaveError", "write_failure", "get_checkpoint_version", "set_checkpoint_version",
+    "TRACKER_FILENAME", "CHECKPOINT_BASENAME", "DISTRIBUTED_OPTIMIZER_BASENAME", "COMMON_BASENAME", "RNG_DIRNAME",
+    "CKPT_FORMATS",
 ]
 
 
