@@ -84,34 +84,23 @@ from megatron.core.optimizer import param_group_key  # noqa: E402
 from megatron.core.transformer.pipeline_layout import pipeline_layer_counts, pipeline_layer_offset  # noqa: E402
 from megatron.training import checkpoint_integrity, checkpointing, legacy_optimizer_state  # noqa: E402
 from megatron.training.checkpoint_errors import is_checkpoint_user_error, one_line  # noqa: E402
-from megatron.training.checkpointing import (  # noqa: E402
-    CHECKPOINT_BASENAME,
-    CHECKPOINT_VERSION,
-    DISTRIBUTED_OPTIMIZER_BASENAME,
-    MODEL_SHAPE_ARGS,
-    load_state_dict_file,
-    saved_args,
-)
-
-CKPT_FORMATS = ("torch", "torch_dist")
+from megatron.training.checkpointing import MODEL_SHAPE_ARGS, layout, load_state_dict_file, saved_args  # noqa: E402
 
 
-def detect_format(load_dir: str, iteration: Optional[int] = None) -> str:
-    """``"torch"`` (mp_rank_* folders) or ``"torch_dist"`` (a torch.distributed.checkpoint ``.metadata``).
+def _source_format(load_dir: str, iteration: Optional[int] = None) -> str:
+    """The format of the iteration folder to read, by ``layout.detect_format`` (the project's one rule).
 
-    Raises ConvertError naming ``--load-dir`` when the folder is neither.
+    Raises ConvertError naming ``--load-dir`` when the folder is a checkpoint of neither format.
     """
     try:
         iteration_dir = find_iteration_dir(load_dir, iteration)
     except CheckpointLayoutError as error:
         raise ConvertError(str(error).replace("--load ", "--load-dir ")) from None
-    entries = os.listdir(iteration_dir)
-    if any(entry.startswith("mp_rank_") for entry in entries):
-        return "torch"
-    if ".metadata" in entries:
-        return "torch_dist"
-    raise ConvertError(f"--load-dir {load_dir}: {iteration_dir} holds neither mp_rank_* folders (--ckpt-format "
-                       "torch) nor a .metadata file (--ckpt-format torch_dist)")
+    found = layout.detect_format(iteration_dir)
+    if found is None:
+        raise ConvertError(f"--load-dir {load_dir}: {iteration_dir} holds neither {layout.RANK_DIR_PREFIX}* folders "
+                           f"(--ckpt-format torch) nor a {layout.METADATA_FILENAME} file (--ckpt-format torch_dist)")
+    return found
 
 
 # ----------------------------------------------------------------------------------------------- read
@@ -176,7 +165,7 @@ def read_legacy(load_dir: str, iteration: Optional[int] = None, with_optimizer: 
     if sum(map(sum, counts)) != args.num_layers:
         raise ConvertError(f"{iteration_dir}: its stages hold {sum(map(sum, counts))} layers, the saved args say "
                            f"--num-layers {args.num_layers}")
-    release = os.path.basename(iteration_dir) == "release"
+    release = os.path.basename(iteration_dir) == layout.RELEASE_DIRNAME
     full = FullCheckpoint(model={}, args=args, iteration=0 if release else int(first.get("iteration", 0)),
                           release=release, layout={"tp": tp, "pp": pp, "vp": vp, "counts": counts},
                           scheduler=first.get("opt_param_scheduler"),
@@ -203,7 +192,7 @@ def read_legacy(load_dir: str, iteration: Optional[int] = None, with_optimizer: 
 def _read_optimizer(loaded, files, chunks, full: FullCheckpoint, swiglu: bool) -> Optional[OptimizerState]:
     tp, pp, vp, counts = (full.layout[k] for k in ("tp", "pp", "vp", "counts"))
     kinds = {_optimizer_kind(ckpt.get("optimizer")) for ckpt in loaded.values()}
-    has_distrib = any(os.path.isfile(os.path.join(os.path.dirname(path), DISTRIBUTED_OPTIMIZER_BASENAME))
+    has_distrib = any(os.path.isfile(layout.get_distributed_optimizer_checkpoint_name(path))
                       for path in files.values())
     if kinds == {None}:
         full.notes.append("the source holds no optimizer state (saved with --no-save-optim): load the result with "
@@ -213,7 +202,7 @@ def _read_optimizer(loaded, files, chunks, full: FullCheckpoint, swiglu: bool) -
         try:
             for rank, path in files.items():
                 loaded[rank] = dict(loaded[rank], optimizer=_plain_from_distributed(
-                    loaded[rank].get("optimizer"), os.path.join(os.path.dirname(path), DISTRIBUTED_OPTIMIZER_BASENAME),
+                    loaded[rank].get("optimizer"), layout.get_distributed_optimizer_checkpoint_name(path),
                     chunks[rank], full.args))
         except ConvertError as error:
             full.notes.append(f"the distributed optimizer's state was not converted ({error}): the optimizer state and "
@@ -270,7 +259,7 @@ def _read_optimizer(loaded, files, chunks, full: FullCheckpoint, swiglu: bool) -
 
 
 def _plain_from_distributed(optimizer: Any, path: str, rank_chunks: List[dict], args) -> dict:
-    """One rank's distributed-optimizer state (``model_optim_rng.pt``'s groups and scaler plus
+    """One rank's distributed-optimizer state (the rank file's groups and scaler plus
     ``distrib_optim.pt``'s flat buffers with their ``param_index_map``) as the name-keyed state dict of the
     non-distributed optimizer of the same precision (FP32Optimizer, or Float16OptimizerWithFloat16Params
     with the buffers' fp32 ``param`` as main params). Param groups are rebuilt by the weight-decay rule.
@@ -351,7 +340,7 @@ def read_checkpoint(load_dir: str, iteration: Optional[int] = None, with_optimiz
     """
     if not os.path.isdir(load_dir):
         raise ConvertError(f"--load-dir {load_dir}: no such directory")
-    ckpt_format = detect_format(load_dir, iteration)
+    ckpt_format = _source_format(load_dir, iteration)
     if verify:
         problems, _ = checkpoint_integrity.verify_directory(find_iteration_dir(load_dir, iteration))
         if problems:
@@ -515,7 +504,7 @@ def build_rank_state_dicts(full: FullCheckpoint, target: TargetLayout, keep_rng:
     """
     args = target_args(full, target)
     swiglu = bool(getattr(args, "swiglu", False))
-    out = {(t, p): {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": full.iteration}
+    out = {(t, p): {"args": args, "checkpoint_version": layout.CHECKPOINT_VERSION, "iteration": full.iteration}
            for t in range(target.tp) for p in range(target.pp)}
     optimizer = full.optimizer
     per_rank_params: Dict[Tuple[int, int], List[Tuple[str, str, Dict[str, Any], Optional[torch.Tensor]]]] = {
@@ -567,14 +556,14 @@ def write_legacy(full: FullCheckpoint, save_dir: str, target: TargetLayout, keep
     """Write ``full`` at ``target`` in the legacy layout under ``save_dir``, atomically; returns the
     iteration folder. An existing folder of the same iteration is replaced; the tracker moves last."""
     rank_dicts = build_rank_state_dicts(full, target, keep_rng)
-    dirname = checkpoint_integrity.iteration_dirname(full.iteration, full.release)
+    dirname = layout.iteration_dirname(full.iteration, full.release)
     checkpoint_integrity.prepare_save_dir(save_dir)
     tmp_dir = os.path.join(save_dir, f".{dirname}.tmp-{os.getpid()}")
     final_dir = os.path.join(save_dir, dirname)
     try:
         for (t, p), state_dict in rank_dicts.items():
-            rank_dir = f"mp_rank_{t:02d}" if target.pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
-            checkpointing._write_durably(state_dict, os.path.join(tmp_dir, rank_dir, CHECKPOINT_BASENAME))
+            rank_dir = layout.rank_dirname(t, p, pipeline_parallel=target.pp > 1)
+            checkpointing._write_durably(state_dict, os.path.join(tmp_dir, rank_dir, layout.CHECKPOINT_BASENAME))
         # The same publish as training's save: manifest, fsync, directory swap, tracker last.
         checkpoint_integrity.publish_iteration(save_dir, tmp_dir, full.iteration, release=full.release)
     except BaseException:
@@ -593,11 +582,12 @@ def convert(cli: argparse.Namespace) -> dict:
     Raises ConvertError (bad flag or folder), CheckpointReadError / pickle.UnpicklingError (a
     damaged or unsafe source file, named).
     """
-    if cli.target_ckpt_format not in CKPT_FORMATS:
-        raise ConvertError(f"--target-ckpt-format {cli.target_ckpt_format!r}: choose one of {', '.join(CKPT_FORMATS)}")
+    if cli.target_ckpt_format not in layout.CKPT_FORMATS:
+        raise ConvertError(f"--target-ckpt-format {cli.target_ckpt_format!r}: choose one of "
+                           f"{', '.join(layout.CKPT_FORMATS)}")
     if os.path.abspath(cli.load_dir) == os.path.abspath(cli.save_dir):
         raise ConvertError(f"--save-dir {cli.save_dir} is the --load-dir: write the converted checkpoint elsewhere")
-    source_format = detect_format(cli.load_dir, cli.ckpt_step) if os.path.isdir(cli.load_dir) else None
+    source_format = _source_format(cli.load_dir, cli.ckpt_step) if os.path.isdir(cli.load_dir) else None
     full = read_checkpoint(cli.load_dir, cli.ckpt_step, with_optimizer=not cli.no_save_optim,
                            verify=not cli.no_verify_checkpoint)
     if cli.no_save_optim:
@@ -654,7 +644,7 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--target-decoder-last-pipeline-num-layers", type=int, default=None,
                         help="layers of the output's last pipeline stage (uneven split)")
     parser.add_argument("--target-ckpt-format", default="torch",
-                        help=f"format of the output, one of {', '.join(CKPT_FORMATS)} (default: torch)")
+                        help=f"format of the output, one of {', '.join(layout.CKPT_FORMATS)} (default: torch)")
     parser.add_argument("--true-vocab-size", type=int, default=None,
                         help="unpadded vocabulary size, needed when TP changes the padding and the checkpoint's "
                              "tokenizer files cannot be found (default: from the tokenizer)")

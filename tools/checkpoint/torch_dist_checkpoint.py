@@ -2,8 +2,9 @@
 
 The files are torch.distributed.checkpoint's, written and read with ``megatron.core.dist_checkpointing``:
 every tensor whole under its layout-free key (Megatron's layer-stacked keys; the earlier per-layer
-layout is read too), beside ``common.pt`` (args, counters, scheduler, optimizer hyper-parameters) and,
-for one data-parallel rank, the RNG states of each rank.
+layout is read too), beside the common state (args, counters, scheduler, optimizer hyper-parameters) and,
+for one data-parallel rank, the RNG states of each rank; every file name and record comes from
+``megatron.training.checkpointing.layout``.
 """
 from __future__ import annotations
 
@@ -35,16 +36,10 @@ from megatron.core.dist_checkpointing import model_and_optimizer as mo  # noqa: 
 from megatron.core.optimizer import param_group_key  # noqa: E402
 from megatron.core.transformer.pipeline_layout import pipeline_layer_counts  # noqa: E402
 from megatron.training import checkpoint_integrity, checkpointing  # noqa: E402
-from megatron.training.checkpointing import (  # noqa: E402
-    CHECKPOINT_VERSION,
-    MODEL_SHAPE_ARGS,
-    load_state_dict_file,
-    saved_args,
-)
+from megatron.training.checkpointing import MODEL_SHAPE_ARGS, layout, load_state_dict_file, saved_args  # noqa: E402
 
 _SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 
-COMMON_BASENAME = "common.pt"  # torch_dist: args, counters, scheduler, optimizer hyper-parameters (rank 0)
 _LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 # A layer's state-dict keys in GPTModel's (and Megatron's local spec's) module order (others follow, sorted).
 _LAYER_ORDER = ["input_layernorm.weight", "input_layernorm.bias"]
@@ -82,29 +77,15 @@ def _with_extra_state(model: Dict[str, Any]) -> Dict[str, Any]:
     return {key: out[key] for key in sorted(out, key=_model_order)}
 
 
-RNG_DIRNAME = "rng"  # torch_dist: rng/rank_<global rank:05d>.pt, one file per rank
-
-
-def _rank_of(t: int, p: int, tp: int) -> int:
-    """Global rank of (tensor rank t, pipeline rank p) with one data-parallel rank (order tp-cp-ep-dp-pp)."""
-    return t + tp * p
-
-
-def _torch_dist_layout(tp: int, pp: int, vp: int) -> dict:
-    """The ``parallel_layout`` entry of ``common.pt`` for a run of tp x pp ranks and no data parallelism."""
-    return {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "data_parallel_size": 1,
-            "virtual_pipeline_model_parallel_size": vp if vp > 1 else None, "world_size": tp * pp}
-
-
-def _read_torch_dist_rng(iteration_dir: str, layout: Optional[dict], context: str):
+def _read_torch_dist_rng(iteration_dir: str, saved_layout: Optional[dict], context: str):
     """{(tp rank, pp rank): rng_state list} of a torch_dist checkpoint saved without data parallelism, else None."""
-    if not layout or layout.get("data_parallel_size") != 1:
+    if not saved_layout or saved_layout.get("data_parallel_size") != 1:
         return None
-    tp, pp = layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"]
+    tp, pp = saved_layout["tensor_model_parallel_size"], saved_layout["pipeline_model_parallel_size"]
     states = {}
     for t in range(tp):
         for p in range(pp):
-            name = os.path.join(iteration_dir, RNG_DIRNAME, f"rank_{_rank_of(t, p, tp):05d}.pt")
+            name = layout.rng_file_name(iteration_dir, layout.rank_of(t, p, tp))
             if not os.path.isfile(name):
                 return None
             states[(t, p)] = load_state_dict_file(name, context)["rng_state"]
@@ -159,10 +140,11 @@ def read_torch_dist(load_dir, iteration, with_optimizer) -> FullCheckpoint:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     iteration_dir = find_iteration_dir(load_dir, iteration)
-    common_name = os.path.join(iteration_dir, COMMON_BASENAME)
+    common_name = layout.common_file_name(iteration_dir)
     if not os.path.isfile(common_name):
-        raise ConvertError(f"--load-dir {load_dir}: torch_dist checkpoint {iteration_dir} has no {COMMON_BASENAME}")
-    common = load_state_dict_file(common_name, f"--load-dir {load_dir}")
+        raise ConvertError(f"--load-dir {load_dir}: torch_dist checkpoint {iteration_dir} has no "
+                           f"{layout.COMMON_BASENAME}")
+    common = layout.read_common_state(iteration_dir, f"--load-dir {load_dir}")
     args = saved_args(common, common_name, f"--load-dir {load_dir}", MODEL_SHAPE_ARGS)
     if args is None:
         raise ConvertError(f"{common_name}: no saved 'args' (the model shape is unknown)")
@@ -179,11 +161,11 @@ def read_torch_dist(load_dir, iteration, with_optimizer) -> FullCheckpoint:
         serialization.load([ShardedTensor(key, t, tuple(t.shape), (0,) * t.dim()) for key, t in tensors.items()],
                            iteration_dir)
     tensors = _per_layer_tensors(tensors)
-    release = os.path.basename(iteration_dir) == "release"
-    layout = common.get("parallel_layout") or {}
-    tp = layout.get("tensor_model_parallel_size", getattr(args, "tensor_model_parallel_size", 1))
-    pp = layout.get("pipeline_model_parallel_size", getattr(args, "pipeline_model_parallel_size", 1))
-    vp = layout.get("virtual_pipeline_model_parallel_size") or 1
+    release = os.path.basename(iteration_dir) == layout.RELEASE_DIRNAME
+    saved_layout = common.get("parallel_layout") or {}
+    tp = saved_layout.get("tensor_model_parallel_size", getattr(args, "tensor_model_parallel_size", 1))
+    pp = saved_layout.get("pipeline_model_parallel_size", getattr(args, "pipeline_model_parallel_size", 1))
+    vp = saved_layout.get("virtual_pipeline_model_parallel_size") or 1
     model = _with_extra_state({k: v for k, v in tensors.items() if not k.startswith(mo.OPTIMIZER_PREFIX)})
     if is_tied(args):
         model.pop(TIED_OUTPUT, None)
@@ -198,12 +180,12 @@ def read_torch_dist(load_dir, iteration, with_optimizer) -> FullCheckpoint:
     full.rng_states = _read_torch_dist_rng(iteration_dir, common.get("parallel_layout"), f"--load-dir {load_dir}")
     if full.rng_states is not None:
         full.layout["counts"] = pipeline_layer_counts(
-            args.num_layers, pp, layout.get("virtual_pipeline_model_parallel_size"),
+            args.num_layers, pp, saved_layout.get("virtual_pipeline_model_parallel_size"),
             getattr(args, "decoder_first_pipeline_num_layers", None),
             getattr(args, "decoder_last_pipeline_num_layers", None),
             bool(getattr(args, "account_for_embedding_in_pipeline_split", False)) and pp > 1,
             bool(getattr(args, "account_for_loss_in_pipeline_split", False)) and pp > 1)
-    elif os.path.isdir(os.path.join(iteration_dir, RNG_DIRNAME)):
+    elif os.path.isdir(os.path.join(iteration_dir, layout.RNG_DIRNAME)):
         full.notes.append("the RNG states of this torch_dist checkpoint (saved with data parallelism) belong to its "
                           "global ranks and were not converted: load the result with --no-load-rng")
     if not with_optimizer:
@@ -261,9 +243,26 @@ def read_torch_dist(load_dir, iteration, with_optimizer) -> FullCheckpoint:
     return full
 
 
-def _torch_dist_common(full: FullCheckpoint, target: TargetLayout, keep_rng: bool) -> dict:
-    """``common.pt`` of the converted torch_dist checkpoint (the format of
-    ``megatron.training.checkpointing._torch_dist_common_state``)."""
+def _optimizer_common_state(full: FullCheckpoint) -> dict:
+    """The optimizer's entry of the common state: the plain (non-distributed) optimizer's param groups and
+    one common step (Megatron core_v0.14's layout, ``optimizer_common_state``'s), with the grad scaler of a
+    mixed-precision optimizer."""
+    optimizer = full.optimizer
+    params = [(name, name, optimizer.param_state[name], None) for name in full.model
+              if name in optimizer.param_state]
+    groups = rank_optimizer(OptimizerState("fp32", optimizer.param_state, optimizer.groups, optimizer.group_of),
+                            params)["param_groups"]
+    steps = [float(optimizer.param_state[name]["step"]) for group in groups for name in group["params"]
+             if torch.is_tensor(optimizer.param_state[name].get("step"))]
+    inner = {"state": {"common_step": torch.tensor(max(steps) if steps else 0.0)},
+             "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in groups]}
+    if optimizer.main_params:  # fp16/bf16: the wrapper's state, beside the grad scaler
+        return {"optimizer": inner, "grad_scaler": optimizer.grad_scaler}
+    return inner
+
+
+def _common_state(full: FullCheckpoint, target: TargetLayout, keep_rng: bool) -> dict:
+    """The common state of the converted checkpoint, built by ``layout.common_state`` as training builds it."""
     args = target_args(full, target)
     if not keep_rng:  # no RNG states written: Megatron-LM's loader then skips them instead of stopping
         args.no_save_rng = True
@@ -271,32 +270,14 @@ def _torch_dist_common(full: FullCheckpoint, target: TargetLayout, keep_rng: boo
                 int(full.num_floating_point_operations_so_far or 0)}
     for name in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
         counters[name] = int(getattr(args, name, 0) or 0)
-    common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "ckpt_format": "torch_dist",
-              "iteration": full.iteration, "train_state": counters,
-              "num_floating_point_operations_so_far": counters["num_floating_point_operations_so_far"],
-              # With RNG files: the layout they belong to; without: None, which no run's layout equals, so a
-              # load keeps its seeded RNG (with a warning) instead of looking for them.
-              "parallel_layout": _torch_dist_layout(target.tp, target.pp, target.vp) if keep_rng else None,
-              # written with the plain (non-distributed) optimizer's layout
-              mo.CONTENT_METADATA_KEY: mo.content_metadata(distributed_optimizer=False)}
-    optimizer = full.optimizer
-    if optimizer is not None:
-        params = [(name, name, optimizer.param_state[name], None) for name in full.model
-                  if name in optimizer.param_state]
-        groups = rank_optimizer(OptimizerState("fp32", optimizer.param_state, optimizer.groups, optimizer.group_of),
-                                 params)["param_groups"]
-        steps = [float(optimizer.param_state[name]["step"]) for group in groups for name in group["params"]
-                 if torch.is_tensor(optimizer.param_state[name].get("step"))]
-        # Megatron core_v0.14's layout for the plain optimizer (optimizer_common_state's): one common step.
-        inner = {"state": {"common_step": torch.tensor(max(steps) if steps else 0.0)},
-                 "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in groups]}
-        if optimizer.main_params:  # fp16/bf16: the wrapper's state, beside the grad scaler
-            common["optimizer"] = {"optimizer": inner, "grad_scaler": optimizer.grad_scaler}
-        else:
-            common["optimizer"] = inner
-        if full.scheduler is not None:
-            common["opt_param_scheduler"] = full.scheduler
-    return common
+    optimizer_state = _optimizer_common_state(full) if full.optimizer is not None else None
+    return layout.common_state(
+        args, full.iteration, counters, counters["num_floating_point_operations_so_far"],
+        # With RNG files: the layout they belong to (one data-parallel rank); without: None, which no run's
+        # layout equals, so a load keeps its seeded RNG (with a warning) instead of looking for them.
+        layout.parallel_layout(target.tp, target.pp, 1, target.vp if target.vp > 1 else None) if keep_rng else None,
+        False,  # written with the plain (non-distributed) optimizer's layout
+        optimizer_state, full.scheduler if optimizer_state is not None else None)
 
 
 def write_torch_dist(full: FullCheckpoint, save_dir: str, target: TargetLayout, keep_rng: bool = False) -> str:
@@ -336,7 +317,7 @@ def write_torch_dist(full: FullCheckpoint, save_dir: str, target: TargetLayout, 
         for (t, p), rng_state in full.rng_states.items():
             items.append(ShardedObject(f"rng_state/shard_{p}.{t}_{target.pp}.{target.tp}",
                                        mo.extra_state_bytes(rng_state)))
-    dirname = checkpoint_integrity.iteration_dirname(full.iteration, full.release)
+    dirname = layout.iteration_dirname(full.iteration, full.release)
     checkpoint_integrity.prepare_save_dir(save_dir)
     tmp_dir = os.path.join(save_dir, f".{dirname}.tmp-{os.getpid()}")
     final_dir = os.path.join(save_dir, dirname)
@@ -345,11 +326,11 @@ def write_torch_dist(full: FullCheckpoint, save_dir: str, target: TargetLayout, 
         with warnings.catch_warnings():  # written whole, in one process, on purpose
             warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
             serialization.save(items, tmp_dir)
-        common = _torch_dist_common(full, target, keep_rng)
-        checkpointing._write_durably(common, os.path.join(tmp_dir, COMMON_BASENAME))
+        common = _common_state(full, target, keep_rng)
+        checkpointing._write_durably(common, layout.common_file_name(tmp_dir))
         if keep_rng:
             for (t, p), rng_state in full.rng_states.items():
-                name = os.path.join(tmp_dir, RNG_DIRNAME, f"rank_{_rank_of(t, p, target.tp):05d}.pt")
+                name = layout.rng_file_name(tmp_dir, layout.rank_of(t, p, target.tp))
                 checkpointing._write_durably({"rng_state": rng_state, "parallel_layout": common["parallel_layout"]},
                                              name)
         # The same publish as training's save: manifest, fsync, directory swap, tracker last.
