@@ -2,7 +2,8 @@
 SIGKILL and SIGTERM of a training run, non-persistent checkpoints (checkpoint_integrity.py).
 
 The in-process drills save the small model of test_checkpointing.py; the end-to-end drills run
-pretrain_gpt.py and wait for the marker file the test hooks (MEGATRON_TEST_*) create, never for time.
+tests/faulty_pretrain.py (pretrain_gpt.py with a fault-injecting checkpoint storage) and wait for the marker
+file its hooks (MEGATRON_TEST_*) create, never for time.
 """
 import errno
 import json
@@ -20,8 +21,9 @@ import torch
 
 from megatron.training import checkpoint_integrity
 from megatron.training.checkpoint_integrity import CheckpointIntegrityError
-from megatron.training.checkpointing import get_checkpoint_name, load_checkpoint, save_checkpoint
+from megatron.training.checkpointing import durable, get_checkpoint_name, load_checkpoint, save_checkpoint
 
+import faulty_pretrain
 from dist_utils import free_port
 from pretrain_utils import REPO, _pretrain_argv, losses_from_log
 from test_checkpointing import _assert_same_params, _fresh, _make_args, _seeded_tracker, _trained  # noqa: F401
@@ -181,6 +183,7 @@ def test_corrupt_manifest_is_named(tmp_path, capsys):
 
 def _save_in_child(tmp_path, iteration, seed, env):
     os.environ.update(env)
+    faulty_pretrain.install()
     _make_args(tmp_path)
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -261,6 +264,7 @@ def test_injected_enospc_gives_a_clear_error_and_keeps_the_previous_checkpoint(t
     args, model = _saved(tmp_path, [2])
     monkeypatch.setenv("MEGATRON_TEST_ENOSPC_IN_SAVE", "1")
     monkeypatch.setenv("MEGATRON_TEST_HOOK_ITERATION", "4")
+    monkeypatch.setattr(durable, "_STORAGE", faulty_pretrain.FaultyStorage())
     with pytest.raises(OSError, match="No space left on device .*saving checkpoint at iteration 4 to .*iter_0000004 "
                                       "failed; the previous checkpoint and tracker were left unchanged") as info:
         _saved(tmp_path, [4])
@@ -383,6 +387,7 @@ class _Job:
 
     def __init__(self, nproc, flags, shared_data, data_prefix, tmp_path, env=None):
         argv = [sys.executable, *_pretrain_argv(flags, shared_data, data_prefix, tmp_path)]
+        argv[1] = "tests/faulty_pretrain.py"  # pretrain_gpt.py with the MEGATRON_TEST_* hooks
         port = free_port()
         self.procs, self.logs = [], []
         run = len(list(tmp_path.glob("run*_rank0.log")))

@@ -20,7 +20,7 @@ from megatron.training.checkpointing import (
     read_metadata,
     save_checkpoint,
 )
-from megatron.training.global_vars import set_args
+from megatron.training.global_vars import get_args, set_args
 
 from dist_utils import run_distributed
 
@@ -516,7 +516,7 @@ def test_tracker_naming_missing_directory(tmp_path):
     _make_args(tmp_path)
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("7")
-    with pytest.raises(checkpointing.checkpoint_integrity.CheckpointIntegrityError,
+    with pytest.raises(checkpoint_integrity.CheckpointIntegrityError,
                        match="iteration 7 .*iter_0000007, named by latest_checkpointed_iteration.txt.*"
                              "iter_0000007 does not exist"):
         load_checkpoint(*_fresh())
@@ -540,7 +540,7 @@ def test_strict_and_non_strict_model_loading(tmp_path):
     optimizer = torch.optim.AdamW(bigger.parameters())
     with pytest.raises(RuntimeError, match="(?s)does not match the model.*Missing key"):
         load_checkpoint([bigger], optimizer, _Scheduler())
-    get_args_ns = checkpointing.get_args()
+    get_args_ns = get_args()
     get_args_ns.no_load_optim = True
     assert load_checkpoint([bigger], optimizer, _Scheduler(), strict=False) == (8, 999)
 

@@ -89,6 +89,7 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(prometheus_bi
             ["--micro-batch-size", "4", "--train-iters", "12", "--log-interval", "2", "--eval-interval", "6",
              "--save", str(tmp_path / "ckpt"), "--save-interval", "12"],
             shared_data, shakespeare_prefix, tmp_path)]
+        argv[1] = "tests/faulty_pretrain.py"  # pretrain_gpt.py with the MEGATRON_TEST_* hooks
         scraped = urllib.parse.urlencode(
             {"query": 'count_over_time({__name__=~"megatron_training_iteration(_ratio)?"}[10m])'})
         start = time.time()

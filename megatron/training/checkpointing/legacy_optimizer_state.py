@@ -1,0 +1,212 @@
+"""Optimizer state of legacy ``model_optim_rng.pt`` files: Megatron-LM's positional layout <-> name-keyed state.
+
+Megatron-LM (core_v0.14.0) stores ``optimizer.state_dict()`` as torch writes it: per-param state keyed
+by position (0, 1, ... over the param groups in order) and ``param_groups[i]['params']`` lists of
+positions, with no names. A position means "the k-th param of group i in the writer's
+``named_parameters()`` order", so state lands on the wrong params when writer and reader order their
+params differently. This module makes the mapping explicit, by name:
+
+* :func:`to_megatron_layout` turns this project's name-keyed optimizer state into Megatron's
+  positional one (positions in our group order, which is Megatron's) and adds torch's optional
+  ``param_names`` list to every group (torch.optim stores it there for named params; Megatron's
+  loader carries it along unused).
+* :func:`to_named_layout` turns a positional state back into a name-keyed one. Names come from the
+  groups' ``param_names`` when present; for a Megatron-written file they are rebuilt from the
+  checkpoint's own model state-dict order (the order its writer discovered its params in) and the
+  group identity ``(wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr)``, so the result does not
+  depend on the reader's parameter order. Each Adam moment's shape is checked against its param.
+
+Optimizer states that hold no per-param entries (the distributed optimizer's, whose tensors are in
+``distrib_optim.pt``) pass through unchanged.
+"""
+from typing import Dict, List, Mapping, Optional, Sequence
+
+import torch
+
+from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.optimizer import PARAM_GROUP_KEYS, param_group_key
+from megatron.training.user_errors import UserInputError
+
+
+class OptimizerStateMismatch(CheckpointingException, UserInputError):
+    """The optimizer state of a checkpoint does not fit this run's params (count, names or shapes); a
+    ValueError that pretrain_gpt.py prints as one line."""
+
+
+def _inner(optimizer_state: dict) -> Optional[dict]:
+    """The torch-optimizer dict inside a Megatron optimizer state (FP32: itself; mixed precision: 'optimizer')."""
+    if not isinstance(optimizer_state, dict):
+        return None
+    inner = optimizer_state.get("optimizer", optimizer_state)
+    if not isinstance(inner, dict) or "state" not in inner or "param_groups" not in inner:
+        return None
+    return inner
+
+
+def _with_inner(optimizer_state: dict, inner: dict) -> dict:
+    return dict(optimizer_state, optimizer=inner) if "optimizer" in optimizer_state else inner
+
+
+def _is_named(inner: dict) -> bool:
+    return any(isinstance(p, str) for group in inner["param_groups"] for p in group["params"])
+
+
+def to_megatron_layout(optimizer_state: dict) -> dict:
+    """Megatron's positional layout of a name-keyed optimizer state (others are returned unchanged).
+
+    Positions run over the groups in order; each group keeps its hyper-parameters and gets
+    ``params`` (positions) and ``param_names`` (the names at those positions).
+    """
+    inner = _inner(optimizer_state)
+    if inner is None or not _is_named(inner):
+        return optimizer_state
+    position, groups = {}, []
+    for group in inner["param_groups"]:
+        names = list(group["params"])
+        for name in names:
+            position[name] = len(position)
+        groups.append({**{k: v for k, v in group.items() if k not in ("params", "param_names")},
+                       "params": [position[name] for name in names], "param_names": names})
+    state = {position[name]: value for name, value in inner["state"].items()}
+    return _with_inner(optimizer_state, {"state": dict(sorted(state.items())), "param_groups": groups})
+
+
+def group_identity(group: Mapping) -> Optional[tuple]:
+    """``(wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr)`` of a param group (None if it lacks one)."""
+    if not all(key in group for key in PARAM_GROUP_KEYS):
+        return None
+    return param_group_key(group)
+
+
+def _names_from_model_order(saved_groups: Sequence[dict], target_groups: Sequence[Sequence[str]],
+                            target_identities: Sequence[Optional[tuple]], model_keys: Sequence[str],
+                            where: str) -> List[List[str]]:
+    """For each saved group, the param names at its positions, rebuilt from the checkpoint's model order.
+
+    A saved group is matched to this run's group with the same identity (positionally when the
+    groups carry no identity); its params are that group's names in the checkpoint's model order.
+    """
+    order = {key: index for index, key in enumerate(model_keys)}
+    by_identity = {identity: names for identity, names in zip(target_identities, target_groups)
+                   if identity is not None}
+    result = []
+    for index, group in enumerate(saved_groups):
+        identity = group_identity(group)
+        if identity is not None and identity in by_identity:
+            names = by_identity[identity]
+        elif identity is None and index < len(target_groups):
+            names = target_groups[index]
+        else:
+            raise OptimizerStateMismatch(
+                f"{where}: optimizer param group {index} ({dict(zip(PARAM_GROUP_KEYS, identity or ()))}) has "
+                "no counterpart in this run's optimizer (other --weight-decay/--decoupled-lr settings?); use "
+                "--no-load-optim to start the optimizer afresh")
+        missing = [name for name in names if name not in order]
+        if missing or len(names) != len(group["params"]):
+            raise OptimizerStateMismatch(
+                f"{where}: optimizer param group {index} holds {len(group['params'])} params, this run's "
+                f"matching group {len(names)}" + (f" (not in the checkpoint's model: {missing[:3]})" if missing else "")
+                + "; use --no-load-optim to start the optimizer afresh")
+        result.append(sorted(names, key=order.__getitem__))
+    return result
+
+
+def to_named_layout(optimizer_state: dict, target_groups: Optional[Sequence[Sequence[str]]],
+                    target_identities: Sequence[Optional[tuple]], model_keys: Sequence[str],
+                    param_shapes: Mapping[str, torch.Size], where: str) -> dict:
+    """The name-keyed form of a positional (Megatron-layout) optimizer state; others unchanged.
+
+    Args:
+        optimizer_state: the checkpoint's ``optimizer`` entry.
+        target_groups: this run's param names per optimizer group (None: the optimizer has no
+            names, the state is returned unchanged).
+        target_identities: this run's ``(wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr)``
+            per group.
+        model_keys: the checkpoint's model state-dict keys in its order (``model{i}.``-prefixed for
+            several chunks): the order its writer created its params in.
+        param_shapes: this run's param shape by name.
+        where: the checkpoint file, for messages.
+    Returns the state with ``state`` keyed by name, groups listing names, in this run's group
+    order; ``fp32_from_fp16_params`` (mixed precision) reordered alike.
+    Raises OptimizerStateMismatch (a UserInputError, one line naming ``where``) when the groups or a
+    moment's shape do not fit this run's params.
+    """
+    inner = _inner(optimizer_state)
+    if inner is None or target_groups is None or _is_named(inner):
+        return optimizer_state
+    saved_groups = inner["param_groups"]
+    if all("param_names" in group for group in saved_groups):
+        names_per_group = [list(group["param_names"]) for group in saved_groups]
+    else:
+        names_per_group = _names_from_model_order(saved_groups, target_groups, target_identities, model_keys, where)
+    name_of = {}
+    for group, names in zip(saved_groups, names_per_group):
+        if len(names) != len(group["params"]):
+            raise OptimizerStateMismatch(f"{where}: optimizer param group lists {len(group['params'])} params but "
+                                         f"{len(names)} param_names")
+        name_of.update(zip(group["params"], names))
+    state = {}
+    for position, value in inner["state"].items():
+        name = name_of.get(position)
+        if name is None:
+            raise OptimizerStateMismatch(f"{where}: optimizer state entry {position} belongs to no param group")
+        shape = param_shapes.get(name)
+        for key, tensor in value.items():
+            if torch.is_tensor(tensor) and tensor.dim() > 0 and shape is not None and tensor.shape != shape:
+                raise OptimizerStateMismatch(
+                    f"{where}: optimizer state '{key}' of {name} has shape {tuple(tensor.shape)} but the param has "
+                    f"{tuple(shape)}; use --no-load-optim to start the optimizer afresh")
+        state[name] = value
+
+    # This run's group order (Megatron's and ours agree; a writer with another order still maps by names).
+    order = _match_groups([set(names) for names in names_per_group], [set(names) for names in target_groups], where)
+    groups = [{**{k: v for k, v in saved_groups[i].items() if k not in ("params", "param_names")},
+               "params": names_per_group[i]} for i in order]
+    named = _with_inner(optimizer_state, {"state": state, "param_groups": groups})
+    if "fp32_from_fp16_params" in optimizer_state:
+        mains = optimizer_state["fp32_from_fp16_params"]
+        reordered = []
+        for target_names, i in zip(target_groups, order):
+            if list(names_per_group[i]) == list(target_names):
+                reordered.append(mains[i])
+            elif len(mains[i]) == len(names_per_group[i]):
+                by_name = dict(zip(names_per_group[i], mains[i]))
+                reordered.append([by_name[name] for name in target_names])
+            else:  # fp32 params mixed into an fp16/bf16 model: the main copies cannot be told apart
+                raise OptimizerStateMismatch(f"{where}: fp32_from_fp16_params group {i} cannot be matched to this "
+                                             "run's params by name; use --no-load-optim to start the optimizer afresh")
+        named["fp32_from_fp16_params"] = reordered
+    return named
+
+
+def _match_groups(saved: List[set], target: List[set], where: str) -> List[int]:
+    """For each of this run's groups, the index of the saved group holding the same params."""
+    order = []
+    for index, names in enumerate(target):
+        found = [i for i, saved_names in enumerate(saved) if saved_names == names]
+        if not found:
+            raise OptimizerStateMismatch(f"{where}: no optimizer param group of the checkpoint holds the params of "
+                                         f"this run's group {index} (e.g. {sorted(names)[:2]}); use --no-load-optim "
+                                         "to start the optimizer afresh")
+        order.append(found[0])
+    if len(saved) != len(target):
+        raise OptimizerStateMismatch(f"{where}: the checkpoint's optimizer has {len(saved)} param groups, this run's "
+                                     f"{len(target)}")
+    return order
+
+
+def model_keys_in_order(state_dict: Mapping, num_chunks: int) -> List[str]:
+    """The model state-dict keys of a legacy checkpoint, ``model{i}.``-prefixed for several chunks."""
+    if num_chunks == 1:
+        return list(state_dict.get("model", {}))
+    return [f"model{i}.{key}" for i in range(num_chunks) for key in state_dict.get(f"model{i}", {})]
+
+
+def param_shapes_by_name(model_chunks: Sequence[torch.nn.Module]) -> Dict[str, torch.Size]:
+    """Shape of every param by its name in the optimizer (``model{i}.``-prefixed for several chunks)."""
+    shapes = {}
+    for index, chunk in enumerate(model_chunks):
+        prefix = f"model{index}." if len(model_chunks) > 1 else ""
+        for name, param in chunk.named_parameters():
+            shapes.setdefault(prefix + name, param.shape)
+    return shapes
