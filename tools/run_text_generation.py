@@ -32,8 +32,6 @@ from megatron.core.collective_device import get_collective_device  # noqa: E402
 from megatron.core.console import write_line  # noqa: E402
 from megatron.core.inference.sampling import sample_logits  # noqa: E402
 from megatron.training.arguments import parse_args  # noqa: E402
-from megatron.training.checkpoint_errors import checkpoint_errors_as_user_errors  # noqa: E402
-from megatron.training.checkpoint_integrity import tracker_exists  # noqa: E402
 from megatron.training.checkpointing import (  # noqa: E402
     MODEL_SHAPE_ARGS,
     get_checkpoint_tracker_filename,
@@ -43,6 +41,8 @@ from megatron.training.checkpointing import (  # noqa: E402
     read_metadata,
     saved_args,
 )
+from megatron.training.checkpointing.errors import checkpoint_errors_as_user_errors  # noqa: E402
+from megatron.training.checkpointing.tracker import tracker_exists  # noqa: E402
 from megatron.training.global_vars import get_tokenizer  # noqa: E402
 from megatron.training.initialize import initialize_megatron  # noqa: E402
 from megatron.training.theoretical_memory_usage import model_memory_refusal  # noqa: E402

@@ -2,8 +2,8 @@
 
 Megatron-LM's ``tools/checkpoint/convert.py`` flags where they exist (``--load-dir``, ``--save-dir``,
 ``--target-tensor-parallel-size``, ``--target-pipeline-parallel-size``, ``--true-vocab-size``); the
-format is chosen with ``--target-ckpt-format`` (``torch``: the legacy per-rank ``mp_rank_XX[_YYY]``
-layout; ``torch_dist``: torch.distributed.checkpoint files written with ``megatron.core.dist_checkpointing``,
+format is chosen with ``--target-ckpt-format`` (``torch``: the legacy layout, one file per tensor and
+pipeline rank; ``torch_dist``: torch.distributed.checkpoint files written with ``megatron.core.dist_checkpointing``,
 every tensor whole under its layout-free key, which training loads at any TP/PP/DP layout and vocabulary
 padding). The source format is detected from the folder. Everything is read into this one process's
 memory (about the checkpoint's size).
@@ -82,9 +82,18 @@ from legacy_checkpoint import (  # noqa: E402
 from torch_dist_checkpoint import read_torch_dist, write_torch_dist  # noqa: E402
 from megatron.core.optimizer import param_group_key  # noqa: E402
 from megatron.core.transformer.pipeline_layout import pipeline_layer_counts, pipeline_layer_offset  # noqa: E402
-from megatron.training import checkpoint_integrity, checkpointing, legacy_optimizer_state  # noqa: E402
-from megatron.training.checkpoint_errors import is_checkpoint_user_error, one_line  # noqa: E402
-from megatron.training.checkpointing import MODEL_SHAPE_ARGS, layout, load_state_dict_file, saved_args  # noqa: E402
+from megatron.training.checkpointing import (  # noqa: E402
+    MODEL_SHAPE_ARGS,
+    durable,
+    integrity,
+    layout,
+    legacy_optimizer_state,
+    load_state_dict_file,
+    manifest,
+    saved_args,
+)
+from megatron.training.checkpointing.errors import is_checkpoint_user_error  # noqa: E402
+from megatron.training.user_errors import one_line  # noqa: E402
 
 
 def _source_format(load_dir: str, iteration: Optional[int] = None) -> str:
@@ -342,10 +351,10 @@ def read_checkpoint(load_dir: str, iteration: Optional[int] = None, with_optimiz
         raise ConvertError(f"--load-dir {load_dir}: no such directory")
     ckpt_format = _source_format(load_dir, iteration)
     if verify:
-        problems, _ = checkpoint_integrity.verify_directory(find_iteration_dir(load_dir, iteration))
+        problems, _ = manifest.verify_directory(find_iteration_dir(load_dir, iteration))
         if problems:
             raise ConvertError(f"--load-dir {load_dir}: the checkpoint does not match its "
-                               f"{checkpoint_integrity.MANIFEST_FILENAME}: {'; '.join(problems[:5])}")
+                               f"{layout.MANIFEST_FILENAME}: {'; '.join(problems[:5])}")
     if ckpt_format == "torch":
         return read_legacy(load_dir, iteration, with_optimizer)
     return read_torch_dist(load_dir, iteration, with_optimizer)
@@ -557,15 +566,15 @@ def write_legacy(full: FullCheckpoint, save_dir: str, target: TargetLayout, keep
     iteration folder. An existing folder of the same iteration is replaced; the tracker moves last."""
     rank_dicts = build_rank_state_dicts(full, target, keep_rng)
     dirname = layout.iteration_dirname(full.iteration, full.release)
-    checkpoint_integrity.prepare_save_dir(save_dir)
+    integrity.prepare_save_dir(save_dir)
     tmp_dir = os.path.join(save_dir, f".{dirname}.tmp-{os.getpid()}")
     final_dir = os.path.join(save_dir, dirname)
     try:
         for (t, p), state_dict in rank_dicts.items():
             rank_dir = layout.rank_dirname(t, p, pipeline_parallel=target.pp > 1)
-            checkpointing._write_durably(state_dict, os.path.join(tmp_dir, rank_dir, layout.CHECKPOINT_BASENAME))
+            durable.write_durably(state_dict, os.path.join(tmp_dir, rank_dir, layout.CHECKPOINT_BASENAME))
         # The same publish as training's save: manifest, fsync, directory swap, tracker last.
-        checkpoint_integrity.publish_iteration(save_dir, tmp_dir, full.iteration, release=full.release)
+        integrity.publish_iteration(save_dir, tmp_dir, full.iteration, release=full.release)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise

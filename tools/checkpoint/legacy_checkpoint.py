@@ -20,8 +20,9 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 import torch  # noqa: E402
 
-from megatron.training.checkpoint_integrity import CheckpointTrackerError, read_tracker, tracker_exists  # noqa: E402
 from megatron.training.checkpointing import MODEL_SHAPE_ARGS, layout, load_state_dict_file, saved_args  # noqa: E402
+from megatron.training.checkpointing.errors import CheckpointTrackerError  # noqa: E402
+from megatron.training.checkpointing.tracker import read_tracker, tracker_exists  # noqa: E402
 
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _COLUMN_PARALLEL = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",

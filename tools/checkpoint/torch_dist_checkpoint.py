@@ -35,8 +35,14 @@ from legacy_checkpoint import _LAYER_KEY, find_iteration_dir  # noqa: E402
 from megatron.core.dist_checkpointing import model_and_optimizer as mo  # noqa: E402
 from megatron.core.optimizer import param_group_key  # noqa: E402
 from megatron.core.transformer.pipeline_layout import pipeline_layer_counts  # noqa: E402
-from megatron.training import checkpoint_integrity, checkpointing  # noqa: E402
-from megatron.training.checkpointing import MODEL_SHAPE_ARGS, layout, load_state_dict_file, saved_args  # noqa: E402
+from megatron.training.checkpointing import (  # noqa: E402
+    MODEL_SHAPE_ARGS,
+    durable,
+    integrity,
+    layout,
+    load_state_dict_file,
+    saved_args,
+)
 
 _SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 
@@ -127,7 +133,7 @@ _MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 
 
 def read_torch_dist(load_dir, iteration, with_optimizer) -> FullCheckpoint:
-    """Read a torch_dist checkpoint (torch.distributed.checkpoint files + ``common.pt``) as one FullCheckpoint,
+    """Read a torch_dist checkpoint (torch.distributed.checkpoint files + the common state) as one FullCheckpoint,
     with ``megatron.core.dist_checkpointing``'s reader, in one process: every tensor is read whole.
 
     Its tensors are already global (keys with global layer numbers, global shapes), so no merging is
@@ -318,7 +324,7 @@ def write_torch_dist(full: FullCheckpoint, save_dir: str, target: TargetLayout, 
             items.append(ShardedObject(f"rng_state/shard_{p}.{t}_{target.pp}.{target.tp}",
                                        mo.extra_state_bytes(rng_state)))
     dirname = layout.iteration_dirname(full.iteration, full.release)
-    checkpoint_integrity.prepare_save_dir(save_dir)
+    integrity.prepare_save_dir(save_dir)
     tmp_dir = os.path.join(save_dir, f".{dirname}.tmp-{os.getpid()}")
     final_dir = os.path.join(save_dir, dirname)
     try:
@@ -327,14 +333,13 @@ def write_torch_dist(full: FullCheckpoint, save_dir: str, target: TargetLayout, 
             warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
             serialization.save(items, tmp_dir)
         common = _common_state(full, target, keep_rng)
-        checkpointing._write_durably(common, layout.common_file_name(tmp_dir))
+        durable.write_durably(common, layout.common_file_name(tmp_dir))
         if keep_rng:
             for (t, p), rng_state in full.rng_states.items():
                 name = layout.rng_file_name(tmp_dir, layout.rank_of(t, p, target.tp))
-                checkpointing._write_durably({"rng_state": rng_state, "parallel_layout": common["parallel_layout"]},
-                                             name)
+                durable.write_durably({"rng_state": rng_state, "parallel_layout": common["parallel_layout"]}, name)
         # The same publish as training's save: manifest, fsync, directory swap, tracker last.
-        checkpoint_integrity.publish_iteration(save_dir, tmp_dir, full.iteration, release=full.release)
+        integrity.publish_iteration(save_dir, tmp_dir, full.iteration, release=full.release)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
