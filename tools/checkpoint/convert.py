@@ -345,7 +345,8 @@ def read_checkpoint(load_dir: str, iteration: Optional[int] = None, with_optimiz
     """Read a checkpoint of either format (detected) as one FullCheckpoint (see :func:`read_legacy`).
 
     With ``verify`` the files are first checked against the checkpoint's integrity manifest (size and
-    CRC-32; checkpoints written without one are read as they are): ConvertError names a damaged file.
+    CRC-32; checkpoints written without one are read as they are): ConvertError names a damaged file. A
+    ValueError of the readers (content that breaks the layout's rules) is raised as a ConvertError.
     """
     if not os.path.isdir(load_dir):
         raise ConvertError(f"--load-dir {load_dir}: no such directory")
@@ -355,9 +356,14 @@ def read_checkpoint(load_dir: str, iteration: Optional[int] = None, with_optimiz
         if problems:
             raise ConvertError(f"--load-dir {load_dir}: the checkpoint does not match its "
                                f"{layout.MANIFEST_FILENAME}: {'; '.join(problems[:5])}")
-    if ckpt_format == "torch":
-        return read_legacy(load_dir, iteration, with_optimizer)
-    return read_torch_dist(load_dir, iteration, with_optimizer)
+    try:
+        if ckpt_format == "torch":
+            return read_legacy(load_dir, iteration, with_optimizer)
+        return read_torch_dist(load_dir, iteration, with_optimizer)
+    except ConvertError:
+        raise
+    except ValueError as error:  # the checkpoint's content does not fit its rules (a malformed or hostile file)
+        raise ConvertError(str(error)) from error
 
 
 def _named_rank_optimizer(optimizer: dict, rank_chunks: List[dict], args, path: str) -> dict:

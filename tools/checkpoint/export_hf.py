@@ -93,8 +93,11 @@ def save_tokenizer_files(args, save_dir: str) -> Optional[str]:
     if kind == "GPT2BPETokenizer":
         tokenizer = _gpt2_hf_tokenizer(args.vocab_file, args.merge_file)
     elif kind == "HuggingFaceTokenizer":
-        tokenizer = transformers.AutoTokenizer.from_pretrained(
-            args.tokenizer_model, trust_remote_code=args.trust_remote_code)
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(
+                args.tokenizer_model, trust_remote_code=args.trust_remote_code)
+        except ValueError as error:  # e.g. a folder whose code would need --trust-remote-code: the user's input
+            raise ExportError(str(error)) from None
     else:
         return None
     tokenizer.save_pretrained(save_dir)
