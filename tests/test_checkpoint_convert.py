@@ -264,6 +264,33 @@ def test_damaged_source_file_is_refused_by_name(original, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_content_breaking_the_layout_rules_is_one_error_line(original, tmp_path, capsys):
+    """A torch_dist checkpoint whose saved args do not split its layers (a ValueError deep in the reader) is
+    refused with one ``error:`` line and exit status 1, not a traceback."""
+    checkpoint, _ = original
+    dist_dir = tmp_path / "dist"
+    assert convert.main(["--load-dir", str(checkpoint), "--save-dir", str(dist_dir),
+                         "--target-ckpt-format", "torch_dist"]) == 0
+    common_name = layout.common_file_name(str(dist_dir / "iter_0000004"))
+    common = convert.load_state_dict_file(common_name)
+    common["args"].decoder_first_pipeline_num_layers = 99  # with pipeline size 1: no split exists
+    torch.save(common, common_name)
+    capsys.readouterr()
+    assert convert.main(["--load-dir", str(dist_dir), "--save-dir", str(tmp_path / "out"),
+                         "--no-verify-checkpoint"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "pipeline_model_parallel_size > 1" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_rank_dirnames_parse_back():
+    """layout.parse_rank_dirname inverts layout.rank_dirname (the converter reads rank folders with it)."""
+    for t, p, pipeline in ((0, 0, False), (3, 0, False), (1, 0, True), (2, 17, True)):
+        assert layout.parse_rank_dirname(layout.rank_dirname(t, p, pipeline_parallel=pipeline)) == (t, p)
+    for other in ("mp_rank_1", "mp_rank_01_02", "mp_rank_01_002_x", "common.pt", "rng"):
+        assert layout.parse_rank_dirname(other) is None
+
+
 def _saved_moment(optimizer, name, key="exp_avg"):
     """``key`` of param ``name`` in a legacy file's optimizer (Megatron's positional layout, torch's param_names)."""
     for group in optimizer["param_groups"]:
