@@ -201,7 +201,8 @@ def write_checkpoint(save_dir: str, state: dict, args: argparse.Namespace, tp: i
         folder = os.path.join(save_dir, layout.iteration_dirname(0, release=True), layout.rank_dirname(rank))
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, layout.CHECKPOINT_BASENAME)
-        torch.save({"args": args, "checkpoint_version": layout.CHECKPOINT_VERSION, "iteration": 0, "model": shard}, path)
+        torch.save({"args": args, "checkpoint_version": layout.CHECKPOINT_VERSION, "iteration": 0, "model": shard},
+                   path)
         written.append(path)
     with open(layout.get_checkpoint_tracker_filename(save_dir), "w") as stream:
         stream.write("release")
