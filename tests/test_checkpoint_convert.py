@@ -10,6 +10,8 @@ import torch
 
 from pretrain_utils import load_checkpoint_tool, losses_from_log, run_pretrain
 
+from megatron.training.checkpointing import durable, layout
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -177,7 +179,7 @@ def test_bad_input_is_refused_naming_the_flag(original, tmp_path, capsys, argv, 
 def test_failed_write_leaves_no_partial_output(original, tmp_path, monkeypatch, capsys):
     """A full disk while writing: one error line (no traceback) and nothing left in --save-dir."""
     checkpoint, _ = original
-    real_write = convert.checkpointing._write_durably
+    real_write = durable.write_durably
     calls = []
 
     def failing_write(state_dict, path):
@@ -186,7 +188,7 @@ def test_failed_write_leaves_no_partial_output(original, tmp_path, monkeypatch, 
             raise OSError(28, "No space left on device")
         real_write(state_dict, path)
 
-    monkeypatch.setattr(convert.checkpointing, "_write_durably", failing_write)
+    monkeypatch.setattr(durable, "write_durably", failing_write)
     save = tmp_path / "out"
     assert convert.main(["--load-dir", str(checkpoint), "--save-dir", str(save), "--target-tensor-parallel-size",
                          "1", "--target-pipeline-parallel-size", "2"]) == 1
@@ -229,7 +231,7 @@ def test_legacy_to_torch_dist_and_back_is_bit_exact(original, tmp_path):
     dist_dir, back = tmp_path / "dist", tmp_path / "back"
     assert convert.main(["--load-dir", str(checkpoint), "--ckpt-step", "2", "--save-dir", str(dist_dir),
                          "--target-ckpt-format", "torch_dist"]) == 0
-    assert convert.detect_format(str(dist_dir)) == "torch_dist"
+    assert layout.detect_format(convert.find_iteration_dir(str(dist_dir))) == "torch_dist"
     full = convert.read_checkpoint(str(dist_dir))
     assert full.model["decoder.layers.3.mlp.linear_fc1.weight"].shape == (128, 32)
     assert full.optimizer.param_state["decoder.layers.3.mlp.linear_fc1.weight"]["exp_avg"].shape == (128, 32)
@@ -260,6 +262,33 @@ def test_damaged_source_file_is_refused_by_name(original, tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"--load-dir {copy}" in err and f"{damaged} is corrupt" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_content_breaking_the_layout_rules_is_one_error_line(original, tmp_path, capsys):
+    """A torch_dist checkpoint whose saved args do not split its layers (a ValueError deep in the reader) is
+    refused with one ``error:`` line and exit status 1, not a traceback."""
+    checkpoint, _ = original
+    dist_dir = tmp_path / "dist"
+    assert convert.main(["--load-dir", str(checkpoint), "--save-dir", str(dist_dir),
+                         "--target-ckpt-format", "torch_dist"]) == 0
+    common_name = layout.common_file_name(str(dist_dir / "iter_0000004"))
+    common = convert.load_state_dict_file(common_name)
+    common["args"].decoder_first_pipeline_num_layers = 99  # with pipeline size 1: no split exists
+    torch.save(common, common_name)
+    capsys.readouterr()
+    assert convert.main(["--load-dir", str(dist_dir), "--save-dir", str(tmp_path / "out"),
+                         "--no-verify-checkpoint"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "pipeline_model_parallel_size > 1" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_rank_dirnames_parse_back():
+    """layout.parse_rank_dirname inverts layout.rank_dirname (the converter reads rank folders with it)."""
+    for t, p, pipeline in ((0, 0, False), (3, 0, False), (1, 0, True), (2, 17, True)):
+        assert layout.parse_rank_dirname(layout.rank_dirname(t, p, pipeline_parallel=pipeline)) == (t, p)
+    for other in ("mp_rank_1", "mp_rank_01_02", "mp_rank_01_002_x", "common.pt", "rng"):
+        assert layout.parse_rank_dirname(other) is None
 
 
 def _saved_moment(optimizer, name, key="exp_avg"):
@@ -312,7 +341,7 @@ def test_torch_dist_dp2_distributed_optimizer_to_legacy_pp2(shared_data, shakesp
     flags = FLAGS[:FLAGS.index("--ckpt-format")]
     out = run_pretrain(2, [*flags, "--ckpt-format", "torch_dist", "--use-distributed-optimizer", "--save-interval", "2",
                            "--save", str(tmp_path / "dist")], shared_data, shakespeare_prefix, tmp_path / "run")
-    assert convert.detect_format(str(tmp_path / "dist"), 2) == "torch_dist"
+    assert layout.detect_format(convert.find_iteration_dir(str(tmp_path / "dist"), 2)) == "torch_dist"
     assert convert.main(["--load-dir", str(tmp_path / "dist"), "--ckpt-step", "2", "--save-dir", str(tmp_path / "pp2"),
                          "--target-pipeline-parallel-size", "2"]) == 0
     _assert_losses_match(losses_from_log(out), run_pretrain(2, [*FLAGS, "--pipeline-model-parallel-size", "2", "--load",

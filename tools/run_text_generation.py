@@ -17,7 +17,6 @@ or at the tokenizer's end-of-document id (unless ``--ignore-eod``). Rank 0 print
 ``{"prompt", "prompt_ids", "generated_ids", "text"}`` (``text`` is the detokenized continuation only).
 """
 import argparse
-import glob
 import json
 import os
 import sys
@@ -33,16 +32,17 @@ from megatron.core.collective_device import get_collective_device  # noqa: E402
 from megatron.core.console import write_line  # noqa: E402
 from megatron.core.inference.sampling import sample_logits  # noqa: E402
 from megatron.training.arguments import parse_args  # noqa: E402
-from megatron.training.checkpoint_errors import checkpoint_errors_as_user_errors  # noqa: E402
-from megatron.training.checkpoint_integrity import tracker_exists  # noqa: E402
 from megatron.training.checkpointing import (  # noqa: E402
     MODEL_SHAPE_ARGS,
     get_checkpoint_tracker_filename,
+    layout,
     load_checkpoint,
     load_state_dict_file,
     read_metadata,
     saved_args,
 )
+from megatron.training.checkpointing.errors import checkpoint_errors_as_user_errors  # noqa: E402
+from megatron.training.checkpointing.tracker import tracker_exists  # noqa: E402
 from megatron.training.global_vars import get_tokenizer  # noqa: E402
 from megatron.training.initialize import initialize_megatron  # noqa: E402
 from megatron.training.theoretical_memory_usage import model_memory_refusal  # noqa: E402
@@ -102,13 +102,21 @@ def _checkpoint_args(load_dir: str) -> Tuple[argparse.Namespace, str]:
     if not tracker_exists(tracker):  # CheckpointTrackerError for a FIFO, a device...
         raise UserInputError(f"--load {load_dir}: no checkpoint there (missing {tracker})")
     iteration, release = read_metadata(tracker)
-    folder = "release" if release else f"iter_{iteration:07d}"
-    # torch_dist: common.pt holds the args; torch (legacy): every rank file does.
-    files = (sorted(glob.glob(os.path.join(load_dir, folder, "common.pt")))
-             or sorted(glob.glob(os.path.join(load_dir, folder, "mp_rank_*", "model_optim_rng.pt"))))
+    folder = layout.iteration_dirname(iteration, release)
+    iteration_dir = os.path.join(load_dir, folder)
+    # torch_dist: the common state holds the args; torch (legacy): every rank file does.
+    ckpt_format = layout.detect_format(iteration_dir) if os.path.isdir(iteration_dir) else None
+    if ckpt_format == "torch_dist":
+        files = [layout.common_file_name(iteration_dir)]
+    elif ckpt_format == "torch":
+        files = [os.path.join(iteration_dir, entry, layout.CHECKPOINT_BASENAME)
+                 for entry in layout.rank_dirnames(iteration_dir)]
+    else:
+        files = []
+    files = [name for name in files if os.path.lexists(name)]  # as a glob finds them
     if not files:
-        raise UserInputError(f"--load {load_dir}: neither common.pt (torch_dist) nor mp_rank_*/model_optim_rng.pt "
-                             f"(torch) under {folder}")
+        raise UserInputError(f"--load {load_dir}: neither {layout.COMMON_BASENAME} (torch_dist) nor "
+                             f"{layout.RANK_DIR_PREFIX}*/{layout.CHECKPOINT_BASENAME} (torch) under {folder}")
     saved = saved_args(load_state_dict_file(files[0], f"--load {load_dir}"), files[0], f"--load {load_dir}",
                        required=MODEL_SHAPE_ARGS, positive_if_set=_SIZE_ARGS)
     if saved is None:

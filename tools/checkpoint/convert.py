@@ -2,8 +2,8 @@
 
 Megatron-LM's ``tools/checkpoint/convert.py`` flags where they exist (``--load-dir``, ``--save-dir``,
 ``--target-tensor-parallel-size``, ``--target-pipeline-parallel-size``, ``--true-vocab-size``); the
-format is chosen with ``--target-ckpt-format`` (``torch``: the legacy per-rank ``mp_rank_XX[_YYY]``
-layout; ``torch_dist``: torch.distributed.checkpoint files written with ``megatron.core.dist_checkpointing``,
+format is chosen with ``--target-ckpt-format`` (``torch``: the legacy layout, one file per tensor and
+pipeline rank; ``torch_dist``: torch.distributed.checkpoint files written with ``megatron.core.dist_checkpointing``,
 every tensor whole under its layout-free key, which training loads at any TP/PP/DP layout and vocabulary
 padding). The source format is detected from the folder. Everything is read into this one process's
 memory (about the checkpoint's size).
@@ -49,8 +49,6 @@ import argparse
 import os
 import shutil
 import sys
-import warnings
-from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -58,116 +56,60 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 import torch  # noqa: E402
 
+from full_checkpoint import (  # noqa: E402
+    EMBEDDING,
+    TIED_OUTPUT,
+    VOCAB_KEYS,
+    ConvertError,
+    FullCheckpoint,
+    OptimizerState,
+    TargetLayout,
+    global_key,
+    group_signature,
+    is_tied,
+    layer_of,
+    local_key,
+    rank_optimizer,
+    target_args,
+)
 from legacy_checkpoint import (  # noqa: E402
-    _LAYER_KEY,
     CheckpointLayoutError,
     _merge_tp,
     _rank_files,
     find_iteration_dir,
     split_tp,
 )
-from megatron.core.dist_checkpointing import model_and_optimizer as mo  # noqa: E402
+from torch_dist_checkpoint import read_torch_dist, write_torch_dist  # noqa: E402
 from megatron.core.optimizer import param_group_key  # noqa: E402
 from megatron.core.transformer.pipeline_layout import pipeline_layer_counts, pipeline_layer_offset  # noqa: E402
-from megatron.training import checkpoint_integrity, checkpointing, legacy_optimizer_state  # noqa: E402
-from megatron.training.checkpoint_errors import is_checkpoint_user_error, one_line  # noqa: E402
 from megatron.training.checkpointing import (  # noqa: E402
-    CHECKPOINT_BASENAME,
-    CHECKPOINT_VERSION,
-    DISTRIBUTED_OPTIMIZER_BASENAME,
     MODEL_SHAPE_ARGS,
+    durable,
+    integrity,
+    layout,
+    legacy_optimizer_state,
     load_state_dict_file,
+    manifest,
     saved_args,
 )
-
-CKPT_FORMATS = ("torch", "torch_dist")
-_SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
-_VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
-_TIED_OUTPUT = "output_layer.weight"
-_EMBEDDING = "embedding.word_embeddings.weight"
+from megatron.training.checkpointing.errors import is_checkpoint_user_error  # noqa: E402
+from megatron.training.user_errors import one_line  # noqa: E402
 
 
-class ConvertError(ValueError):
-    """A user-facing conversion failure; the message names the flag, folder or file."""
+def _source_format(load_dir: str, iteration: Optional[int] = None) -> str:
+    """The format of the iteration folder to read, by ``layout.detect_format`` (the project's one rule).
 
-
-@dataclass
-class OptimizerState:
-    """A non-distributed optimizer's state over the full model, keyed by global param name.
-
-    ``kind``: ``"fp32"`` (FP32Optimizer: the torch optimizer's state dict) or ``"float16"``
-    (Float16OptimizerWithFloat16Params: that plus fp32 main params and the grad scaler).
-    ``param_state``: ``{name: {'exp_avg': full tensor, 'step': tensor, ...}}``.
-    ``groups``: hyper-parameters of each param group (no ``params``); ``group_of``: ``{name: index}``.
-    ``main_params``: ``{name: full fp32 tensor}`` (float16 only); ``grad_scaler``: its state or None.
-    """
-    kind: str
-    param_state: Dict[str, Dict[str, Any]]
-    groups: List[dict]
-    group_of: Dict[str, int]
-    main_params: Optional[Dict[str, torch.Tensor]] = None
-    grad_scaler: Optional[dict] = None
-
-
-@dataclass
-class FullCheckpoint:
-    """A checkpoint as one model: global layer numbers, TP shards merged, no tied-output copy.
-
-    ``model``: ``{key: tensor or None}`` in the model's order (``decoder.layers.<global i>.*``,
-    ``_extra_state`` entries kept as None); ``output_layer.weight`` is present only when the output
-    layer is untied. ``args``: the saved Namespace; ``layout``: ``{'tp', 'pp', 'vp', 'counts'}``.
-    ``notes``: what could not be carried over, for the user.
-    """
-    model: Dict[str, Any]
-    args: argparse.Namespace
-    iteration: int
-    release: bool
-    layout: dict
-    optimizer: Optional[OptimizerState] = None
-    scheduler: Optional[dict] = None
-    rng_states: Optional[Dict[Tuple[int, int], Any]] = None
-    num_floating_point_operations_so_far: int = 0
-    notes: List[str] = field(default_factory=list)
-
-
-# ----------------------------------------------------------------------------------------------- names
-
-
-def _global_key(key: str, offset: int) -> str:
-    match = _LAYER_KEY.match(key)
-    return f"decoder.layers.{int(match.group(1)) + offset}.{match.group(2)}" if match else key
-
-
-def _local_key(key: str, offset: int) -> str:
-    match = _LAYER_KEY.match(key)
-    return f"decoder.layers.{int(match.group(1)) - offset}.{match.group(2)}" if match else key
-
-
-def _layer_of(key: str) -> Optional[int]:
-    match = _LAYER_KEY.match(key)
-    return int(match.group(1)) if match else None
-
-
-def _tied(args) -> bool:
-    return not getattr(args, "untie_embeddings_and_output_weights", False)
-
-
-def detect_format(load_dir: str, iteration: Optional[int] = None) -> str:
-    """``"torch"`` (mp_rank_* folders) or ``"torch_dist"`` (a torch.distributed.checkpoint ``.metadata``).
-
-    Raises ConvertError naming ``--load-dir`` when the folder is neither.
+    Raises ConvertError naming ``--load-dir`` when the folder is a checkpoint of neither format.
     """
     try:
         iteration_dir = find_iteration_dir(load_dir, iteration)
     except CheckpointLayoutError as error:
         raise ConvertError(str(error).replace("--load ", "--load-dir ")) from None
-    entries = os.listdir(iteration_dir)
-    if any(entry.startswith("mp_rank_") for entry in entries):
-        return "torch"
-    if ".metadata" in entries:
-        return "torch_dist"
-    raise ConvertError(f"--load-dir {load_dir}: {iteration_dir} holds neither mp_rank_* folders (--ckpt-format "
-                       "torch) nor a .metadata file (--ckpt-format torch_dist)")
+    found = layout.detect_format(iteration_dir)
+    if found is None:
+        raise ConvertError(f"--load-dir {load_dir}: {iteration_dir} holds neither {layout.RANK_DIR_PREFIX}* folders "
+                           f"(--ckpt-format torch) nor a {layout.METADATA_FILENAME} file (--ckpt-format torch_dist)")
+    return found
 
 
 # ----------------------------------------------------------------------------------------------- read
@@ -227,12 +169,12 @@ def read_legacy(load_dir: str, iteration: Optional[int] = None, with_optimizer: 
     swiglu = bool(getattr(args, "swiglu", False))
     chunks = {rank: _chunks_of(ckpt, files[rank]) for rank, ckpt in loaded.items()}
     vp = len(chunks[(0, 0)])
-    counts = [[1 + max([_layer_of(k) for k in chunks[(0, p)][v] if _layer_of(k) is not None], default=-1)
+    counts = [[1 + max([layer_of(k) for k in chunks[(0, p)][v] if layer_of(k) is not None], default=-1)
                for v in range(vp)] for p in range(pp)]
     if sum(map(sum, counts)) != args.num_layers:
         raise ConvertError(f"{iteration_dir}: its stages hold {sum(map(sum, counts))} layers, the saved args say "
                            f"--num-layers {args.num_layers}")
-    release = os.path.basename(iteration_dir) == "release"
+    release = os.path.basename(iteration_dir) == layout.RELEASE_DIRNAME
     full = FullCheckpoint(model={}, args=args, iteration=0 if release else int(first.get("iteration", 0)),
                           release=release, layout={"tp": tp, "pp": pp, "vp": vp, "counts": counts},
                           scheduler=first.get("opt_param_scheduler"),
@@ -242,14 +184,14 @@ def read_legacy(load_dir: str, iteration: Optional[int] = None, with_optimizer: 
 
     # Blocks in model order (chunk-major, see pipeline_layout), so the full dict keeps the model's order.
     blocks = [(p, v) for v in range(vp) for p in range(pp)]
-    tied_last = _tied(args) and pp > 1
+    tied_last = is_tied(args) and pp > 1
     for p, v in blocks:
         offset = pipeline_layer_offset(counts, p, v)
         merged = _merge_tp([chunks[(t, p)][v] for t in range(tp)], swiglu)
         for key, value in merged.items():
-            if key == _TIED_OUTPUT and tied_last:
+            if key == TIED_OUTPUT and tied_last:
                 continue  # the last stage's copy of the tied embedding
-            full.model.setdefault(_global_key(key, offset), value)
+            full.model.setdefault(global_key(key, offset), value)
 
     if with_optimizer:
         full.optimizer = _read_optimizer(loaded, files, chunks, full, swiglu)
@@ -259,7 +201,7 @@ def read_legacy(load_dir: str, iteration: Optional[int] = None, with_optimizer: 
 def _read_optimizer(loaded, files, chunks, full: FullCheckpoint, swiglu: bool) -> Optional[OptimizerState]:
     tp, pp, vp, counts = (full.layout[k] for k in ("tp", "pp", "vp", "counts"))
     kinds = {_optimizer_kind(ckpt.get("optimizer")) for ckpt in loaded.values()}
-    has_distrib = any(os.path.isfile(os.path.join(os.path.dirname(path), DISTRIBUTED_OPTIMIZER_BASENAME))
+    has_distrib = any(os.path.isfile(layout.get_distributed_optimizer_checkpoint_name(path))
                       for path in files.values())
     if kinds == {None}:
         full.notes.append("the source holds no optimizer state (saved with --no-save-optim): load the result with "
@@ -269,7 +211,7 @@ def _read_optimizer(loaded, files, chunks, full: FullCheckpoint, swiglu: bool) -
         try:
             for rank, path in files.items():
                 loaded[rank] = dict(loaded[rank], optimizer=_plain_from_distributed(
-                    loaded[rank].get("optimizer"), os.path.join(os.path.dirname(path), DISTRIBUTED_OPTIMIZER_BASENAME),
+                    loaded[rank].get("optimizer"), layout.get_distributed_optimizer_checkpoint_name(path),
                     chunks[rank], full.args))
         except ConvertError as error:
             full.notes.append(f"the distributed optimizer's state was not converted ({error}): the optimizer state and "
@@ -284,7 +226,7 @@ def _read_optimizer(loaded, files, chunks, full: FullCheckpoint, swiglu: bool) -
     state = OptimizerState(kind=kind, param_state={}, groups=[], group_of={}, main_params={} if kind == "float16"
                            else None)
     group_index: Dict[tuple, int] = {}
-    tied_last = _tied(full.args) and pp > 1
+    tied_last = is_tied(full.args) and pp > 1
     for p, v in [(p, v) for v in range(vp) for p in range(pp)]:
         offset = pipeline_layer_offset(counts, p, v)
         per_rank = []  # per TP rank: {local key: {state key: tensor}}, {local key: main param}
@@ -315,8 +257,8 @@ def _read_optimizer(loaded, files, chunks, full: FullCheckpoint, swiglu: bool) -
                         if signature not in group_index:
                             group_index[signature] = len(state.groups)
                             state.groups.append(template)
-                        global_name = _global_key(local, offset)
-                        if not (tied_last and local == _TIED_OUTPUT):
+                        global_name = global_key(local, offset)
+                        if not (tied_last and local == TIED_OUTPUT):
                             state.group_of.setdefault(global_name, group_index[signature])
             per_rank.append((param_state, mains))
         _merge_optimizer_block(state, per_rank, offset, chunks[(0, p)][v], swiglu, tied_last)
@@ -326,7 +268,7 @@ def _read_optimizer(loaded, files, chunks, full: FullCheckpoint, swiglu: bool) -
 
 
 def _plain_from_distributed(optimizer: Any, path: str, rank_chunks: List[dict], args) -> dict:
-    """One rank's distributed-optimizer state (``model_optim_rng.pt``'s groups and scaler plus
+    """One rank's distributed-optimizer state (the rank file's groups and scaler plus
     ``distrib_optim.pt``'s flat buffers with their ``param_index_map``) as the name-keyed state dict of the
     non-distributed optimizer of the same precision (FP32Optimizer, or Float16OptimizerWithFloat16Params
     with the buffers' fp32 ``param`` as main params). Param groups are rebuilt by the weight-decay rule.
@@ -357,7 +299,7 @@ def _plain_from_distributed(optimizer: Any, path: str, rank_chunks: List[dict], 
             shape = rank_chunks[chunk][local].shape
             if end - start != shape.numel():
                 raise ConvertError(f"{path}: parameter {name} has {end - start} elements, the model {shape.numel()}")
-            signature = _group_signature(local, len(shape), args)
+            signature = group_signature(local, len(shape), args)
             if signature not in index_of:
                 raise ConvertError(f"{path}: parameter {name} fits none of the saved param groups")
             group = index_of[signature]
@@ -383,7 +325,7 @@ def _merge_optimizer_block(state: OptimizerState, per_rank, offset: int, model_c
                            tied_last: bool) -> None:
     """Merge one block's TP shards of every per-param tensor (those shaped like the param) into ``state``."""
     for local in per_rank[0][0]:
-        if tied_last and local == _TIED_OUTPUT:
+        if tied_last and local == TIED_OUTPUT:
             continue
         shape = tuple(model_chunk[local].shape)
         entry = {}
@@ -392,9 +334,9 @@ def _merge_optimizer_block(state: OptimizerState, per_rank, offset: int, model_c
                 entry[key] = _merge_tp([{local: rank[0][local][key]} for rank in per_rank], swiglu)[local]
             else:
                 entry[key] = value  # Adam's step and other per-param scalars are the same on every TP rank
-        state.param_state[_global_key(local, offset)] = entry
+        state.param_state[global_key(local, offset)] = entry
         if state.main_params is not None:
-            state.main_params[_global_key(local, offset)] = _merge_tp(
+            state.main_params[global_key(local, offset)] = _merge_tp(
                 [{local: rank[1][local]} for rank in per_rank], swiglu)[local]
 
 
@@ -403,39 +345,32 @@ def read_checkpoint(load_dir: str, iteration: Optional[int] = None, with_optimiz
     """Read a checkpoint of either format (detected) as one FullCheckpoint (see :func:`read_legacy`).
 
     With ``verify`` the files are first checked against the checkpoint's integrity manifest (size and
-    CRC-32; checkpoints written without one are read as they are): ConvertError names a damaged file.
+    CRC-32; checkpoints written without one are read as they are): ConvertError names a damaged file. A
+    ValueError of the readers (content that breaks the layout's rules) is raised as a ConvertError.
     """
     if not os.path.isdir(load_dir):
         raise ConvertError(f"--load-dir {load_dir}: no such directory")
-    ckpt_format = detect_format(load_dir, iteration)
+    ckpt_format = _source_format(load_dir, iteration)
     if verify:
-        problems, _ = checkpoint_integrity.verify_directory(find_iteration_dir(load_dir, iteration))
+        problems, _ = manifest.verify_directory(find_iteration_dir(load_dir, iteration))
         if problems:
             raise ConvertError(f"--load-dir {load_dir}: the checkpoint does not match its "
-                               f"{checkpoint_integrity.MANIFEST_FILENAME}: {'; '.join(problems[:5])}")
-    if ckpt_format == "torch":
-        return read_legacy(load_dir, iteration, with_optimizer)
-    return _read_torch_dist(load_dir, iteration, with_optimizer)
-
-
-COMMON_BASENAME = "common.pt"  # torch_dist: args, counters, scheduler, optimizer hyper-parameters (rank 0)
-_LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
-# A layer's state-dict keys in GPTModel's (and Megatron's local spec's) module order (others follow, sorted).
-_LAYER_ORDER = ["input_layernorm.weight", "input_layernorm.bias"]
-for _module in ("self_attention.linear_proj", "self_attention.linear_qkv"):
-    _LAYER_ORDER += [f"{_module}.weight", f"{_module}.bias", f"{_module}._extra_state"]
-_LAYER_ORDER += ["self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
-                 "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
-                 "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias"]
-for _module in ("mlp.linear_fc1", "mlp.linear_fc2"):
-    _LAYER_ORDER += [f"{_module}.weight", f"{_module}.bias", f"{_module}._extra_state"]
+                               f"{layout.MANIFEST_FILENAME}: {'; '.join(problems[:5])}")
+    try:
+        if ckpt_format == "torch":
+            return read_legacy(load_dir, iteration, with_optimizer)
+        return read_torch_dist(load_dir, iteration, with_optimizer)
+    except ConvertError:
+        raise
+    except ValueError as error:  # the checkpoint's content does not fit its rules (a malformed or hostile file)
+        raise ConvertError(str(error)) from error
 
 
 def _named_rank_optimizer(optimizer: dict, rank_chunks: List[dict], args, path: str) -> dict:
     """One rank's optimizer state keyed by param name, from Megatron's positional layout.
 
     Names come from torch's per-group ``param_names`` when present; otherwise (a Megatron-LM file)
-    from the rank's model state-dict order grouped by ``_group_signature``, which is how the writer
+    from the rank's model state-dict order grouped by ``group_signature``, which is how the writer
     discovered its params (see megatron.training.legacy_optimizer_state).
     """
     keys, shapes, groups = [], {}, {}
@@ -446,7 +381,7 @@ def _named_rank_optimizer(optimizer: dict, rank_chunks: List[dict], args, path: 
             name = f"model{v}.{key}" if len(rank_chunks) > 1 else key
             keys.append(name)
             shapes[name] = value.shape
-            groups.setdefault(_group_signature(key, value.dim(), args), []).append(name)
+            groups.setdefault(group_signature(key, value.dim(), args), []).append(name)
     inner = optimizer.get("optimizer", optimizer) if isinstance(optimizer, dict) else None
     saved_groups = inner.get("param_groups", []) if isinstance(inner, dict) else []
     if saved_groups and all("param_names" in group for group in saved_groups):
@@ -460,233 +395,7 @@ def _named_rank_optimizer(optimizer: dict, rank_chunks: List[dict], args, path: 
             "; use --no-load-optim to start the optimizer afresh", "")) from None
 
 
-def _model_order(key: str):
-    """Sort key putting full-model state-dict keys in GPTModel's order (embedding, layers, final norm, output)."""
-    layer = _layer_of(key)
-    if layer is not None:
-        suffix = _LAYER_KEY.match(key).group(2)
-        return (1, layer, _LAYER_ORDER.index(suffix) if suffix in _LAYER_ORDER else len(_LAYER_ORDER), suffix)
-    module, _, leaf = key.rpartition(".")
-    leaf_rank = {"weight": 0, "bias": 1, "_extra_state": 2}.get(leaf, 3)
-    if key.startswith("embedding."):
-        return (0, 0 if "word_embeddings" in key else 1, leaf_rank, key)
-    return (2, 0 if key.startswith("decoder.") else 1, leaf_rank, key)
-
-
-def _with_extra_state(model: Dict[str, Any]) -> Dict[str, Any]:
-    """``model`` plus the ``_extra_state`` (None) entries of its linear layers, which torch_dist does not store
-    and a strict ``load_state_dict`` of the legacy format expects, in GPTModel's order."""
-    out = dict(model)
-    for key in model:
-        for module in _LINEAR_MODULES:
-            if key.endswith(f".{module}.weight"):
-                out.setdefault(key[:-len("weight")] + "_extra_state", None)
-    out.setdefault("output_layer._extra_state", None)
-    return {key: out[key] for key in sorted(out, key=_model_order)}
-
-
-def _group_signature(name: str, ndim: int, args) -> tuple:
-    """(wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr) of a param, by the rules of
-    ``megatron.core.optimizer._get_param_groups`` with pretrain_gpt.py's no-weight-decay condition."""
-    from megatron.training.training import _no_weight_decay_cond
-
-    no_wd = _no_weight_decay_cond(args)(name, torch.empty((1,) * ndim, device="meta"))
-    decoupled = getattr(args, "decoupled_lr", None) is not None and name in _VOCAB_KEYS
-    return (0.0 if no_wd else 1.0, 1.0, False, decoupled)
-
-
-RNG_DIRNAME = "rng"  # torch_dist: rng/rank_<global rank:05d>.pt, one file per rank
-
-
-def _rank_of(t: int, p: int, tp: int) -> int:
-    """Global rank of (tensor rank t, pipeline rank p) with one data-parallel rank (order tp-cp-ep-dp-pp)."""
-    return t + tp * p
-
-
-def _torch_dist_layout(tp: int, pp: int, vp: int) -> dict:
-    """The ``parallel_layout`` entry of ``common.pt`` for a run of tp x pp ranks and no data parallelism."""
-    return {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "data_parallel_size": 1,
-            "virtual_pipeline_model_parallel_size": vp if vp > 1 else None, "world_size": tp * pp}
-
-
-def _read_torch_dist_rng(iteration_dir: str, layout: Optional[dict], context: str):
-    """{(tp rank, pp rank): rng_state list} of a torch_dist checkpoint saved without data parallelism, else None."""
-    if not layout or layout.get("data_parallel_size") != 1:
-        return None
-    tp, pp = layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"]
-    states = {}
-    for t in range(tp):
-        for p in range(pp):
-            name = os.path.join(iteration_dir, RNG_DIRNAME, f"rank_{_rank_of(t, p, tp):05d}.pt")
-            if not os.path.isfile(name):
-                return None
-            states[(t, p)] = load_state_dict_file(name, context)["rng_state"]
-    return states
-
-
-def _per_layer_tensors(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """Whole tensors of a torch_dist checkpoint under per-layer names: model ``decoder.layers.<i>.<name>``,
-    optimizer ``optimizer.state.<per-layer name>.<state>`` (Megatron's layer-stacked keys are split, its
-    distributed-optimizer fragments put back into parameter shape); the earlier per-layer layout passes."""
-    if mo.is_per_layer_layout(tensors):
-        return tensors
-    model = {key: value for key, value in tensors.items() if not key.startswith(mo.OPTIMIZER_PREFIX)}
-    out = mo.unstack_layers(model)
-    by_state: Dict[str, Dict[str, torch.Tensor]] = {}
-    for key, value in tensors.items():
-        if not key.startswith(mo.OPTIMIZER_PREFIX):
-            continue
-        state_key, _, name = key[len(mo.OPTIMIZER_PREFIX):].partition(".")
-        param = model.get(name)
-        if param is not None and value.dim() != param.dim():  # the distributed optimizer's fragments
-            layered = name.startswith(mo.LAYER_PREFIX)
-            value = mo.unflatten_fragments(value, tuple(param.shape[1:] if layered else param.shape), layered)
-        by_state.setdefault(state_key, {})[name] = value
-    for state_key, entries in by_state.items():
-        for name, value in mo.unstack_layers(entries).items():
-            out[f"{mo.OPTIMIZER_PREFIX}{name}.{state_key}"] = value
-    return out
-
-
-def _is_tensor_key(key: str) -> bool:
-    """Whether a torch_dist entry ``key`` names a model or optimizer tensor (which this tool reads) rather than
-    a pickled object (the ``_extra_state`` of a layer, the RNG state, Megatron-LM's other objects)."""
-    base = key.split("/", 1)[0]
-    return base.startswith(_MODEL_PREFIXES + (mo.OPTIMIZER_PREFIX,)) and not base.endswith("_extra_state")
-
-
-_MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
-
-
-def _read_torch_dist(load_dir, iteration, with_optimizer) -> FullCheckpoint:
-    """Read a torch_dist checkpoint (torch.distributed.checkpoint files + ``common.pt``) as one FullCheckpoint,
-    with ``megatron.core.dist_checkpointing``'s reader, in one process: every tensor is read whole.
-
-    Its tensors are already global (keys with global layer numbers, global shapes), so no merging is
-    needed; the optimizer's param groups are rebuilt from the saved hyper-parameters by the rules
-    that built them (weight decay by name and dimension). Raises ConvertError naming the folder.
-    """
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from megatron.core.dist_checkpointing import serialization
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    iteration_dir = find_iteration_dir(load_dir, iteration)
-    common_name = os.path.join(iteration_dir, COMMON_BASENAME)
-    if not os.path.isfile(common_name):
-        raise ConvertError(f"--load-dir {load_dir}: torch_dist checkpoint {iteration_dir} has no {COMMON_BASENAME}")
-    common = load_state_dict_file(common_name, f"--load-dir {load_dir}")
-    args = saved_args(common, common_name, f"--load-dir {load_dir}", MODEL_SHAPE_ARGS)
-    if args is None:
-        raise ConvertError(f"{common_name}: no saved 'args' (the model shape is unknown)")
-    stored = serialization.read_metadata(iteration_dir).state_dict_metadata  # sizes checked against the files
-    for key, md in stored.items():
-        if not isinstance(md, TensorStorageMetadata) and _is_tensor_key(key):
-            raise ConvertError(f"{os.path.join(iteration_dir, serialization.METADATA_FILENAME)}: entry {key} is a "
-                               f"{type(md).__name__}, not the tensor a model or optimizer state holds")
-    tensors = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in stored.items()
-               if isinstance(md, TensorStorageMetadata)
-               and (with_optimizer or not key.startswith(mo.OPTIMIZER_PREFIX))}
-    with warnings.catch_warnings():  # this tool reads torch_dist checkpoints whole, in one process, on purpose
-        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
-        serialization.load([ShardedTensor(key, t, tuple(t.shape), (0,) * t.dim()) for key, t in tensors.items()],
-                           iteration_dir)
-    tensors = _per_layer_tensors(tensors)
-    release = os.path.basename(iteration_dir) == "release"
-    layout = common.get("parallel_layout") or {}
-    tp = layout.get("tensor_model_parallel_size", getattr(args, "tensor_model_parallel_size", 1))
-    pp = layout.get("pipeline_model_parallel_size", getattr(args, "pipeline_model_parallel_size", 1))
-    vp = layout.get("virtual_pipeline_model_parallel_size") or 1
-    model = _with_extra_state({k: v for k, v in tensors.items() if not k.startswith(mo.OPTIMIZER_PREFIX)})
-    if _tied(args):
-        model.pop(_TIED_OUTPUT, None)
-    full = FullCheckpoint(
-        model=model, args=args, iteration=0 if release else int(common.get("iteration", 0)), release=release,
-        layout={"tp": tp, "pp": pp, "vp": vp, "counts": None}, scheduler=common.get("opt_param_scheduler"),
-        num_floating_point_operations_so_far=common.get("num_floating_point_operations_so_far", 0))
-    train_state = common.get("train_state") or {}
-    for name in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
-        if name in train_state:
-            setattr(full.args, name, train_state[name])
-    full.rng_states = _read_torch_dist_rng(iteration_dir, common.get("parallel_layout"), f"--load-dir {load_dir}")
-    if full.rng_states is not None:
-        full.layout["counts"] = pipeline_layer_counts(
-            args.num_layers, pp, layout.get("virtual_pipeline_model_parallel_size"),
-            getattr(args, "decoder_first_pipeline_num_layers", None),
-            getattr(args, "decoder_last_pipeline_num_layers", None),
-            bool(getattr(args, "account_for_embedding_in_pipeline_split", False)) and pp > 1,
-            bool(getattr(args, "account_for_loss_in_pipeline_split", False)) and pp > 1)
-    elif os.path.isdir(os.path.join(iteration_dir, RNG_DIRNAME)):
-        full.notes.append("the RNG states of this torch_dist checkpoint (saved with data parallelism) belong to its "
-                          "global ranks and were not converted: load the result with --no-load-rng")
-    if not with_optimizer:
-        return full
-    if "optimizer" not in common:
-        full.notes.append("the source holds no optimizer state (saved with --no-save-optim): load the result with "
-                          "--no-load-optim")
-        full.scheduler = None
-        return full
-    saved_groups, saved_steps = mo.saved_groups_and_steps(common["optimizer"], common_name)
-    saved_groups = [dict(group, step=step) for group, step in zip(saved_groups, saved_steps)]
-    index_of = {}
-    for index, group in enumerate(saved_groups):
-        index_of.setdefault(param_group_key(group), index)
-    param_state: Dict[str, Dict[str, Any]] = {}
-    main_params: Dict[str, torch.Tensor] = {}
-    for key, value in tensors.items():
-        if not key.startswith(mo.OPTIMIZER_PREFIX):
-            continue
-        name, _, state_key = key[len(mo.OPTIMIZER_PREFIX):].rpartition(".")
-        if state_key == mo.MAIN_PARAM:
-            if name in full.model and full.model[name].dtype == torch.float32:
-                continue  # the distributed optimizer's copy of an fp32 param: the param itself
-            main_params[name] = value
-        else:
-            param_state.setdefault(name, {})[state_key] = value
-    state = OptimizerState(kind="float16" if main_params else "fp32", param_state={}, groups=[], group_of={},
-                           main_params={} if main_params else None,
-                           grad_scaler=mo.saved_grad_scaler(common["optimizer"]))
-    group_index: Dict[int, int] = {}
-    for name, value in full.model.items():
-        if not torch.is_tensor(value):
-            continue
-        signature = _group_signature(name, value.dim(), args)
-        if signature not in index_of:
-            full.notes.append(f"the optimizer's param groups cannot be rebuilt ({name} fits none of the saved groups); "
-                              "the optimizer state and scheduler were dropped: load the result with --no-load-optim")
-            full.scheduler = None
-            return full
-        saved = index_of[signature]
-        if saved not in group_index:
-            group_index[saved] = len(state.groups)
-            state.groups.append({k: v for k, v in saved_groups[saved].items() if k not in ("params", "step")})
-        state.group_of[name] = group_index[saved]
-        entry = dict(param_state.get(name, {}))
-        step = saved_groups[saved].get("step")
-        if entry and step is not None:
-            entry["step"] = torch.tensor(float(step), dtype=torch.float32)
-        state.param_state[name] = entry
-        if main_params:
-            if name not in main_params:
-                raise ConvertError(f"--load-dir {load_dir}: {iteration_dir} has fp32 main params but none for {name}")
-            state.main_params[name] = main_params[name]
-    full.optimizer = state
-    return full
-
-
 # ----------------------------------------------------------------------------------------------- relayout
-
-
-@dataclass
-class TargetLayout:
-    """Tensor/pipeline layout to write: ``tp``, ``pp``, ``vp`` (virtual stages per pipeline rank),
-    ``first``/``last`` (an uneven split), and the layer ``counts[p][v]`` computed from them."""
-    tp: int
-    pp: int
-    vp: int = 1
-    first: Optional[int] = None
-    last: Optional[int] = None
-    counts: List[List[int]] = field(default_factory=list)
 
 
 def plan_target(full: FullCheckpoint, tp: Optional[int], pp: Optional[int], vp: Optional[int] = None,
@@ -756,10 +465,10 @@ def _resize_rows(value: torch.Tensor, rows: int, fill: str) -> torch.Tensor:
 def resize_vocab(full: FullCheckpoint, padded: int) -> None:
     """Cut or extend the padded vocabulary rows of the embedding and output weights to ``padded``
     (weights and main params repeat their last row, optimizer moments are zero-filled)."""
-    current = full.model[_EMBEDDING].size(0)
+    current = full.model[EMBEDDING].size(0)
     if padded == current:
         return
-    for key in _VOCAB_KEYS:
+    for key in VOCAB_KEYS:
         if torch.is_tensor(full.model.get(key)):
             full.model[key] = _resize_rows(full.model[key], padded, "repeat")
             if full.optimizer is not None:
@@ -774,21 +483,6 @@ def resize_vocab(full: FullCheckpoint, padded: int) -> None:
     full.args.padded_vocab_size = padded
 
 
-def _target_args(full: FullCheckpoint, target: TargetLayout) -> argparse.Namespace:
-    args = argparse.Namespace(**vars(full.args))
-    args.tensor_model_parallel_size = target.tp
-    args.pipeline_model_parallel_size = target.pp
-    args.virtual_pipeline_model_parallel_size = target.vp if target.vp > 1 else None
-    args.num_virtual_stages_per_pipeline_rank = target.vp if target.vp > 1 else None
-    args.num_layers_per_virtual_pipeline_stage = None
-    args.decoder_first_pipeline_num_layers = target.first
-    args.decoder_last_pipeline_num_layers = target.last
-    if target.pp == 1:
-        args.account_for_embedding_in_pipeline_split = False
-        args.account_for_loss_in_pipeline_split = False
-    return args
-
-
 def _block_keys(full: FullCheckpoint, target: TargetLayout, p: int, v: int) -> List[Tuple[str, str]]:
     """``[(local key, full key)]`` of block (p, v) at the target layout, in the model's order."""
     first_block = p == 0 and v == 0
@@ -797,10 +491,10 @@ def _block_keys(full: FullCheckpoint, target: TargetLayout, p: int, v: int) -> L
     end = offset + target.counts[p][v]
     keys = []
     for key in full.model:
-        layer = _layer_of(key)
+        layer = layer_of(key)
         if layer is not None:
             if offset <= layer < end:
-                keys.append((_local_key(key, offset), key))
+                keys.append((local_key(key, offset), key))
         elif key.startswith("embedding."):
             if first_block:
                 keys.append((key, key))
@@ -810,8 +504,8 @@ def _block_keys(full: FullCheckpoint, target: TargetLayout, p: int, v: int) -> L
         else:
             raise ConvertError(f"state-dict key {key!r} belongs to no known part of GPTModel; this tool cannot "
                                "place it on a pipeline stage")
-    if last_block and _tied(full.args) and not first_block:
-        keys.append((_TIED_OUTPUT, _EMBEDDING))  # the tied output weight: a copy of the word embedding
+    if last_block and is_tied(full.args) and not first_block:
+        keys.append((TIED_OUTPUT, EMBEDDING))  # the tied output weight: a copy of the word embedding
         # keep the model's order: output_layer.weight before output_layer._extra_state
         keys.sort(key=lambda pair: (pair[0].startswith("output_layer."), pair[0] == "output_layer._extra_state"))
     return keys
@@ -823,9 +517,9 @@ def build_rank_state_dicts(full: FullCheckpoint, target: TargetLayout, keep_rng:
 
     Raises ValueError (from ``split_tp``) when a weight does not divide by the target TP.
     """
-    args = _target_args(full, target)
+    args = target_args(full, target)
     swiglu = bool(getattr(args, "swiglu", False))
-    out = {(t, p): {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": full.iteration}
+    out = {(t, p): {"args": args, "checkpoint_version": layout.CHECKPOINT_VERSION, "iteration": full.iteration}
            for t in range(target.tp) for p in range(target.pp)}
     optimizer = full.optimizer
     per_rank_params: Dict[Tuple[int, int], List[Tuple[str, str, Dict[str, Any], Optional[torch.Tensor]]]] = {
@@ -861,35 +555,13 @@ def build_rank_state_dicts(full: FullCheckpoint, target: TargetLayout, keep_rng:
     for rank, rank_dict in out.items():
         if optimizer is not None:
             rank_dict["optimizer"] = legacy_optimizer_state.to_megatron_layout(
-                _rank_optimizer(optimizer, per_rank_params[rank]))
+                rank_optimizer(optimizer, per_rank_params[rank]))
         if full.scheduler is not None and optimizer is not None:
             rank_dict["opt_param_scheduler"] = full.scheduler
         if keep_rng and full.rng_states is not None:
             rank_dict["rng_state"] = full.rng_states[rank]
         rank_dict["num_floating_point_operations_so_far"] = full.num_floating_point_operations_so_far
     return out
-
-
-def _rank_optimizer(optimizer: OptimizerState, params) -> dict:
-    """One rank's optimizer state dict: groups in the optimizer's order (by first appearance of their
-    params, as ``_get_param_groups`` orders them)."""
-    order: List[int] = []
-    members: Dict[int, List[int]] = {}
-    for position, (_, src, _, _) in enumerate(params):
-        index = optimizer.group_of[src]
-        if index not in members:
-            order.append(index)
-            members[index] = []
-        members[index].append(position)
-    groups = [{**optimizer.groups[index], "params": [params[i][0] for i in members[index]]} for index in order]
-    inner = {"state": {name: entry for name, _, entry, _ in params if entry}, "param_groups": groups}
-    if optimizer.kind == "fp32":
-        return inner
-    result = {"optimizer": inner}
-    if optimizer.grad_scaler is not None:
-        result["grad_scaler"] = optimizer.grad_scaler
-    result["fp32_from_fp16_params"] = [[params[i][3] for i in members[index]] for index in order]
-    return result
 
 
 # ----------------------------------------------------------------------------------------------- write
@@ -899,16 +571,16 @@ def write_legacy(full: FullCheckpoint, save_dir: str, target: TargetLayout, keep
     """Write ``full`` at ``target`` in the legacy layout under ``save_dir``, atomically; returns the
     iteration folder. An existing folder of the same iteration is replaced; the tracker moves last."""
     rank_dicts = build_rank_state_dicts(full, target, keep_rng)
-    dirname = checkpoint_integrity.iteration_dirname(full.iteration, full.release)
-    checkpoint_integrity.prepare_save_dir(save_dir)
+    dirname = layout.iteration_dirname(full.iteration, full.release)
+    integrity.prepare_save_dir(save_dir)
     tmp_dir = os.path.join(save_dir, f".{dirname}.tmp-{os.getpid()}")
     final_dir = os.path.join(save_dir, dirname)
     try:
         for (t, p), state_dict in rank_dicts.items():
-            rank_dir = f"mp_rank_{t:02d}" if target.pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
-            checkpointing._write_durably(state_dict, os.path.join(tmp_dir, rank_dir, CHECKPOINT_BASENAME))
+            rank_dir = layout.rank_dirname(t, p, pipeline_parallel=target.pp > 1)
+            durable.write_durably(state_dict, os.path.join(tmp_dir, rank_dir, layout.CHECKPOINT_BASENAME))
         # The same publish as training's save: manifest, fsync, directory swap, tracker last.
-        checkpoint_integrity.publish_iteration(save_dir, tmp_dir, full.iteration, release=full.release)
+        integrity.publish_iteration(save_dir, tmp_dir, full.iteration, release=full.release)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
@@ -925,11 +597,12 @@ def convert(cli: argparse.Namespace) -> dict:
     Raises ConvertError (bad flag or folder), CheckpointReadError / pickle.UnpicklingError (a
     damaged or unsafe source file, named).
     """
-    if cli.target_ckpt_format not in CKPT_FORMATS:
-        raise ConvertError(f"--target-ckpt-format {cli.target_ckpt_format!r}: choose one of {', '.join(CKPT_FORMATS)}")
+    if cli.target_ckpt_format not in layout.CKPT_FORMATS:
+        raise ConvertError(f"--target-ckpt-format {cli.target_ckpt_format!r}: choose one of "
+                           f"{', '.join(layout.CKPT_FORMATS)}")
     if os.path.abspath(cli.load_dir) == os.path.abspath(cli.save_dir):
         raise ConvertError(f"--save-dir {cli.save_dir} is the --load-dir: write the converted checkpoint elsewhere")
-    source_format = detect_format(cli.load_dir, cli.ckpt_step) if os.path.isdir(cli.load_dir) else None
+    source_format = _source_format(cli.load_dir, cli.ckpt_step) if os.path.isdir(cli.load_dir) else None
     full = read_checkpoint(cli.load_dir, cli.ckpt_step, with_optimizer=not cli.no_save_optim,
                            verify=not cli.no_verify_checkpoint)
     if cli.no_save_optim:
@@ -965,105 +638,6 @@ def convert(cli: argparse.Namespace) -> dict:
             "notes": full.notes}
 
 
-def _torch_dist_common(full: FullCheckpoint, target: "TargetLayout", keep_rng: bool) -> dict:
-    """``common.pt`` of the converted torch_dist checkpoint (the format of
-    ``megatron.training.checkpointing._torch_dist_common_state``)."""
-    args = _target_args(full, target)
-    if not keep_rng:  # no RNG states written: Megatron-LM's loader then skips them instead of stopping
-        args.no_save_rng = True
-    counters = {"iteration": full.iteration, "num_floating_point_operations_so_far":
-                int(full.num_floating_point_operations_so_far or 0)}
-    for name in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
-        counters[name] = int(getattr(args, name, 0) or 0)
-    common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "ckpt_format": "torch_dist",
-              "iteration": full.iteration, "train_state": counters,
-              "num_floating_point_operations_so_far": counters["num_floating_point_operations_so_far"],
-              # With RNG files: the layout they belong to; without: None, which no run's layout equals, so a
-              # load keeps its seeded RNG (with a warning) instead of looking for them.
-              "parallel_layout": _torch_dist_layout(target.tp, target.pp, target.vp) if keep_rng else None,
-              # written with the plain (non-distributed) optimizer's layout
-              mo.CONTENT_METADATA_KEY: mo.content_metadata(distributed_optimizer=False)}
-    optimizer = full.optimizer
-    if optimizer is not None:
-        params = [(name, name, optimizer.param_state[name], None) for name in full.model
-                  if name in optimizer.param_state]
-        groups = _rank_optimizer(OptimizerState("fp32", optimizer.param_state, optimizer.groups, optimizer.group_of),
-                                 params)["param_groups"]
-        steps = [float(optimizer.param_state[name]["step"]) for group in groups for name in group["params"]
-                 if torch.is_tensor(optimizer.param_state[name].get("step"))]
-        # Megatron core_v0.14's layout for the plain optimizer (optimizer_common_state's): one common step.
-        inner = {"state": {"common_step": torch.tensor(max(steps) if steps else 0.0)},
-                 "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in groups]}
-        if optimizer.main_params:  # fp16/bf16: the wrapper's state, beside the grad scaler
-            common["optimizer"] = {"optimizer": inner, "grad_scaler": optimizer.grad_scaler}
-        else:
-            common["optimizer"] = inner
-        if full.scheduler is not None:
-            common["opt_param_scheduler"] = full.scheduler
-    return common
-
-
-def write_torch_dist(full: FullCheckpoint, save_dir: str, target: "TargetLayout", keep_rng: bool = False) -> str:
-    """Write ``full`` as a torch_dist checkpoint (whole tensors, written by this one process with
-    ``megatron.core.dist_checkpointing``), atomically; returns the iteration folder. It loads at any
-    TP/PP/DP layout; ``target`` sets the layout recorded in the saved args and, with ``keep_rng``, the
-    one the RNG files ``rng/rank_XXXXX.pt`` are written for (one data-parallel rank)."""
-    from megatron.core.dist_checkpointing import serialization
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    def sharded(key, tensor):
-        tensor = tensor.contiguous()
-        return ShardedTensor(key, tensor, tuple(tensor.shape), (0,) * tensor.dim())
-
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    model = {key: value for key, value in full.model.items() if torch.is_tensor(value)}
-    items = [sharded(key, value) for key, value in mo.stack_layers(model).items()]
-    num_layers = full.args.num_layers
-    for key in full.model:  # the layers' _extra_state objects Megatron's loader expects
-        match = _LAYER_KEY.match(key)
-        if match is not None and key.endswith("._extra_state"):
-            items.append(ShardedObject(f"{mo.LAYER_PREFIX}{match.group(2)}/shard_{match.group(1)}_{num_layers}",
-                                       mo.extra_state_bytes(None)))
-    if full.optimizer is not None:
-        by_state: Dict[str, Dict[str, torch.Tensor]] = {}
-        for name, entry in full.optimizer.param_state.items():
-            for state_key, value in entry.items():
-                if torch.is_tensor(value) and tuple(value.shape) == tuple(full.model[name].shape):
-                    by_state.setdefault(state_key, {})[name] = value
-        if full.optimizer.main_params:
-            by_state[mo.MAIN_PARAM] = dict(full.optimizer.main_params)
-        for state_key, entries in by_state.items():
-            for key, value in mo.stack_layers(entries).items():
-                items.append(sharded(f"{mo.OPTIMIZER_PREFIX}{state_key}.{key}", value))
-    if keep_rng:  # Megatron-LM's copy of the RNG states (pretrain_gpt.py writes the same object)
-        for (t, p), rng_state in full.rng_states.items():
-            items.append(ShardedObject(f"rng_state/shard_{p}.{t}_{target.pp}.{target.tp}",
-                                       mo.extra_state_bytes(rng_state)))
-    dirname = checkpoint_integrity.iteration_dirname(full.iteration, full.release)
-    checkpoint_integrity.prepare_save_dir(save_dir)
-    tmp_dir = os.path.join(save_dir, f".{dirname}.tmp-{os.getpid()}")
-    final_dir = os.path.join(save_dir, dirname)
-    try:
-        os.makedirs(tmp_dir)
-        with warnings.catch_warnings():  # written whole, in one process, on purpose
-            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
-            serialization.save(items, tmp_dir)
-        common = _torch_dist_common(full, target, keep_rng)
-        checkpointing._write_durably(common, os.path.join(tmp_dir, COMMON_BASENAME))
-        if keep_rng:
-            for (t, p), rng_state in full.rng_states.items():
-                name = os.path.join(tmp_dir, RNG_DIRNAME, f"rank_{_rank_of(t, p, target.tp):05d}.pt")
-                checkpointing._write_durably({"rng_state": rng_state, "parallel_layout": common["parallel_layout"]},
-                                             name)
-        # The same publish as training's save: manifest, fsync, directory swap, tracker last.
-        checkpoint_integrity.publish_iteration(save_dir, tmp_dir, full.iteration, release=full.release)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    return final_dir
-
-
 def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -1085,7 +659,7 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--target-decoder-last-pipeline-num-layers", type=int, default=None,
                         help="layers of the output's last pipeline stage (uneven split)")
     parser.add_argument("--target-ckpt-format", default="torch",
-                        help=f"format of the output, one of {', '.join(CKPT_FORMATS)} (default: torch)")
+                        help=f"format of the output, one of {', '.join(layout.CKPT_FORMATS)} (default: torch)")
     parser.add_argument("--true-vocab-size", type=int, default=None,
                         help="unpadded vocabulary size, needed when TP changes the padding and the checkpoint's "
                              "tokenizer files cannot be found (default: from the tokenizer)")

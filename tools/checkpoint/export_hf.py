@@ -27,7 +27,8 @@ import torch  # noqa: E402
 from convert import ConvertError, read_checkpoint  # noqa: E402
 from hf_conversion import UnsupportedModelError, hf_config, megatron_to_hf  # noqa: E402
 from legacy_checkpoint import CheckpointLayoutError  # noqa: E402
-from megatron.training.checkpoint_errors import is_checkpoint_user_error, one_line  # noqa: E402
+from megatron.training.checkpointing.errors import is_checkpoint_user_error  # noqa: E402
+from megatron.training.user_errors import one_line  # noqa: E402
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -92,8 +93,11 @@ def save_tokenizer_files(args, save_dir: str) -> Optional[str]:
     if kind == "GPT2BPETokenizer":
         tokenizer = _gpt2_hf_tokenizer(args.vocab_file, args.merge_file)
     elif kind == "HuggingFaceTokenizer":
-        tokenizer = transformers.AutoTokenizer.from_pretrained(
-            args.tokenizer_model, trust_remote_code=args.trust_remote_code)
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(
+                args.tokenizer_model, trust_remote_code=args.trust_remote_code)
+        except ValueError as error:  # e.g. a folder whose code would need --trust-remote-code: the user's input
+            raise ExportError(str(error)) from None
     else:
         return None
     tokenizer.save_pretrained(save_dir)

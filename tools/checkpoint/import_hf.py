@@ -1,8 +1,8 @@
 """Import a Hugging Face GPT-2 or Llama model folder as a legacy checkpoint that pretrain_gpt.py can load.
 
 Reads ``config.json`` and ``model.safetensors`` (or the shards named by
-``model.safetensors.index.json``) from ``--load`` and writes ``--save/release/mp_rank_XX/model_optim_rng.pt``
-for ``--target-tensor-parallel-size`` ranks plus ``latest_checkpointed_iteration.txt`` = ``release``.
+``model.safetensors.index.json``) from ``--load`` and writes a ``release`` legacy checkpoint to ``--save``: one
+rank file for each of the ``--target-tensor-parallel-size`` ranks, and the tracker file naming ``release``.
 The saved args carry the model flags (printed by this tool) and, when the folder holds tokenizer
 files, ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model <folder>``. The vocabulary is
 padded with zero rows to a multiple of ``--make-vocab-size-divisible-by`` x TP. The checkpoint has
@@ -69,7 +69,7 @@ def load_hf_tensors(hf_dir: str) -> Dict[str, torch.Tensor]:
 def megatron_args_for(hf_dir: str, config, tp: int, divisible_by: int, dtype: torch.dtype):
     """The args Namespace saved in the checkpoint: Megatron's defaults plus the model's flags."""
     from megatron.training.arguments import parse_args
-    from megatron.training.checkpointing import _sanitized_args
+    from megatron.training.checkpointing.state import sanitized_args
 
     flags = megatron_flags_from_hf(config)
     flags += ["--tensor-model-parallel-size", str(tp), "--make-vocab-size-divisible-by", str(divisible_by)]
@@ -82,7 +82,7 @@ def megatron_args_for(hf_dir: str, config, tp: int, divisible_by: int, dtype: to
     args = parse_args(args=flags)
     multiple = divisible_by * tp
     args.padded_vocab_size = int(math.ceil(config.vocab_size / multiple)) * multiple
-    return _sanitized_args(args), flags
+    return sanitized_args(args), flags
 
 
 def import_model(hf_dir: str, save_dir: str, tp: int, divisible_by: int) -> dict:

@@ -1,6 +1,7 @@
 """Read a legacy ('torch' format) checkpoint of any TP x PP as one full GPTModel state dict, and write one back split for TP.
 
-Layout (spec §8.8): ``<dir>/iter_{N:07d}|release/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt``.
+Layout (spec §8.8): one rank file per (tensor, pipeline) rank under ``<dir>/iter_{N:07d}`` (or ``release``); every
+name comes from ``megatron.training.checkpointing.layout``.
 Merging rules (spec §7.3): column-parallel weights and biases (``linear_qkv``, ``linear_fc1``) and
 the vocabulary-parallel ``word_embeddings``/``output_layer`` concatenate on dim 0 (a SwiGLU
 ``linear_fc1`` shard is ``[gate_r; up_r]``, so its halves are gathered separately); row-parallel
@@ -19,17 +20,10 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 import torch  # noqa: E402
 
-from megatron.training.checkpoint_integrity import CheckpointTrackerError, read_tracker, tracker_exists  # noqa: E402
-from megatron.training.checkpointing import (  # noqa: E402
-    CHECKPOINT_BASENAME,
-    CHECKPOINT_VERSION,
-    MODEL_SHAPE_ARGS,
-    TRACKER_FILENAME,
-    load_state_dict_file,
-    saved_args,
-)
+from megatron.training.checkpointing import MODEL_SHAPE_ARGS, layout, load_state_dict_file, saved_args  # noqa: E402
+from megatron.training.checkpointing.errors import CheckpointTrackerError  # noqa: E402
+from megatron.training.checkpointing.tracker import read_tracker, tracker_exists  # noqa: E402
 
-_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _COLUMN_PARALLEL = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
                     "mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
@@ -47,16 +41,17 @@ def find_iteration_dir(load_dir: str, iteration: Optional[int] = None) -> str:
     Raises CheckpointLayoutError naming ``load_dir`` when there is none.
     """
     if iteration is not None:
-        path = os.path.join(load_dir, f"iter_{iteration:07d}")
+        path = os.path.join(load_dir, layout.iteration_dirname(iteration))
     else:
-        tracker = os.path.join(load_dir, TRACKER_FILENAME)
+        tracker = layout.get_checkpoint_tracker_filename(load_dir)
         try:
             if not tracker_exists(tracker):
-                raise CheckpointLayoutError(f"--load {load_dir}: no {TRACKER_FILENAME} (not a checkpoint folder?)")
+                raise CheckpointLayoutError(f"--load {load_dir}: no {layout.TRACKER_FILENAME} (not a checkpoint "
+                                            "folder?)")
             found, release = read_tracker(tracker)
         except CheckpointTrackerError as error:
             raise CheckpointLayoutError(f"--load {load_dir}: {error}") from None
-        path = os.path.join(load_dir, "release" if release else f"iter_{found:07d}")
+        path = os.path.join(load_dir, layout.iteration_dirname(found, release))
     if not os.path.isdir(path):
         raise CheckpointLayoutError(f"--load {load_dir}: checkpoint folder {path} does not exist")
     return path
@@ -65,13 +60,12 @@ def find_iteration_dir(load_dir: str, iteration: Optional[int] = None) -> str:
 def _rank_files(iteration_dir: str) -> Dict[Tuple[int, int], str]:
     files = {}
     for entry in sorted(os.listdir(iteration_dir)):
-        match = _RANK_DIR.match(entry)
-        if match:
-            files[(int(match.group(1)), int(match.group(2) or 0))] = os.path.join(iteration_dir, entry,
-                                                                                 CHECKPOINT_BASENAME)
+        rank = layout.parse_rank_dirname(entry)
+        if rank is not None:
+            files[rank] = os.path.join(iteration_dir, entry, layout.CHECKPOINT_BASENAME)
     if not files:
-        raise CheckpointLayoutError(f"{iteration_dir}: no mp_rank_* folders (a torch_dist checkpoint? only the "
-                                    "legacy 'torch' format is read)")
+        raise CheckpointLayoutError(f"{iteration_dir}: no {layout.RANK_DIR_PREFIX}* folders (a torch_dist checkpoint? "
+                                    "only the legacy 'torch' format is read)")
     tp = 1 + max(t for t, _ in files)
     pp = 1 + max(p for _, p in files)
     missing = [(t, p) for t in range(tp) for p in range(pp) if (t, p) not in files]
@@ -204,11 +198,12 @@ def write_checkpoint(save_dir: str, state: dict, args: argparse.Namespace, tp: i
     args.pipeline_model_parallel_size = 1
     written = []
     for rank, shard in enumerate(split_tp(state, tp, swiglu=bool(getattr(args, "swiglu", False)))):
-        folder = os.path.join(save_dir, "release", f"mp_rank_{rank:02d}")
+        folder = os.path.join(save_dir, layout.iteration_dirname(0, release=True), layout.rank_dirname(rank))
         os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, CHECKPOINT_BASENAME)
-        torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0, "model": shard}, path)
+        path = os.path.join(folder, layout.CHECKPOINT_BASENAME)
+        torch.save({"args": args, "checkpoint_version": layout.CHECKPOINT_VERSION, "iteration": 0, "model": shard},
+                   path)
         written.append(path)
-    with open(os.path.join(save_dir, TRACKER_FILENAME), "w") as stream:
+    with open(layout.get_checkpoint_tracker_filename(save_dir), "w") as stream:
         stream.write("release")
     return written

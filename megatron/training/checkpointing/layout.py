@@ -14,6 +14,7 @@ Used by training and by tools/ alike, so both write and read the same layout (do
 ``<dir>/non_persistent/``                               --non-persistent-save-interval checkpoints
 """
 import os
+import re
 
 import torch.distributed as dist
 
@@ -43,6 +44,7 @@ __all__ = [
     "COMMON_BASENAME", "RNG_DIRNAME", "MANIFEST_FILENAME", "NON_PERSISTENT_SUBDIR", "RELEASE_DIRNAME",
     "RANK_DIR_PREFIX", "CKPT_FORMATS", "METADATA_FILENAME", "MEGATRON_METADATA_FILENAME",
     "iteration_dirname", "get_checkpoint_tracker_filename", "rank_dirname", "is_rank_dirname", "rank_dirnames",
+    "parse_rank_dirname",
     "get_checkpoint_name", "get_distributed_optimizer_checkpoint_name", "common_file_name", "rng_file_name",
     "detect_format", "rank_of", "parallel_layout", "current_parallel_layout", "common_state", "read_common_state",
 ]
@@ -77,6 +79,16 @@ def is_rank_dirname(name):
 def rank_dirnames(iteration_dir):
     """The sorted ``mp_rank_*`` entries of ``iteration_dir``."""
     return sorted(entry for entry in os.listdir(iteration_dir) if is_rank_dirname(entry))
+
+
+_RANK_DIRNAME = re.compile(rf"^{RANK_DIR_PREFIX}(\d{{2}})(?:_(\d{{3}}))?$")
+
+
+def parse_rank_dirname(name):
+    """``(tensor rank, pipeline rank)`` of a legacy rank directory name (the inverse of :func:`rank_dirname`;
+    pipeline rank 0 without the ``_{pp:03d}`` part), or None for any other name."""
+    match = _RANK_DIRNAME.match(name)
+    return (int(match.group(1)), int(match.group(2) or 0)) if match else None
 
 
 def get_checkpoint_name(checkpoints_path, iteration, release=False, pipeline_parallel=None,
