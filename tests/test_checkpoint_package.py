@@ -41,6 +41,22 @@ def test_every_checkpoint_error_derives_from_core_and_keeps_its_base():
         assert issubclass(cls, base), (cls, base)
 
 
+def test_the_checkpoint_tools_errors_derive_from_core_and_keep_their_base(monkeypatch):
+    """The converter's, exporter's and importer's own errors are checkpoint errors too (issue 29: one base)."""
+    monkeypatch.syspath_prepend(str(REPO / "tools" / "checkpoint"))
+    import export_hf
+    import full_checkpoint
+    import hf_conversion
+    import import_hf
+    import legacy_checkpoint
+
+    for cls, base in {full_checkpoint.ConvertError: ValueError, hf_conversion.UnsupportedModelError: ValueError,
+                      legacy_checkpoint.CheckpointLayoutError: ValueError, export_hf.ExportError: Exception,
+                      import_hf.HFImportError: Exception}.items():
+        assert issubclass(cls, CheckpointingException), cls
+        assert issubclass(cls, base), (cls, base)
+
+
 def test_a_plain_value_error_of_our_code_is_a_bug_and_keeps_its_traceback():
     """Only checkpoint errors (and file-system errors) are reported as the user's one line; a ValueError that
     our own loader code raises by mistake passes through unchanged, traceback and all."""

@@ -27,13 +27,14 @@ import torch  # noqa: E402
 from convert import ConvertError, read_checkpoint  # noqa: E402
 from hf_conversion import UnsupportedModelError, hf_config, megatron_to_hf  # noqa: E402
 from legacy_checkpoint import CheckpointLayoutError  # noqa: E402
+from megatron.core.dist_checkpointing.core import CheckpointingException  # noqa: E402
 from megatron.training.checkpointing.errors import is_checkpoint_user_error  # noqa: E402
 from megatron.training.user_errors import one_line  # noqa: E402
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class ExportError(Exception):
+class ExportError(CheckpointingException):
     """A user-facing failure (bad flag, missing file, unsupported model)."""
 
 

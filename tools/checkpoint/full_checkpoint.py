@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 import torch  # noqa: E402
 
 from legacy_checkpoint import _LAYER_KEY  # noqa: E402
+from megatron.core.dist_checkpointing.core import CheckpointingException  # noqa: E402
 from megatron.core.optimizer.weight_decay import no_weight_decay_cond  # noqa: E402
 
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -26,7 +27,7 @@ TIED_OUTPUT = "output_layer.weight"
 EMBEDDING = "embedding.word_embeddings.weight"
 
 
-class ConvertError(ValueError):
+class ConvertError(CheckpointingException, ValueError):
     """A user-facing conversion failure; the message names the flag, folder or file."""
 
 

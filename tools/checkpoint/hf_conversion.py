@@ -13,10 +13,12 @@ from typing import Dict, Tuple
 
 import torch
 
+from megatron.core.dist_checkpointing.core import CheckpointingException
+
 GPT2, LLAMA = "gpt2", "llama"
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(CheckpointingException, ValueError):
     """The checkpoint's architecture has no Hugging Face counterpart here (message names the flag)."""
 
 

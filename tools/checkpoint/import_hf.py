@@ -28,11 +28,12 @@ import torch  # noqa: E402
 
 from hf_conversion import UnsupportedModelError, hf_to_megatron, megatron_flags_from_hf  # noqa: E402
 from legacy_checkpoint import write_checkpoint  # noqa: E402
+from megatron.core.dist_checkpointing.core import CheckpointingException  # noqa: E402
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
-class HFImportError(Exception):
+class HFImportError(CheckpointingException):
     """A user-facing failure (missing file, unsupported model)."""
 
 

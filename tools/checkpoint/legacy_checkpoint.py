@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 import torch  # noqa: E402
 
+from megatron.core.dist_checkpointing.core import CheckpointingException  # noqa: E402
 from megatron.training.checkpointing import MODEL_SHAPE_ARGS, layout, load_state_dict_file, saved_args  # noqa: E402
 from megatron.training.checkpointing.errors import CheckpointTrackerError  # noqa: E402
 from megatron.training.checkpointing.tracker import read_tracker, tracker_exists  # noqa: E402
@@ -31,7 +32,7 @@ _ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
 _VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-class CheckpointLayoutError(ValueError):
+class CheckpointLayoutError(CheckpointingException, ValueError):
     """The folder is not a legacy checkpoint this tool can read (message names the path)."""
 
 
