@@ -25,6 +25,35 @@ def test_no_import_cycle():
     assert scan.import_cycles() == []
 
 
+def _imports_of(prefix):
+    """``{module: targets}`` of the import graph for the modules named ``prefix`` or under it."""
+    return {module: targets for module, targets in scan.import_graph().items()
+            if module == prefix or module.startswith(prefix + ".")}
+
+
+def test_core_never_imports_training():
+    """The library below, the driver above: megatron/core works without megatron/training."""
+    wrong = {m: sorted(t for t in ts if t.startswith("megatron.training"))
+             for m, ts in _imports_of("megatron.core").items()}
+    assert {m: ts for m, ts in wrong.items() if ts} == {}
+
+
+def test_config_package_holds_only_typed_records():
+    """megatron/training/config builds on core's configs and nothing else of the project (no args, no loop)."""
+    wrong = {m: sorted(t for t in ts
+                       if t.startswith("megatron.training") and not t.startswith("megatron.training.config"))
+             for m, ts in _imports_of("megatron.training.config").items()}
+    assert {m: ts for m, ts in wrong.items() if ts} == {}
+
+
+@pytest.mark.parametrize("module", ["mapping", "serialization", "safe_loading", "core"])
+def test_the_checkpoint_format_engine_knows_no_model(module):
+    """The torch_dist engine (chunks, save/load, safe reads, errors) imports no model code; the GPT key layout
+    lives in models/gpt/checkpoint_keys.py (design note 3.1)."""
+    targets = _imports_of(f"megatron.core.dist_checkpointing.{module}")[f"megatron.core.dist_checkpointing.{module}"]
+    assert sorted(t for t in targets if t.startswith(("megatron.core.models", "megatron.core.transformer"))) == []
+
+
 def test_no_file_over_900_lines():
     assert scan.long_files() == {}
 
