@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _checkpoint_error_classes():
+    from megatron.core import optimizer_param_scheduler
     from megatron.core.dist_checkpointing import safe_loading, serialization
     from megatron.training.checkpointing import errors, legacy_optimizer_state
 
@@ -32,6 +33,7 @@ def _checkpoint_error_classes():
         errors.NotARegularFileError: OSError,
         errors.CheckpointTrackerError: ValueError,
         legacy_optimizer_state.OptimizerStateMismatch: ValueError,
+        optimizer_param_scheduler.SchedulerMismatchError: ValueError,
     }
 
 

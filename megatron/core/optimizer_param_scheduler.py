@@ -3,6 +3,8 @@ import logging
 import math
 from typing import Dict, Optional
 
+from megatron.core.dist_checkpointing.core import CheckpointingException
+
 logger = logging.getLogger(__name__)
 
 _LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
@@ -10,7 +12,7 @@ _WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 _WD_INCR_STYLES = ("constant", "linear", "cosine")
 
 
-class SchedulerMismatchError(ValueError):
+class SchedulerMismatchError(CheckpointingException, ValueError):
     """A checkpoint's schedule differs from the one the flags describe (the same on every rank)."""
 
 
