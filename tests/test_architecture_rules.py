@@ -1,6 +1,5 @@
 """The structure rules of docs/ARCHITECTURE.md, checked on the source: who reads ``args``, import cycles,
 file sizes, private names across packages, where checkpoints are read and named (issue 29's "Done means")."""
-import pathlib
 import textwrap
 
 import pytest
@@ -49,9 +48,12 @@ def test_config_package_holds_only_typed_records():
 @pytest.mark.parametrize("module", ["mapping", "serialization", "safe_loading", "core"])
 def test_the_checkpoint_format_engine_knows_no_model(module):
     """The torch_dist engine (chunks, save/load, safe reads, errors) imports no model code; the GPT key layout
-    lives in models/gpt/checkpoint_keys.py (design note 3.1)."""
+    lives in models/gpt/checkpoint_keys.py (design note 3.1). ``transformer.enums`` is data, not model code:
+    the enums Megatron-LM pickles into saved args, which safe_loading must admit."""
     targets = _imports_of(f"megatron.core.dist_checkpointing.{module}")[f"megatron.core.dist_checkpointing.{module}"]
-    assert sorted(t for t in targets if t.startswith(("megatron.core.models", "megatron.core.transformer"))) == []
+    model_code = [t for t in targets if t.startswith(("megatron.core.models", "megatron.core.transformer"))
+                  and t not in ("megatron.core.transformer", "megatron.core.transformer.enums")]
+    assert model_code == []
 
 
 def test_no_file_over_900_lines():

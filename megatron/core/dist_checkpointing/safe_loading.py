@@ -15,11 +15,13 @@ the checkpoint, as large as the chunks they hold). Its data reads open regular f
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib
 import io
 import math
 import os
+import pathlib
 import pickle
 import re
 import stat
@@ -30,6 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Optional
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import FileSystem
@@ -38,7 +41,32 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import SavePlan
 
 from megatron.core.dist_checkpointing.core import CheckpointingException
-from megatron.core.safe_globals import safe_globals
+from megatron.core.transformer.enums import AttnBackend, ModelType
+
+try:
+    from numpy._core.multiarray import _reconstruct
+except ImportError:  # numpy < 2
+    from numpy.core.multiarray import _reconstruct
+
+# What a weights-only ``torch.load`` of a checkpoint file may build besides tensors and containers (Megatron
+# core_v0.14's ``SAFE_GLOBALS``; ``megatron.core.safe_globals`` re-exports it under that module name): the args
+# Namespace and the plain types and enums Megatron-LM (core_v0.14.0) stores in it, and numpy's RNG state pieces.
+# Megatron-LM's ``megatron.core.enums.ModelType`` is read as this package's ModelType (same values for GPT);
+# AttnBackend has the same import path in both packages.
+SAFE_GLOBALS = [argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, _reconstruct, np.ndarray, np.dtype,
+                AttnBackend, ModelType, (ModelType, "megatron.core.enums.ModelType")]
+_UINT32_DTYPE = getattr(getattr(np, "dtypes", None), "UInt32DType", None)
+if _UINT32_DTYPE is not None:  # numpy >= 1.25 pickles dtypes through their classes
+    SAFE_GLOBALS.append(_UINT32_DTYPE)
+
+
+def safe_globals():
+    """A context in which weights-only ``torch.load`` admits :data:`SAFE_GLOBALS` (and nothing else extra).
+
+    Unlike Megatron-LM's ``register_safe_globals`` (``torch.serialization.add_safe_globals``, process-wide),
+    it admits them only for the loads inside its ``with`` block.
+    """
+    return torch.serialization.safe_globals(list(SAFE_GLOBALS))
 
 
 class UnsafeCheckpointError(CheckpointingException, pickle.UnpicklingError):
@@ -687,7 +715,7 @@ def unreadable_reason(path, exc):
 
 
 def load_torch_file(path, context=None):
-    """``torch.load(path, weights_only=True)`` on the CPU, admitting only megatron.core.safe_globals.SAFE_GLOBALS.
+    """``torch.load(path, weights_only=True)`` on the CPU, admitting only :data:`SAFE_GLOBALS`.
 
     ``context`` (e.g. ``"iteration 8 of --load DIR"``) is added to error messages after the path.
     Raises UnsafeCheckpointError (a pickle.UnpicklingError) naming the file and the refused global
