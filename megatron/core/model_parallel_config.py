@@ -37,6 +37,10 @@ class ModelParallelConfig:
     bf16: bool = False
     params_dtype: torch.dtype = torch.float32
 
+    # --deterministic-mode: the training driver turns torch's deterministic algorithms on at start-up
+    # (Megatron-LM keeps the flag here too).
+    deterministic_mode: bool = False
+
     # Training hooks (set by the training loop / DDP wrapper)
     timers: Optional[Callable] = None
     finalize_model_grads_func: Optional[Callable] = None

@@ -12,6 +12,10 @@ from megatron.training.tokenizer import add_tokenizer_args
 
 OPTIMIZERS = ["adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"]
 CKPT_FORMATS = ["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"]
+POSITION_EMBEDDING_TYPES = ["learned_absolute", "rope", "yarn", "mrope", "relative", "none"]
+# Megatron-LM core_v0.14's StrictHandling values (megatron/core/dist_checkpointing/validation.py).
+DIST_CKPT_STRICTNESS = ["assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
+                        "return_unexpected", "return_all", "ignore_all"]
 
 
 def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -54,8 +58,8 @@ def _add_network_size_args(parser):
     group.add_argument("--max-position-embeddings", type=int, default=None,
                        help="Largest sequence length the position embedding supports.")
     group.add_argument("--position-embedding-type", type=str, default="learned_absolute",
-                       choices=["learned_absolute", "rope", "yarn", "mrope", "relative", "none"],
-                       help="Position embedding type.")
+                       choices=POSITION_EMBEDDING_TYPES,
+                       help="Position embedding type (yarn, mrope and relative are Megatron-LM's, refused here).")
     group.add_argument("--use-rotary-position-embeddings", action="store_true",
                        help="Deprecated alias of --position-embedding-type rope.")
     group.add_argument("--rotary-base", type=int, default=10000, help="RoPE base (inv_freq = 1/base^(2i/dim)).")
@@ -127,6 +131,10 @@ def _add_training_args(parser):
     group.add_argument("--recompute-num-layers", type=int, default=None, help="Layers per recompute unit.")
     group.add_argument("--distribute-saved-activations", action="store_true",
                        help="Split recomputed checkpoints across the tensor-parallel group.")
+    group.add_argument("--deterministic-mode", action="store_true",
+                       help="Deterministic execution, as in Megatron-LM: torch.use_deterministic_algorithms(True) at "
+                            "initialization; with CUDA, CUBLAS_WORKSPACE_CONFIG=:4096:8 and (NCCL) NCCL_ALGO=Ring "
+                            "when unset (NCCL_ALGO must be Tree, Ring, CollnetDirect, CollnetChain or ^NVLS).")
     group.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
                        dest="check_for_nan_in_loss_and_grad",
                        help="Do not stop on a NaN/Inf gradient: training proceeds (fp32/bf16 steps are applied, as in "
@@ -141,7 +149,8 @@ def _add_training_args(parser):
                        help="Signal name caught by --exit-signal-handler (e.g. SIGTERM, SIGUSR1).")
     group.add_argument("--exit-signal-handler-for-training", action="store_true",
                        help="Graceful SIGINT/SIGTERM shutdown (barrier, destroy groups, flush telemetry).")
-    group.add_argument("--optimizer", type=str, default="adam", choices=OPTIMIZERS, help="Optimizer.")
+    group.add_argument("--optimizer", type=str, default="adam", choices=OPTIMIZERS,
+                       help="Optimizer: adam or sgd (Megatron-LM's others are refused).")
     group.add_argument("--dataloader-type", type=str, default=None, choices=["single", "cyclic", "external"],
                        help="Data sampler; default single.")
     group.add_argument("--no-persist-layer-norm", action="store_true",
@@ -264,6 +273,14 @@ def _add_checkpointing_args(parser):
     group.add_argument("--auto-detect-ckpt-format", action="store_true",
                        help="Load a checkpoint in whichever format it is (torch or torch_dist), not only in "
                             "--ckpt-format.")
+    group.add_argument("--dist-ckpt-strictness", type=str, default="assume_ok_unexpected",
+                       choices=DIST_CKPT_STRICTNESS,
+                       help="torch_dist load: what a key mismatch does (Megatron-LM's StrictHandling). 'Unexpected' "
+                            "= a tensor the model needs that the checkpoint lacks, 'missing' = a checkpoint tensor "
+                            "no rank reads. assume_ok_unexpected (default) and raise_unexpected: unexpected fails; "
+                            "log_unexpected: warned and left as initialized; log_all: the same and missing warned; "
+                            "raise_all: either fails; ignore_all: unexpected left as initialized, nothing said. "
+                            "return_unexpected/return_all are refused (they hand the keys to an API caller).")
     group.add_argument("--ckpt-format", type=str, default="torch_dist", choices=CKPT_FORMATS,
                        help="Checkpoint format: 'torch_dist' (default; torch.distributed.checkpoint, sharded, "
                             "loads at any TP/PP/DP layout) or 'torch' (Megatron's legacy per-rank files, same "

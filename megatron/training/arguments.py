@@ -1,6 +1,7 @@
 """The training command line: parse Megatron-LM's flags (defined in argument_groups) and validate them across groups."""
 import argparse
 import difflib
+import os
 import signal
 import warnings
 
@@ -24,6 +25,7 @@ from megatron.training.argument_utils import (
 from megatron.training.config.training_config import non_directory_ancestor
 from megatron.training.slurm import launcher_rank_and_world_size
 from megatron.training.tokenizer import TOKENIZER_FILES
+from megatron.training.unsupported_flags import unsupported_choice_line, unsupported_flag_line
 from megatron.training.user_errors import UserInputError, report_and_exit
 
 __all__ = ["add_megatron_arguments", "parse_args", "validate_args", "non_directory_ancestor",
@@ -44,6 +46,10 @@ class _MegatronArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         report_and_exit(UserInputError(message if "did you mean" in message else f"{message} (see --help)",
                                        exit_status=2, same_on_every_rank=True))
+
+    def refuse(self, line):
+        """Exit with ``line`` as the one error line (a Megatron-LM flag or choice this project lacks)."""
+        report_and_exit(UserInputError(line, exit_status=2, same_on_every_rank=True))
 
     def suggestions(self, unknown):
         """`` (did you mean --x?)`` for the unknown ``--flag`` / ``--flag=value`` words with a close match."""
@@ -69,8 +75,8 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False, args=None):
     Besides the flags, sets ``rank`` and ``world_size`` from the launcher's environment
     (torchrun's RANK/WORLD_SIZE, else SLURM's SLURM_PROCID/SLURM_NTASKS) and ``local_rank``
     defaults to LOCAL_RANK (else SLURM_LOCALID). A bad flag prints one ``error: ...`` line (rank 0
-    only; an unknown flag with a "did you mean") and raises SystemExit(2); a rank variable that is
-    not an integer raises ValueError.
+    only; an unknown flag with a "did you mean", a flag or choice of Megatron-LM's that this project lacks with
+    the reason) and raises SystemExit(2); a rank variable that is not an integer raises ValueError.
     """
     parser = _MegatronArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
     parser = add_megatron_arguments(parser)
@@ -79,7 +85,15 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False, args=None):
 
     parsed, unknown = parser.parse_known_args(args)
     if unknown and not ignore_unknown_args:
+        # A flag of Megatron-LM's that this project lacks is named as such, not "corrected" to a neighbour.
+        line = unsupported_flag_line(unknown)
+        if line is not None:
+            parser.refuse(line)
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{parser.suggestions(unknown)}")
+    # Megatron-LM's choices this project cannot act on are refused now, not when the model is built.
+    line = unsupported_choice_line(parsed)
+    if line is not None:
+        parser.refuse(line)
 
     parsed.rank, parsed.world_size = launcher_rank_and_world_size()
     return parsed
@@ -205,9 +219,27 @@ def _validate_features(args):
         # Megatron-LM reads the pattern only when it builds a TikTokenizer: ignore it as it does, but say so.
         _print_rank_0(args, f"WARNING: --tiktoken-pattern {args.tiktoken_pattern} is ignored: it applies only to "
                             f"--tokenizer-type TikTokenizer (got {args.tokenizer_type})")
+    if args.deterministic_mode:
+        _validate_deterministic_mode(args)
     if args.use_mcore_models:
         _print_rank_0(args, "WARNING: --use-mcore-models is deprecated and has no effect: the Megatron Core "
                             "models are the only models")
+
+
+# NCCL all-reduce algorithms Megatron-LM's --deterministic-mode accepts in env NCCL_ALGO (validate_args).
+DETERMINISTIC_NCCL_ALGOS = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS")
+
+
+def _validate_deterministic_mode(args):
+    """Megatron-LM's --deterministic-mode rules (initialize.py applies the mode): no flash attention (its backward
+    accumulates in a nondeterministic order), and NCCL_ALGO, when set, one with a fixed reduction order."""
+    _require(args.attention_backend != "flash",
+             "--deterministic-mode cannot be combined with --attention-backend flash (flash attention's backward is "
+             "not deterministic); use --attention-backend unfused, fused or auto")
+    algo = os.environ.get("NCCL_ALGO")
+    _require(algo is None or algo in DETERMINISTIC_NCCL_ALGOS,
+             f"--deterministic-mode needs env NCCL_ALGO to be one of {', '.join(DETERMINISTIC_NCCL_ALGOS)} (got "
+             f"{algo!r}); unset, it is set to Ring")
 
 
 # Flags accepted by the parser (Megatron compatibility) whose behaviour is not implemented yet.

@@ -134,6 +134,21 @@ def _set_cuda_device_max_connections(tensor_model_parallel_size: int) -> None:
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
 
 
+def _set_deterministic_mode(deterministic_mode: bool, distributed_backend: str) -> None:
+    """--deterministic-mode (Megatron-LM's): ``torch.use_deterministic_algorithms(True)``, and with CUDA the
+    environment that makes cuBLAS (CUBLAS_WORKSPACE_CONFIG=:4096:8) and NCCL all-reduce (NCCL_ALGO=Ring,
+    under the nccl backend) reproducible, where the user has not set them. Runs before the process group
+    and the first CUDA kernel: both variables are read when the library starts."""
+    if not deterministic_mode:
+        return
+    if torch.cuda.is_available():
+        # cuBLAS picks reduction splits by workspace size; a fixed workspace gives one order.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        if distributed_backend == "nccl":
+            os.environ.setdefault("NCCL_ALGO", "Ring")  # Megatron-LM requires one of its listed algorithms
+    torch.use_deterministic_algorithms(True)
+
+
 def _initialize_distributed(model, dist_config):
     """Join the default process group (NCCL on GPU, gloo on CPU) and build the model-parallel groups.
 
@@ -208,7 +223,7 @@ def initialize_megatron(extra_args_provider=None, args_defaults=None, ignore_unk
     Order: parse + validate flags (fails fast with the flag named), build the configuration once
     (telemetry settings checked), apply the logging level, set globals (microbatch calculator,
     tokenizer, timers, TensorBoard, W&B), join the process group, build the parallel groups, set
-    telemetry up, seed.
+    telemetry up, seed. ``--deterministic-mode`` is applied before the process group is joined.
     """
     args = parsed_args if parsed_args is not None else parse_args(extra_args_provider, ignore_unknown_args, argv)
     try:
@@ -226,6 +241,7 @@ def initialize_megatron(extra_args_provider=None, args_defaults=None, ignore_unk
     except (FileNotFoundError, ValueError) as error:
         # A missing --vocab-file/--tokenizer-model: the messages name them.
         raise UserInputError(str(error)) from error
+    _set_deterministic_mode(cfg.model.deterministic_mode, cfg.dist.distributed_backend)
     _initialize_distributed(cfg.model, cfg.dist)
     set_telemetry(args)  # after the process group: its run id and launch uuid are agreed over it
     _set_random_seed(cfg.rng.seed, cfg.rng.data_parallel_random_init)

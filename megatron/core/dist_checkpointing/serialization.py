@@ -14,8 +14,9 @@ import contextlib
 import dataclasses
 import io
 import json
+import logging
 import os
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,9 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 from megatron.core.dist_checkpointing.safe_loading import (
     SafeFileSystemReader, check_data_files, check_inside, read_dcp_metadata, weights_only_load,
 )
+from megatron.core.dist_checkpointing.validation import StrictHandling, parse_strict_flag
+
+logger = logging.getLogger(__name__)
 
 METADATA_FILENAME = ".metadata"
 # Megatron core_v0.14's description of a torch_dist checkpoint, which its loader reads first.
@@ -302,12 +306,20 @@ def read_metadata(checkpoint_dir: str) -> Metadata:
 
 
 def load(sharded: Sequence[ShardedTensor], checkpoint_dir: str, metadata: Optional[Metadata] = None,
-         allow_missing: Callable[[str], bool] = lambda key: False, process_group=None) -> List[str]:
+         allow_missing: Callable[[str], bool] = lambda key: False, process_group=None,
+         strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED) -> List[str]:
     """Read this rank's chunks of ``checkpoint_dir`` into the ``data`` views of ``sharded``; all ranks call it.
 
     A key marked ``allow_shape_mismatch`` reads the rows (dimension 0) that both the checkpoint and
-    the target have. Returns the keys absent from the checkpoint that ``allow_missing`` accepted
-    (their targets are left unchanged).
+    the target have. Returns the keys absent from the checkpoint that were not read: those ``allow_missing``
+    accepts and, under a ``strict`` mode that skips them, the other "unexpected" ones (their targets are
+    left unchanged).
+
+    ``strict`` (Megatron-LM's StrictHandling, validation.py): a key absent from the checkpoint that
+    ``allow_missing`` does not accept fails the load (default, ``raise_*``), is warned about and skipped
+    (``log_*``) or skipped (``ignore_all``); ``*_all`` modes also look for checkpoint tensors no rank
+    requests ("missing"): warned about (``log_all``) or failing the load (``raise_all``). The ``return_*``
+    modes skip like ``log_*`` without a warning (a caller of this function gets the skipped keys).
 
     Raises CheckpointMismatchError naming the checkpoint and the keys when keys are missing or a
     global shape differs; the ranks agree on such a failure before reading (every rank raises,
@@ -315,6 +327,7 @@ def load(sharded: Sequence[ShardedTensor], checkpoint_dir: str, metadata: Option
     unreadable ``.metadata`` or data file raises safe_loading.UnsafeCheckpointError / CheckpointFileError
     (FileNotFoundError for a missing one) naming it, on every rank.
     """
+    strict = parse_strict_flag(strict)
     read_error = None
     if metadata is None:
         try:
@@ -347,18 +360,47 @@ def load(sharded: Sequence[ShardedTensor], checkpoint_dir: str, metadata: Option
             continue
         targets[(key, offset)] = data
         chunks.append((key, ChunkStorageMetadata(offsets=torch.Size(offset), sizes=torch.Size(sizes))))
+    if missing and StrictHandling.skips_unexpected(strict):
+        if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
+            unique = sorted(set(missing))
+            logger.warning(f"checkpoint {checkpoint_dir} lacks {len(unique)} requested tensor(s), left as they are "
+                           f"(--dist-ckpt-strictness {strict.value}): {', '.join(unique)}")
+        skipped, missing = skipped + missing, []
+    unread = _unread_checkpoint_tensors(stored, _index(sharded), process_group) \
+        if StrictHandling.requires_global_app_metadata(strict) else []
     problem = None
-    if missing or mismatched:
+    if unread and strict == StrictHandling.LOG_ALL and _group_rank(process_group) == 0:
+        logger.warning(f"checkpoint {checkpoint_dir} holds {len(unread)} tensor(s) that this load does not read "
+                       f"(--dist-ckpt-strictness log_all): {', '.join(unread)}")
+    if missing or mismatched or (unread and strict == StrictHandling.RAISE_ALL):
         parts = []
         if missing:
             unique = sorted(set(missing))
             parts.append(f"{len(unique)} tensor(s) missing, e.g. {', '.join(unique[:4])}")
+        if unread and strict == StrictHandling.RAISE_ALL:
+            parts.append(f"{len(unread)} checkpoint tensor(s) not read by this model (--dist-ckpt-strictness "
+                         f"raise_all), e.g. {', '.join(unread[:4])}")
         if mismatched:
             parts.append(f"{len(mismatched)} tensor(s) of another shape, e.g. {', '.join(sorted(mismatched)[:4])}")
         problem = CheckpointMismatchError(f"checkpoint {checkpoint_dir} does not match this model: {'; '.join(parts)}")
     _agree_or_raise(problem, process_group, checkpoint_dir)
     load_with_planner(checkpoint_dir, ShardedLoadPlanner(targets, chunks), metadata, process_group)
     return sorted(set(skipped))
+
+
+def _group_rank(process_group) -> int:
+    return dist.get_rank(process_group) if dist.is_initialized() else 0
+
+
+def _unread_checkpoint_tensors(stored, requested, process_group) -> List[str]:
+    """The checkpoint's tensor keys that no rank of ``process_group`` requests (Megatron's "missing" keys), sorted;
+    the same on every rank (the requested keys are gathered)."""
+    keys = {key for key, _ in requested}
+    if dist.is_initialized() and dist.get_world_size(process_group) > 1:
+        gathered = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(gathered, sorted(keys), group=process_group)
+        keys = set().union(*map(set, gathered))
+    return sorted(key for key, md in stored.items() if isinstance(md, TensorStorageMetadata) and key not in keys)
 
 
 def load_with_planner(checkpoint_dir: str, planner: LoadPlanner, metadata: Optional[Metadata] = None,

@@ -106,7 +106,8 @@ def load_torch_dist(cfg: CheckpointConfig, iteration_dir, iteration, release, co
         return (key.startswith(mo.OPTIMIZER_PREFIX + mo.MAIN_PARAM + ".") or key.endswith("." + mo.MAIN_PARAM)
                 or (not strict and not key.startswith(mo.OPTIMIZER_PREFIX)))
 
-    skipped = serialization.load(sharded, iteration_dir, metadata=metadata, allow_missing=allow_missing)
+    skipped = serialization.load(sharded, iteration_dir, metadata=metadata, allow_missing=allow_missing,
+                                 strict=cfg.dist_ckpt_strictness)
     for finish in finishers:
         finish()
     main_param_skipped = any(key.startswith(mo.OPTIMIZER_PREFIX + mo.MAIN_PARAM + ".") or key.endswith(

@@ -214,6 +214,7 @@ class CheckpointConfig:
     ckpt_step: Optional[int] = None
     exit_on_missing_checkpoint: bool = False
     ckpt_format: str = "torch_dist"
+    dist_ckpt_strictness: str = "assume_ok_unexpected"
     auto_detect_ckpt_format: bool = False
     async_save: Optional[bool] = None
     use_persistent_ckpt_worker: bool = False
@@ -245,6 +246,11 @@ class CheckpointConfig:
         elif self.non_persistent_global_ckpt_dir is not None and self.non_persistent_ckpt_type != "global":
             raise ValueError("--non-persistent-global-ckpt-dir only applies with --non-persistent-ckpt-type global; "
                              "remove it (it would otherwise be silently ignored)")
+        if self.dist_ckpt_strictness in ("return_unexpected", "return_all"):
+            raise ValueError(f"--dist-ckpt-strictness {self.dist_ckpt_strictness} is not available: it returns the "
+                             "mismatched keys to a caller of dist_checkpointing.load, and the training loop has none "
+                             "(Megatron-LM's fails on it at load); use log_unexpected, log_all, raise_unexpected, "
+                             "raise_all, ignore_all or assume_ok_unexpected")
         if self.async_save and self.ckpt_format != "torch_dist":
             raise ValueError(f"--async-save needs --ckpt-format torch_dist (got --ckpt-format {self.ckpt_format})")
 
