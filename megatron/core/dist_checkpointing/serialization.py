@@ -307,7 +307,8 @@ def read_metadata(checkpoint_dir: str) -> Metadata:
 
 def load(sharded: Sequence[ShardedTensor], checkpoint_dir: str, metadata: Optional[Metadata] = None,
          allow_missing: Callable[[str], bool] = lambda key: False, process_group=None,
-         strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED) -> List[str]:
+         strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
+         unread_ok: Callable[[str], bool] = lambda key: False) -> List[str]:
     """Read this rank's chunks of ``checkpoint_dir`` into the ``data`` views of ``sharded``; all ranks call it.
 
     A key marked ``allow_shape_mismatch`` reads the rows (dimension 0) that both the checkpoint and
@@ -320,6 +321,7 @@ def load(sharded: Sequence[ShardedTensor], checkpoint_dir: str, metadata: Option
     (``log_*``) or skipped (``ignore_all``); ``*_all`` modes also look for checkpoint tensors no rank
     requests ("missing"): warned about (``log_all``) or failing the load (``raise_all``). The ``return_*``
     modes skip like ``log_*`` without a warning (a caller of this function gets the skipped keys).
+    ``unread_ok``: checkpoint keys a caller leaves unread on purpose (never counted as missing).
 
     Raises CheckpointMismatchError naming the checkpoint and the keys when keys are missing or a
     global shape differs; the ranks agree on such a failure before reading (every rank raises,
@@ -366,8 +368,10 @@ def load(sharded: Sequence[ShardedTensor], checkpoint_dir: str, metadata: Option
             logger.warning(f"checkpoint {checkpoint_dir} lacks {len(unique)} requested tensor(s), left as they are "
                            f"(--dist-ckpt-strictness {strict.value}): {', '.join(unique)}")
         skipped, missing = skipped + missing, []
-    unread = _unread_checkpoint_tensors(stored, _index(sharded), process_group) \
-        if StrictHandling.requires_global_app_metadata(strict) else []
+    unread = []
+    if StrictHandling.requires_global_app_metadata(strict):
+        unread = [key for key in _unread_checkpoint_tensors(stored, _index(sharded), process_group)
+                  if not unread_ok(key)]
     problem = None
     if unread and strict == StrictHandling.LOG_ALL and _group_rank(process_group) == 0:
         logger.warning(f"checkpoint {checkpoint_dir} holds {len(unread)} tensor(s) that this load does not read "

@@ -100,14 +100,18 @@ def load_torch_dist(cfg: CheckpointConfig, iteration_dir, iteration, release, co
         reads, finishers = mo.optimizer_load_plan(model, optimizer, metadata.state_dict_metadata, legacy)
         sharded += reads
 
+    def is_main_param(key):
+        return key.startswith(mo.OPTIMIZER_PREFIX + mo.MAIN_PARAM + ".") or key.endswith("." + mo.MAIN_PARAM)
+
     def allow_missing(key):
         # fp32 main copies exist only in checkpoints of fp16/bf16 runs (or with the distributed
         # optimizer); strict=False tolerates model keys.
-        return (key.startswith(mo.OPTIMIZER_PREFIX + mo.MAIN_PARAM + ".") or key.endswith("." + mo.MAIN_PARAM)
-                or (not strict and not key.startswith(mo.OPTIMIZER_PREFIX)))
+        return is_main_param(key) or (not strict and not key.startswith(mo.OPTIMIZER_PREFIX))
 
+    # An fp32 run reads its main params from the model weights, so the checkpoint's copies of them are
+    # left unread on purpose: not "missing" for --dist-ckpt-strictness *_all.
     skipped = serialization.load(sharded, iteration_dir, metadata=metadata, allow_missing=allow_missing,
-                                 strict=cfg.dist_ckpt_strictness)
+                                 strict=cfg.dist_ckpt_strictness, unread_ok=is_main_param)
     for finish in finishers:
         finish()
     main_param_skipped = any(key.startswith(mo.OPTIMIZER_PREFIX + mo.MAIN_PARAM + ".") or key.endswith(
