@@ -75,6 +75,17 @@ def test_readme_tour_builds_the_expected_slices(monkeypatch):
     assert cfg.gpt.max_position_embeddings == 128 and cfg.gpt.position_embedding_type == "learned_absolute"
     assert cfg.ddp.check_for_nan_in_grad and not cfg.ddp.use_distributed_optimizer
     assert not cfg.telemetry.enabled
+    assert not cfg.model.deterministic_mode and cfg.checkpoint.dist_ckpt_strictness == "assume_ok_unexpected"
+
+
+def test_megatron_determinism_and_strictness_flags_reach_their_slices(monkeypatch):
+    """--deterministic-mode -> model (Megatron's ModelParallelConfig field), --dist-ckpt-strictness -> checkpoint."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    args = validate_args(parse_args(args=[*TOUR, "--deterministic-mode", "--dist-ckpt-strictness", "raise_all"]))
+    args.padded_vocab_size = 4096
+    cfg = pretrain_cfg_container_from_args(args)
+    assert cfg.model.deterministic_mode and cfg.checkpoint.dist_ckpt_strictness == "raise_all"
 
 
 def test_model_slice_is_core_transformer_config_from_args(monkeypatch):
