@@ -7,8 +7,8 @@
   evaluation: CP=2, CP=2 x TP=2 (--sequence-parallel), CP=2 x PP=2 and a Llama-shaped CP=2 give the
   ``lm loss`` (training and validation) of one process within 1e-5 and its grad norm within 1e-5
   relative, for each --cp-comm-type whose kernel is in the tree;
-- checkpoints: a torch_dist checkpoint saved at CP=2 (with the distributed optimizer, sharded over the
-  data x context-parallel ranks) resumes at CP=1 with the uninterrupted losses.
+- checkpoints: a torch_dist (and a legacy torch) checkpoint saved at CP=2 with the distributed optimizer
+  (sharded over the data x context-parallel ranks) resumes at CP=1 with the uninterrupted losses.
 """
 import importlib.util
 
@@ -101,15 +101,20 @@ def test_context_parallel_training_matches_one_process(layout, comm_type, refere
     print(f"{layout} {comm_type}: max |lm loss - one process| = {max_loss_difference(run, reference):.3g}")
 
 
-def test_torch_dist_checkpoint_saved_at_cp2_resumes_at_cp1(references, tmp_path):
+@pytest.mark.parametrize("ckpt_format", ["torch_dist", "torch"])
+def test_checkpoint_saved_at_cp2_resumes_at_cp1(ckpt_format, references, tmp_path):
+    """torch_dist: keys and shapes do not depend on CP; the distributed optimizer's fragments are over the
+    data x context-parallel ranks. The legacy torch format (written by data x context-parallel rank 0,
+    the optimizer state gathered over those ranks) resumes too."""
     comm_type = next((c for c in COMM_TYPES if _kernel_present(c)), None)
     if comm_type is None:
         pytest.skip("no context-parallel kernel in this branch")
     ckpt = tmp_path / "ckpt"
-    save = ["--save", ckpt, "--save-interval", "5", "--exit-interval", "5", "--use-distributed-optimizer"]
+    fmt = ["--ckpt-format", ckpt_format, "--use-distributed-optimizer"]
+    save = ["--save", ckpt, "--save-interval", "5", "--exit-interval", "5", *fmt]
     first = _train(2, ["--context-parallel-size", "2", "--cp-comm-type", comm_type, *save], tmp_path, "cp2")
     assert sorted(first["lm loss"]) == list(range(1, 6))
-    second = _train(1, ["--load", ckpt, "--use-distributed-optimizer"], tmp_path, "cp1_resumed")
+    second = _train(1, ["--load", ckpt, *fmt], tmp_path, "cp1_resumed")
     assert sorted(second["lm loss"]) == list(range(6, ITERS + 1))
     reference = references(())
     _assert_same_numbers(first, reference, "cp2 before the save", steps=range(1, 6))

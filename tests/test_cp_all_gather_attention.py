@@ -42,3 +42,27 @@ def test_all_gather_matches_full_attention(cp, heads, groups):
         torch.testing.assert_close(dq, q.grad[:, :, pos], rtol=0, atol=1e-12)
         torch.testing.assert_close(dk, k.grad[:, :, pos], rtol=0, atol=1e-12)
         torch.testing.assert_close(dv, v.grad[:, :, pos], rtol=0, atol=1e-12)
+
+
+def _timed_rank_fn(rank, world_size):
+    import torch.distributed as dist
+
+    from megatron.core import step_timing
+    from megatron.core.transformer.context_parallel.all_gather_attention import attention
+
+    recorder = step_timing.StepTimeRecorder(use_cuda_events=False)
+    step_timing.install(recorder)
+    try:
+        q, k, v = (torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3))
+        recorder.step_begin()
+        attention(q, k, v, cp_group=dist.group.WORLD, softmax_scale=0.5).sum().backward()
+        recorder.step_end()
+        return recorder.take()
+    finally:
+        step_timing.uninstall()
+
+
+@pytest.mark.timeout(120)
+def test_all_gather_collectives_are_charged_to_cp_comm():
+    for report in run_distributed(_timed_rank_fn, 2):
+        assert report["cp_comm"] > 0.0 and report["steps"] == 1
