@@ -149,7 +149,8 @@ def _grads(rank, world, kind, comm_type):
     torch.manual_seed(7)
     model = GPTModel(config, vocab_size=_V, max_sequence_length=_S, **model_kw)
     g = torch.Generator().manual_seed(3)
-    full = {"tokens": torch.randint(0, _V, (_B, _S), generator=g), "labels": torch.randint(0, _V, (_B, _S), generator=g),
+    full = {"tokens": torch.randint(0, _V, (_B, _S), generator=g),
+            "labels": torch.randint(0, _V, (_B, _S), generator=g),
             "position_ids": torch.arange(_S).expand(_B, _S), "loss_mask": torch.ones(_B, _S)}
     batch = get_batch_on_this_cp_rank(full)
     losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])

@@ -17,8 +17,9 @@ _WARNED_NO_OTEL = False
 
 def parallel_rank_attributes() -> Dict[str, int]:
     """This rank's ``dl.tensor_parallel.rank``, ``dl.pipeline_parallel.rank``, ``dl.data_parallel.rank`` and
-    ``dl.context_parallel.rank`` from ``parallel_state`` (empty before ``initialize_model_parallel``), so each rank's resource says
-    where it sits in the layout (a slow rank's TP/PP/DP neighbours can then be found from its labels)."""
+    ``dl.context_parallel.rank`` from ``parallel_state`` (empty before ``initialize_model_parallel``), so each
+    rank's resource says where it sits in the layout (a slow rank's TP/PP/DP/CP neighbours can then be found
+    from its labels)."""
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
