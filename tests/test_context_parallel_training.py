@@ -4,11 +4,13 @@
   CP=2 on one batch split with ``get_batch_on_this_cp_rank``: the per-parameter gradients, summed over
   the CP ranks, equal those of one process within 1e-6;
 - training: pretrain_gpt.py on gloo ranks, fp32, no dropout, --mock-data, 10 iterations with an
-  evaluation: CP=2, CP=2 x TP=2 (--sequence-parallel), CP=2 x PP=2 and a Llama-shaped CP=2 give the
+  evaluation: CP=2, CP=4, DP=2 x CP=2 (distributed optimizer), CP=2 x TP=2 (--sequence-parallel),
+  CP=2 x PP=2 and a Llama-shaped CP=2 give the
   ``lm loss`` (training and validation) of one process within 1e-5 and its grad norm within 1e-5
   relative, for each --cp-comm-type whose kernel is in the tree;
 - checkpoints: a torch_dist (and a legacy torch) checkpoint saved at CP=2 with the distributed optimizer
-  (sharded over the data x context-parallel ranks) resumes at CP=1 with the uninterrupted losses.
+  (sharded over the data x context-parallel ranks) resumes at CP=1 (torch_dist also at CP=4) with the
+  uninterrupted losses.
 """
 import importlib.util
 
@@ -40,6 +42,8 @@ LAYOUTS = {  # name: (ranks, flags, flags of the one-process reference)
                    PAD_TP2),
     "cp2-pp2": (4, ["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2"], []),
     "llama-cp2": (2, [*LLAMA, "--context-parallel-size", "2"], LLAMA),
+    "cp4": (4, ["--context-parallel-size", "4"], []),
+    "dp2-cp2-distopt": (4, ["--context-parallel-size", "2", "--use-distributed-optimizer"], []),
 }
 
 
@@ -119,6 +123,10 @@ def test_checkpoint_saved_at_cp2_resumes_at_cp1(ckpt_format, references, tmp_pat
     reference = references(())
     _assert_same_numbers(first, reference, "cp2 before the save", steps=range(1, 6))
     _assert_same_numbers(second, reference, "cp1 after the resume", steps=range(6, ITERS + 1))
+    if ckpt_format == "torch_dist":  # and at CP=4
+        third = _train(4, ["--load", ckpt, *fmt, "--context-parallel-size", "4", "--cp-comm-type", comm_type],
+                       tmp_path, "cp4_resumed")
+        _assert_same_numbers(third, reference, "cp4 after the resume", steps=range(6, ITERS + 1))
 
 
 # --------------------------------------------------------------------------------------- gradients
