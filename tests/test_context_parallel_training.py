@@ -105,6 +105,16 @@ def test_context_parallel_training_matches_one_process(layout, comm_type, refere
     print(f"{layout} {comm_type}: max |lm loss - one process| = {max_loss_difference(run, reference):.3g}")
 
 
+def test_one_comm_type_per_layer(references, tmp_path):
+    """--cp-comm-type with one value per layer (--num-layers 2): layer i uses value i."""
+    present = [c for c in COMM_TYPES if _kernel_present(c)]
+    if not present:
+        pytest.skip("no context-parallel kernel in this branch")
+    per_layer = [present[0], present[-1]]
+    run = _train(2, ["--context-parallel-size", "2", "--cp-comm-type", *per_layer], tmp_path, "per_layer")
+    _assert_same_numbers(run, references(()), f"per layer {per_layer}")
+
+
 @pytest.mark.parametrize("ckpt_format", ["torch_dist", "torch"])
 def test_checkpoint_saved_at_cp2_resumes_at_cp1(ckpt_format, references, tmp_path):
     """torch_dist: keys and shapes do not depend on CP; the distributed optimizer's fragments are over the
