@@ -20,7 +20,7 @@ from megatron.training import argument_utils
 from megatron.training.global_vars import get_config, get_timers, get_tokenizer
 from megatron.training.training import pretrain
 from megatron.training.user_errors import UserInputError, run_reporting_user_errors
-from megatron.training.utils import get_batch_on_this_tp_rank, print_rank_0
+from megatron.training.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank, print_rank_0
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None) -> GPTModel:
@@ -63,6 +63,7 @@ def get_batch(data_iterator, vp_stage=None):
             or parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)):
         return None, None, None, None, None
     batch = get_batch_on_this_tp_rank(data_iterator, needs_attention_mask=get_config().data.reset_attention_mask)
+    batch = get_batch_on_this_cp_rank(batch)  # context parallelism: this rank's two chunks of each sequence
     return batch["tokens"], batch["labels"], batch["loss_mask"], batch["attention_mask"], batch["position_ids"]
 
 

@@ -29,7 +29,6 @@ COVERED_ELSEWHERE = {
 # value that cannot act in this version.
 REFUSED = {
     "--num-experts": ["--num-experts", "8"],
-    "--context-parallel-size": ["--context-parallel-size", "2"],
     "--expert-model-parallel-size": ["--expert-model-parallel-size", "2"],
     "--no-position-embedding": ["--no-position-embedding"],
     "--exit-signal-handler-for-training": ["--exit-signal-handler-for-training"],

@@ -13,11 +13,32 @@ def single_process(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-def test_context_parallelism_is_refused_until_it_exists(single_process, monkeypatch):
-    """--context-parallel-size 2 used to be accepted and ignored (two ranks doing the same work)."""
+def test_context_parallelism_flags_are_validated_naming_the_flag(single_process, monkeypatch):
+    """--context-parallel-size 2 used to be accepted and ignored; now it acts (tests/test_context_parallel_training.py)
+    and what it cannot be combined with is refused by name."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match="--context-parallel-size 2: context parallelism is not available"):
-        validate_args(parse_args(args=[*VALID, "--context-parallel-size", "2"]))
+    cp2 = [*VALID, "--context-parallel-size", "2"]
+    args = validate_args(parse_args(args=[*cp2, "--attention-dropout", "0"]))
+    assert args.context_parallel_size == 2 and args.data_parallel_size == 1 and args.cp_comm_type == ["p2p"]
+    refusals = {
+        ("--attention-dropout", "0.1"): "--attention-dropout",
+        ("--attention-dropout", "0", "--reset-attention-mask"): "--reset-attention-mask",
+        ("--attention-dropout", "0", "--seq-length", "30", "--max-position-embeddings", "30"):
+            r"2 x --context-parallel-size",
+        ("--attention-dropout", "0", "--cp-comm-type", "a2a+p2p"): r"--cp-comm-type a2a\+p2p .*not supported",
+        ("--attention-dropout", "0", "--cp-comm-type", "ring"): "--cp-comm-type 'ring'",
+        ("--attention-dropout", "0", "--cp-comm-type", "p2p", "a2a", "p2p"): "--cp-comm-type takes one value or one",
+    }
+    for extra, message in refusals.items():
+        with pytest.raises(ValueError, match=message):
+            validate_args(parse_args(args=[*cp2, *extra]))
+    per_layer = validate_args(parse_args(args=[*cp2, "--attention-dropout", "0", "--cp-comm-type", "p2p", "a2a"]))
+    assert per_layer.cp_comm_type == ["p2p", "a2a"]
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match=r"--seq-length \(32\) / --context-parallel-size \(2\) is not divisible by "
+                                         r"--tensor-model-parallel-size \(32\)"):
+        validate_args(parse_args(args=[*cp2, "--attention-dropout", "0", "--tensor-model-parallel-size", "32",
+                                       "--sequence-parallel", "--num-attention-heads", "32"]))
     assert validate_args(parse_args(args=[*VALID, "--context-parallel-size", "1"])).context_parallel_size == 1
 
 

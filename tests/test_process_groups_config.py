@@ -52,6 +52,13 @@ def test_pp2_config_in_a_pp1_world_fails_at_build_naming_both_sizes():
                                  "has 1 rank(s): " + FIX)
 
 
+def test_cp2_config_in_a_cp1_world_fails_at_build_naming_both_sizes():
+    with pytest.raises(ParallelConfigMismatchError) as caught:
+        _build(_config(context_parallel_size=2))
+    assert str(caught.value) == ("TransformerConfig.context_parallel_size=2 but the context-parallel group "
+                                 "has 1 rank(s): " + FIX)
+
+
 def test_matching_config_builds_with_default_and_explicit_groups():
     model = _build(_config())
     assert isinstance(model.model_comm_pgs, ModelCommProcessGroups)

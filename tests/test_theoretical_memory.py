@@ -256,3 +256,13 @@ def test_most_loaded_stage_is_reported(monkeypatch):
     footprint = compute_weight_and_optimizer_memory(args)
     assert footprint.num_parameters_on_rank == max(counts)
     assert footprint.pp_rank == counts.index(max(counts))
+
+
+def test_context_parallelism_divides_the_activations(monkeypatch):
+    """Each CP rank holds s / CP tokens: every per-token term is divided by CP, and the unfused [s, s] term
+    becomes the local queries against all keys."""
+    flags = [*GPT3_XL, "--hidden-dropout", "0.1", "--attention-dropout", "0", "--attention-backend", "unfused"]
+    one = make_args(*flags, monkeypatch=monkeypatch)
+    cp2 = make_args(*flags, "--context-parallel-size", "2", world_size=2, monkeypatch=monkeypatch)
+    assert activation_memory_per_layer(cp2) == activation_memory_per_layer(one) / 2
+    assert compute_activation_memory(cp2, 2) == compute_activation_memory(one, 2) / 2

@@ -108,8 +108,8 @@ def _size_seen_by_layers(group, mpu_group, mpu_size: Callable[[], int]) -> int:
 
 
 def check_parallel_config(config, pgs: ModelCommProcessGroups) -> None:
-    """Refuse ``config`` (a ``TransformerConfig``) when its tensor- or pipeline-parallel size is not
-    the size of the matching group of ``pgs``.
+    """Refuse ``config`` (a ``TransformerConfig``) when its tensor-, pipeline- or context-parallel size is
+    not the size of the matching group of ``pgs``.
 
     Raises:
         ParallelConfigMismatchError: one line naming the config field, both sizes and the fix.
@@ -121,6 +121,9 @@ def check_parallel_config(config, pgs: ModelCommProcessGroups) -> None:
         ("pipeline_model_parallel_size", "pipeline-parallel", pgs.pp,
          parallel_state.get_pipeline_model_parallel_group(check_initialized=False),
          parallel_state.get_pipeline_model_parallel_world_size),
+        ("context_parallel_size", "context-parallel", pgs.cp,
+         parallel_state.get_context_parallel_group(check_initialized=False),
+         parallel_state.get_context_parallel_world_size),
     )
     for field, label, group, mpu_group, mpu_size in checks:
         wanted = int(getattr(config, field))

@@ -26,7 +26,8 @@ import torch
 __all__ = ["PARTS", "TIMER_PARTS", "StepTimeRecorder", "install", "uninstall", "active_recorder", "section"]
 
 # The parts of a step, in report order (metric ``megatron.training.step.<part>_ms``).
-PARTS = ("forward_compute", "backward_compute", "data_wait", "tp_comm", "pp_comm", "grad_sync", "optimizer")
+PARTS = ("forward_compute", "backward_compute", "data_wait", "tp_comm", "pp_comm", "cp_comm", "grad_sync",
+         "optimizer")
 
 # Megatron's timer names (megatron/core/timers.py users) -> the part they time.
 TIMER_PARTS: Dict[str, str] = {
@@ -43,6 +44,8 @@ TIMER_PARTS: Dict[str, str] = {
     "forward-send-backward-recv": "pp_comm",
     "backward-send-forward-recv": "pp_comm",
     "forward-backward-send-forward-backward-recv": "pp_comm",
+    # The context-parallel attention kernels' K/V exchange (transformer/context_parallel/comm.py).
+    "cp-comm": "cp_comm",
     "optimizer": "optimizer",
 }
 

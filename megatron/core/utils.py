@@ -3,6 +3,11 @@ from typing import Any, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 
+from megatron.core.transformer.context_parallel import batch as _cp_batch
+
+# Megatron-LM's home of the context-parallel batch split (it lives in transformer/context_parallel/batch.py).
+get_batch_on_this_cp_rank = _cp_batch.get_batch_on_this_cp_rank
+
 
 def get_attr_wrapped_model(model: Any, attr: str, allow_none: bool = True, return_model_obj: bool = False):
     """Find ``attr`` on ``model`` or on the first object down its ``.module`` chain that has it.

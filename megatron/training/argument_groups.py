@@ -337,7 +337,11 @@ def _add_distributed_args(parser):
     group.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
                        help="Count the loss as one layer when splitting layers over pipeline stages "
                             "(the last stage builds one transformer layer less).")
-    group.add_argument("--context-parallel-size", type=int, default=1, help="Context-parallel size.")
+    group.add_argument("--context-parallel-size", type=int, default=1,
+                       help="Context-parallel size: each sequence split over this many ranks (2 chunks each).")
+    group.add_argument("--cp-comm-type", nargs="+", type=str, default=["p2p"],
+                       help="How context-parallel attention exchanges K/V: p2p (ring), all_gather or a2a "
+                            "(Ulysses); one value for every layer, or one per layer.")
     group.add_argument("--expert-model-parallel-size", type=int, default=1, help="Expert-parallel size.")
     group.add_argument("--distributed-backend", type=str, choices=["nccl", "gloo"],
                        default="nccl" if torch.cuda.is_available() else "gloo",

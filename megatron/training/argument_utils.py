@@ -146,6 +146,10 @@ def core_transformer_config_from_args(args, config_class=None):
         "num_layers_in_last_pipeline_stage": getattr(args, "decoder_last_pipeline_num_layers", None),
         "num_query_groups": args.num_query_groups if getattr(args, "group_query_attention", False) else None,
     }
+    cp_comm_type = getattr(args, "cp_comm_type", None)
+    if isinstance(cp_comm_type, (list, tuple)):
+        # Megatron: one value applies to every layer (a str); several are one per layer (a list).
+        special["cp_comm_type"] = cp_comm_type[0] if len(cp_comm_type) == 1 else list(cp_comm_type)
     if getattr(args, "swiglu", False):
         special["activation_func"] = F.silu
         special["gated_linear_unit"] = True

@@ -121,7 +121,7 @@ def validate_args(args, defaults={}):
     left at None, and prints the arguments on rank 0. Returns ``args``.
 
     Raises ValueError naming the offending flag(s) and values, including for features that
-    are not available in this version (context parallelism, the distributed optimizer,
+    are not available in this version (the distributed optimizer with another optimizer than adam,
     the torch_dcp and fsdp_dtensor checkpoint formats, Transformer Engine, MoE).
     """
     # Applied first so that script defaults take part in every check below; a flag given on
@@ -186,10 +186,7 @@ def _validate_required(args):
 
 
 def _validate_features(args):
-    if args.context_parallel_size > 1:
-        # Accepting it would have every rank of a context-parallel group redo the same work.
-        raise ValueError(f"--context-parallel-size {args.context_parallel_size}: context parallelism is not "
-                         "available in this version yet; use 1")
+    _validate_context_parallel(args)
     if args.overlap_param_gather and not (args.use_distributed_optimizer and args.overlap_grad_reduce):
         raise ValueError("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce")
     if args.use_distributed_optimizer and args.optimizer != "adam":
@@ -240,6 +237,34 @@ def _validate_deterministic_mode(args):
     _require(algo is None or algo in DETERMINISTIC_NCCL_ALGOS,
              f"--deterministic-mode needs env NCCL_ALGO to be one of {', '.join(DETERMINISTIC_NCCL_ALGOS)} (got "
              f"{algo!r}); unset, it is set to Ring")
+
+
+def _validate_context_parallel(args):
+    """--cp-comm-type values (always), and what --context-parallel-size > 1 cannot be combined with."""
+    from megatron.core.transformer.context_parallel import CP_COMM_TYPES
+
+    for value in args.cp_comm_type:
+        if value == "a2a+p2p":
+            raise ValueError("--cp-comm-type a2a+p2p (hierarchical context parallelism) is not supported in this "
+                             "version; use p2p, all_gather or a2a")
+        _require(value in CP_COMM_TYPES,
+                 f"--cp-comm-type {value!r}: choose from {', '.join(CP_COMM_TYPES)}")
+    _require(len(args.cp_comm_type) in (1, args.num_layers),
+             f"--cp-comm-type takes one value or one per layer (--num-layers {args.num_layers}), "
+             f"got {len(args.cp_comm_type)}")
+    cp = args.context_parallel_size
+    if cp == 1:
+        return
+    if args.sequence_parallel:
+        _require(args.seq_length // cp % args.tensor_model_parallel_size == 0,
+                 f"--seq-length ({args.seq_length}) / --context-parallel-size ({cp}) is not divisible by "
+                 f"--tensor-model-parallel-size ({args.tensor_model_parallel_size}), which --sequence-parallel needs")
+    _require(not args.reset_attention_mask,
+             "--reset-attention-mask cannot be combined with --context-parallel-size > 1 in this version "
+             "(the context-parallel attention is causal over the whole sequence)")
+    _require(args.attention_dropout == 0.0,
+             f"--attention-dropout ({args.attention_dropout}) must be 0 with --context-parallel-size > 1: the "
+             "context-parallel attention kernels have no dropout in this version")
 
 
 # Flags accepted by the parser (Megatron compatibility) whose behaviour is not implemented yet.

@@ -9,7 +9,8 @@ table:
   its own row; the lowest exporting rank also sends the rows of ranks that do not export, so under
   ``single_rank`` every rank's breakdown still reaches the backend exactly once). Every row is labelled
   with ITS rank's coordinates (``dl.rank``, ``dl.tensor_parallel.rank``, ``dl.pipeline_parallel.rank``,
-  ``dl.data_parallel.rank``, ``dl.local_rank``, ``service.instance.id``) as data-point attributes, which
+  ``dl.data_parallel.rank``, ``dl.context_parallel.rank``, ``dl.local_rank``, ``service.instance.id``) as
+  data-point attributes, which
   take precedence over the exporting rank's resource labels of the same names (Prometheus pull
   endpoint), so a relayed row never carries its sender's place in the layout;
 - the straggler view per pipeline stage (the ranks of one stage do the same work; different stages
@@ -47,13 +48,15 @@ __all__ = ["StepBreakdown", "TimedDataIterator", "wrap_data_iterator", "memory_s
 # Row layout of the gathered table.
 COLUMNS = ("exports", *PARTS, "other", "total", "allocated_gb", "reserved_gb", "peak_gb", "rss_gb",
            "power_w", "temperature_c", "utilization_pct", "clock_mhz",
-           "tensor_parallel_rank", "pipeline_parallel_rank", "data_parallel_rank", "local_rank")
+           "tensor_parallel_rank", "pipeline_parallel_rank", "data_parallel_rank", "context_parallel_rank",
+           "local_rank")
 _COL = {name: index for index, name in enumerate(COLUMNS)}
 COMPUTE_PARTS = ("forward_compute", "backward_compute")
 # Where a row's rank sits: (data-point attribute, column).
 _COORDINATES = (("dl.tensor_parallel.rank", "tensor_parallel_rank"),
                 ("dl.pipeline_parallel.rank", "pipeline_parallel_rank"),
-                ("dl.data_parallel.rank", "data_parallel_rank"), ("dl.local_rank", "local_rank"))
+                ("dl.data_parallel.rank", "data_parallel_rank"), ("dl.context_parallel.rank", "context_parallel_rank"),
+                ("dl.local_rank", "local_rank"))
 # torch >= 2.13 renamed the flat all-gather; keep working on older releases.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -176,13 +179,13 @@ def straggler_rank_lines(table: torch.Tensor, flops_per_rank: Optional[float], c
 
 
 def layout_coordinates(rank: int) -> List[float]:
-    """This rank's ``[tensor_parallel_rank, pipeline_parallel_rank, data_parallel_rank, local_rank]``
-    (``parallel_state``; before it is initialised: ``[0, 0, rank, local]``)."""
+    """This rank's ``[tensor_parallel_rank, pipeline_parallel_rank, data_parallel_rank, context_parallel_rank,
+    local_rank]`` (``parallel_state``; before it is initialised: ``[0, 0, rank, 0, local]``)."""
     if parallel_state.model_parallel_is_initialized():
         coords = [parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(),
-                  parallel_state.get_data_parallel_rank()]
+                  parallel_state.get_data_parallel_rank(), parallel_state.get_context_parallel_rank()]
     else:
-        coords = [0, 0, rank]
+        coords = [0, 0, rank, 0]
     try:
         local = node_local_rank()
     except ValueError:  # a malformed LOCAL_RANK is reported where telemetry starts, not here

@@ -272,11 +272,14 @@ def activation_memory_per_layer(config, recompute: bool = False) -> float:
 
     Together 34 sbh + 5 a s^2 b for f = 4h with dropout (the paper's eq. 1), 34 sbh with
     flash attention. ``recompute`` (``--recompute-granularity selective``) drops the core
-    attention term. fp32 training (no --bf16/--fp16) doubles every 2-byte term.
+    attention term. fp32 training (no --bf16/--fp16) doubles every 2-byte term. With context parallelism
+    each rank holds ``s / CP`` tokens: every per-token term is divided by CP, and the [s, s] term becomes
+    the local queries against all keys, ``a (s / CP) s b``.
     """
     cfg = as_config(config)
     model = cfg.model
-    s, b, h = cfg.data.seq_length, cfg.train.micro_batch_size, model.hidden_size
+    cp = max(1, model.context_parallel_size)
+    s, b, h = cfg.data.seq_length // cp, cfg.train.micro_batch_size, model.hidden_size
     tp = model.tensor_model_parallel_size
     e = _activation_bytes_per_element(model)
     mask = 1 if model.hidden_dropout > 0 else 0
@@ -294,7 +297,7 @@ def activation_memory_per_layer(config, recompute: bool = False) -> float:
         else:
             dropout = 1 if model.attention_dropout > 0 else 0
             # softmax output, and with dropout its mask (1 byte) and output
-            split += a * s * s * b * (e + dropout * (1 + e))
+            split += a * s * (s * cp) * b * (e + dropout * (1 + e))
     if model.sequence_parallel:
         return (whole + split) / tp
     return whole + split / tp
@@ -314,8 +317,8 @@ def _layers_activation_memory(cfg, num_layers: int) -> float:
     full_layer = activation_memory_per_layer(cfg)
     if granularity != "full":
         return num_layers * full_layer
-    unit_input = (_activation_bytes_per_element(model) * cfg.data.seq_length * cfg.train.micro_batch_size
-                  * model.hidden_size)
+    unit_input = (_activation_bytes_per_element(model) * (cfg.data.seq_length // max(1, model.context_parallel_size))
+                  * cfg.train.micro_batch_size * model.hidden_size)
     if model.sequence_parallel:
         unit_input /= model.tensor_model_parallel_size
     n = min(max(model.recompute_num_layers or 1, 1), num_layers)
@@ -335,11 +338,11 @@ def compute_activation_memory(config, num_microbatches: Optional[int]) -> float:
     holds the output side: the final norm's and output layer's inputs (4sbh with 2-byte
     activations) and the fp32 logits the loss keeps (4sbV / TP). With ``--sequence-parallel`` and
     selective recompute this is Megatron-LM's own estimate (Korthikanti et al. Table 2,
-    ``sbh(18 + 4f/h)`` per layer over TP).
+    ``sbh(18 + 4f/h)`` per layer over TP). Context parallelism divides the sequence: ``s`` is ``s / CP``.
     """
     cfg = as_config(config)
     model = cfg.model
-    s, b, h = cfg.data.seq_length, cfg.train.micro_batch_size, model.hidden_size
+    s, b, h = cfg.data.seq_length // max(1, model.context_parallel_size), cfg.train.micro_batch_size, model.hidden_size
     pp, tp = model.pipeline_model_parallel_size, model.tensor_model_parallel_size
     layers = _layers_activation_memory(cfg, num_layers_on_pipeline_stage(cfg, 0))
     e = _activation_bytes_per_element(model)

@@ -7,6 +7,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.collective_device import get_collective_device
 from megatron.core.console import write_line
+from megatron.core.transformer.context_parallel import batch as _cp_batch
+
+# Megatron-LM re-exports it here.
+get_batch_on_this_cp_rank = _cp_batch.get_batch_on_this_cp_rank
 
 
 def get_rank() -> int:

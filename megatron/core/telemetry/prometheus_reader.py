@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 
 PROMOTED_RESOURCE_ATTRIBUTES = frozenset({
     "service.name", "service.instance.id", "nemo.run.id", "host.name", "dl.local_rank",
-    "dl.tensor_parallel.rank", "dl.pipeline_parallel.rank", "dl.data_parallel.rank",
+    "dl.tensor_parallel.rank", "dl.pipeline_parallel.rank", "dl.data_parallel.rank", "dl.context_parallel.rank",
 })
 
 

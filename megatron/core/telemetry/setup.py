@@ -16,9 +16,10 @@ _WARNED_NO_OTEL = False
 
 
 def parallel_rank_attributes() -> Dict[str, int]:
-    """This rank's ``dl.tensor_parallel.rank``, ``dl.pipeline_parallel.rank`` and ``dl.data_parallel.rank``
-    from ``parallel_state`` (empty before ``initialize_model_parallel``), so each rank's resource says
-    where it sits in the layout (a slow rank's TP/PP/DP neighbours can then be found from its labels)."""
+    """This rank's ``dl.tensor_parallel.rank``, ``dl.pipeline_parallel.rank``, ``dl.data_parallel.rank`` and
+    ``dl.context_parallel.rank`` from ``parallel_state`` (empty before ``initialize_model_parallel``), so each
+    rank's resource says where it sits in the layout (a slow rank's TP/PP/DP/CP neighbours can then be found
+    from its labels)."""
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
@@ -27,6 +28,7 @@ def parallel_rank_attributes() -> Dict[str, int]:
         "dl.tensor_parallel.rank": int(parallel_state.get_tensor_model_parallel_rank()),
         "dl.pipeline_parallel.rank": int(parallel_state.get_pipeline_model_parallel_rank()),
         "dl.data_parallel.rank": int(parallel_state.get_data_parallel_rank()),
+        "dl.context_parallel.rank": int(parallel_state.get_context_parallel_rank()),
     }
 
 

@@ -5,14 +5,16 @@ import math
 from typing import Optional, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
 from megatron.core import tensor_parallel
-from megatron.core.parallel_state import get_tensor_model_parallel_world_size
+from megatron.core.parallel_state import get_context_parallel_group, get_tensor_model_parallel_world_size
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.tensor_parallel.utils import divide
 from megatron.core.transformer.attention_backend import check_attention_backend, sdpa_backends
+from megatron.core.transformer.context_parallel import context_parallel_attention
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import build_norm
@@ -37,12 +39,18 @@ class DotProductAttention(MegatronModule):
     parallelism the enclosing TransformerBlock holds that fork; at TP = 1 the default generator
     serves, as for every other dropout, and the compiled graph needs no RNG-state swap).
 
+    With a context-parallel group of more than one rank (``model_comm_pgs.cp``, else parallel_state's),
+    q/k/v hold this rank's two sequence chunks and attention goes through
+    ``context_parallel_attention`` with ``config.cp_comm_type`` (this layer's entry when a list):
+    causal, no mask, no dropout.
+
     Raises ValueError (from ``check_attention_backend``) when the backend's kernel does not exist here.
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int,
                  attn_mask_type: AttnMaskType = AttnMaskType.causal, attention_type: str = "self",
-                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None):
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 model_comm_pgs=None):
         super().__init__(config)
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
@@ -64,6 +72,15 @@ class DotProductAttention(MegatronModule):
         # memory-efficient attention the key/value groups are repeated per query head.
         self._repeat_kv_groups = self.enable_gqa and backend is AttnBackend.fused
         self._fork_for_dropout = tp > 1 and not config.sequence_parallel
+        # Context parallelism: this rank holds two chunks of each sequence (context_parallel package).
+        self.cp_group = model_comm_pgs.cp if model_comm_pgs is not None \
+            else get_context_parallel_group(check_initialized=False)
+        self.cp_comm_type = None
+        if self.cp_group is not None and dist.get_world_size(self.cp_group) > 1:
+            comm_type = config.cp_comm_type or "p2p"
+            if isinstance(comm_type, (list, tuple)):  # one per layer; layer_number is 1-based
+                comm_type = comm_type[self.layer_number - 1]
+            self.cp_comm_type = comm_type
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
@@ -74,6 +91,13 @@ class DotProductAttention(MegatronModule):
         k = key.permute(1, 2, 0, 3)
         v = value.permute(1, 2, 0, 3)
         dropout_p = self.attention_dropout_p if self.training else 0.0
+        if self.cp_comm_type is not None:
+            if attention_mask is not None or dropout_p > 0.0:
+                raise ValueError("context-parallel attention takes no attention mask and no attention dropout")
+            context = context_parallel_attention(q, k, v, cp_group=self.cp_group, comm_type=self.cp_comm_type,
+                                                 softmax_scale=self.softmax_scale)
+            s, b = context.size(2), context.size(0)
+            return context.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
         if attention_mask is None:
             mask, is_causal = None, True
         else:
@@ -114,7 +138,7 @@ class SelfAttention(MegatronModule):
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int = 1,
-                 attn_mask_type: AttnMaskType = AttnMaskType.causal):
+                 attn_mask_type: AttnMaskType = AttnMaskType.causal, model_comm_pgs=None):
         super().__init__(config)
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
@@ -127,7 +151,8 @@ class SelfAttention(MegatronModule):
 
         # Megatron's creation order (core_attention, linear_proj, then linear_qkv, q/k layernorm) fixes
         # the order of named_parameters(), hence of the optimizer's state in legacy checkpoints.
-        self.core_attention = DotProductAttention(config, layer_number, attn_mask_type, "self")
+        self.core_attention = DotProductAttention(config, layer_number, attn_mask_type, "self",
+                                                  model_comm_pgs=model_comm_pgs)
         self.linear_proj = tensor_parallel.RowParallelLinear(
             self.query_projection_size, config.hidden_size, config=config,
             init_method=config.output_layer_init_method, bias=config.add_bias_linear,

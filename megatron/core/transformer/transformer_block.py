@@ -82,7 +82,8 @@ class TransformerBlock(MegatronModule):
     """
 
     def __init__(self, config: TransformerConfig, spec=None, post_layer_norm: bool = True,
-                 pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None):
+                 pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None,
+                 model_comm_pgs=None):
         super().__init__(config)
         self.pre_process = pre_process
         self.post_process = post_process
@@ -94,7 +95,7 @@ class TransformerBlock(MegatronModule):
         layers = []
         for i in range(num_layers):
             with tensor_parallel.model_init_rng(offset + i + 1):  # same weights on any pipeline layout
-                layers.append(TransformerLayer(config, layer_number=offset + i + 1))
+                layers.append(TransformerLayer(config, layer_number=offset + i + 1, model_comm_pgs=model_comm_pgs))
         self.layers = torch.nn.ModuleList(layers)
         if config.compile_transformer_layers:
             for layer in self.layers:

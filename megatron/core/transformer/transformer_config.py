@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Union
 
 import torch.nn.functional as F
 
@@ -79,6 +79,9 @@ class TransformerConfig(ModelParallelConfig):
 
     # Core-attention kernel (attention_backend.py; a name string is accepted) and per-layer torch.compile
     attention_backend: AttnBackend = AttnBackend.auto
+    # Context-parallel attention (transformer/context_parallel): "p2p", "all_gather" or "a2a" for every
+    # layer, or a list with one per layer; None means p2p. Read only when the cp group has > 1 rank.
+    cp_comm_type: Optional[Union[str, List[str]]] = None
     compile_transformer_layers: bool = False
 
     # Activation recomputation
@@ -143,6 +146,9 @@ class TransformerConfig(ModelParallelConfig):
             self.kv_channels = self.hidden_size // self.num_attention_heads
 
         self.attention_backend = as_attn_backend(self.attention_backend)
+        if isinstance(self.cp_comm_type, (list, tuple)) and len(self.cp_comm_type) != self.num_layers:
+            raise ValueError(f"cp_comm_type has {len(self.cp_comm_type)} entries; a list needs one per layer "
+                             f"(num_layers {self.num_layers})")
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm', got {self.normalization!r}")
         if self.apply_query_key_layer_scaling:

@@ -25,12 +25,12 @@ class TransformerLayer(MegatronModule):
     """
 
     def __init__(self, config: TransformerConfig, submodules=None, layer_number: int = 1,
-                 hidden_dropout: Optional[float] = None):
+                 hidden_dropout: Optional[float] = None, model_comm_pgs=None):
         super().__init__(config)
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout
         self.input_layernorm = build_norm(config)
-        self.self_attention = SelfAttention(config, layer_number=layer_number)
+        self.self_attention = SelfAttention(config, layer_number=layer_number, model_comm_pgs=model_comm_pgs)
         self.pre_mlp_layernorm = build_norm(config)
         self.mlp = MLP(config)
         # --bias-dropout-fusion (Megatron's default): residual + dropout(x + bias) in one kernel.

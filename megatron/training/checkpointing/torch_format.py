@@ -34,7 +34,7 @@ def write_torch_format(args, cfg: CheckpointConfig, tmp_dir, final_dir, model, o
     param_state = None
     if is_distributed_optimizer(optimizer) and cfg.save_optim:
         param_state = optimizer.get_parameter_state_dp_zero()
-    if parallel_state.get_data_parallel_rank() == 0:
+    if parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
         final_name = get_checkpoint_name(os.path.dirname(final_dir), state.iteration)
         tmp_name = os.path.join(tmp_dir, os.path.relpath(final_name, final_dir))
         state_dict = generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, state.iteration,
@@ -146,7 +146,7 @@ def _load_distributed_optimizer_state(optimizer, checkpoint_name, context):
     """Read ``distrib_optim.pt`` on data-parallel rank 0 and scatter it to the shards (all ranks call it)."""
     name = get_distributed_optimizer_checkpoint_name(checkpoint_name)
     param_state, error = None, None
-    if parallel_state.get_data_parallel_rank() == 0:
+    if parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
         try:
             if not os.path.isfile(name):
                 raise FileNotFoundError(f"distributed-optimizer state {name} ({context}) does not exist; it is "

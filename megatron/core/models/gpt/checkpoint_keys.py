@@ -174,14 +174,15 @@ def extra_state_bytes(value) -> bytes:
 
 def rng_state_object(rng_state) -> ShardedObject:
     """This rank's RNG states (``get_rng_state()``'s list) as Megatron's ``rng_state`` ShardedObject:
-    key ``rng_state/shard_<pp rank>.<tp rank>_<pp size>.<tp size>``, written by data-parallel rank 0."""
+    key ``rng_state/shard_<pp rank>.<tp rank>_<pp size>.<tp size>``, written by data-parallel (with context-parallel)
+    rank 0, as Megatron-LM (CP ranks share their RNG states)."""
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     return ShardedObject(f"rng_state/shard_{pp_rank}.{tp_rank}_{pp_size}.{tp_size}",
                          extra_state_bytes(rng_state),
-                         replica=parallel_state.get_data_parallel_rank() != 0)
+                         replica=parallel_state.get_data_parallel_rank(with_context_parallel=True) != 0)
 
 
 def model_sharded_state(model_chunks, legacy: bool = False, with_objects: bool = False) -> List:

@@ -11,6 +11,7 @@ from megatron.core.collective_device import get_collective_device
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.process_groups_config import ModelCommProcessGroups, check_parallel_config
 from megatron.core.telemetry import managed_span
+from megatron.core.transformer.context_parallel import local_positions
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.transformer_block import TransformerBlock
@@ -95,7 +96,7 @@ class GPTModel(MegatronModule):
         else:
             self.rotary_pos_emb = None
         self.decoder = TransformerBlock(config, transformer_layer_spec, pre_process=pre_process,
-                                        post_process=post_process, vp_stage=vp_stage)
+                                        post_process=post_process, vp_stage=vp_stage, model_comm_pgs=model_comm_pgs)
         if post_process:
             with tensor_parallel.model_init_rng(config.num_layers + 1):
                 self.output_layer = tensor_parallel.ColumnParallelLinear(
@@ -189,7 +190,14 @@ class GPTModel(MegatronModule):
             rotary_seq_len = source.size(0)
             if self.config.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1:
                 rotary_seq_len *= parallel_state.get_tensor_model_parallel_world_size()
-            rotary_pos_emb = self.rotary_pos_emb(rotary_seq_len, device=source.device)
+            cp_group = self.model_comm_pgs.cp
+            cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
+            if cp_size > 1:  # this rank holds two chunks of the sequence: the angles of their global positions
+                positions = local_positions(rotary_seq_len * cp_size, cp_size, dist.get_rank(cp_group),
+                                            device=source.device)
+                rotary_pos_emb = self.rotary_pos_emb(rotary_seq_len * cp_size, device=source.device)[positions]
+            else:
+                rotary_pos_emb = self.rotary_pos_emb(rotary_seq_len, device=source.device)
 
         hidden_states = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
                                      rotary_pos_emb=rotary_pos_emb, **(extra_block_kwargs or {}))
