@@ -178,3 +178,25 @@ def test_saved_tensor_check_sees_a_score_block():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t.numel()), t)[1], lambda t: t):
         torch.softmax(q[:, :, S_GLOBAL // 8:] @ q.transpose(-1, -2), dim=-1).sum()
     assert max(saved) > q.numel()
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
+def test_ring_block_plan_covers_each_causal_pair_once(cp):
+    """Over the cp ring steps, rank r's blocks (with their causal offsets) cover every (query, key) pair with
+    key position <= query position exactly once, and no other pair: skipped blocks are all in the future."""
+    from megatron.core.transformer.context_parallel.ring_attention import _block_plan
+
+    seq, chunk = 8 * cp, 4  # 2 cp chunks of 4 tokens
+    for rank in range(cp):
+        q_pos = cp_attn.local_positions(seq, cp, rank)
+        covered = torch.zeros(2 * chunk, seq, dtype=torch.int64)
+        for step in range(cp):
+            k_pos = cp_attn.local_positions(seq, cp, (rank - step) % cp)
+            for rows, cols, offset in _block_plan(step, rank, chunk):
+                n_rows, n_cols = len(q_pos[rows]), len(k_pos[cols])
+                seen = torch.ones(n_rows, n_cols, dtype=torch.bool)
+                if offset is not None:
+                    seen = seen.tril(offset)
+                covered[rows][:, k_pos[cols]] += seen  # rows is a slice: a view of covered
+        want = (torch.arange(seq)[None, :] <= q_pos[:, None]).long()
+        assert torch.equal(covered, want), (cp, rank)

@@ -11,8 +11,9 @@ Which blocks are computed (the load-balanced layout of ``__init__``: rank ``r`` 
 ``2cp-1-r``, its local queries ``q = [q0 | q1]`` and keys ``k = [k0 | k1]`` are two chunks each). At ring
 step ``i`` rank ``r`` holds the K/V of rank ``j = (r - i) mod cp``:
 
-- ``i = 0`` (``j = r``): the local tokens are in increasing global order (``r < 2cp-1-r``), so the block
-  is ordinary causal attention of ``q`` over ``k`` (q0-k1 is in the future and masked out whole).
+- ``i = 0`` (``j = r``): the local tokens are in increasing global order (``r < 2cp-1-r``), so this is
+  ordinary causal attention of ``q`` over ``k``; q0-k1 lies wholly in the future and is skipped, leaving
+  q0-k0 (causal) and q1-[k0 | k1] (causal, shifted by one chunk).
 - ``j < r``: chunk ``j`` precedes both of rank ``r``'s chunks and chunk ``2cp-1-j`` follows both, so all
   of ``q`` attends to ``k0`` only, without a mask.
 - ``j > r``: chunk ``j`` and chunk ``2cp-1-j`` both lie after chunk ``r`` and before chunk ``2cp-1-r``,
@@ -33,7 +34,7 @@ compute and waited for after it; in backward, the dK/dV accumulator received fro
 waited for only after this block's gradients are computed. Under NCCL the transfers run on NCCL's own
 stream, so they overlap the compute kernels of the current stream.
 """
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -80,43 +81,48 @@ class _Transfer:
         return self._recv.to(device)
 
 
-def _block_plan(step: int, rank: int, chunk: int) -> Tuple[slice, slice, bool]:
-    """``(query rows, key columns, causal)`` of ring step ``step`` on CP rank ``rank`` (module docstring)."""
+def _block_plan(step: int, rank: int, chunk: int) -> List[Tuple[slice, slice, Optional[int]]]:
+    """The blocks ``(query rows, key columns, causal offset)`` of ring step ``step`` on CP rank ``rank``.
+
+    ``causal offset`` ``o``: query row ``i`` of the block sees key columns ``<= i + o``; None: no mask.
+    Step 0 is split into q0 x k0 (causal) and q1 x [k0 | k1] (causal with offset ``chunk``), which leaves
+    out the masked q0 x k1 quarter (see the module docstring for the other steps).
+    """
     if step == 0:
-        return slice(None), slice(None), True
+        return [(slice(0, chunk), slice(0, chunk), 0), (slice(chunk, None), slice(None), chunk)]
     if step <= rank:  # the K/V of rank j = rank - step < rank
-        return slice(None), slice(0, chunk), False
-    return slice(chunk, None), slice(None), False  # j = rank - step + cp > rank
+        return [(slice(None), slice(0, chunk), None)]
+    return [(slice(chunk, None), slice(None), None)]  # j = rank - step + cp > rank
 
 
-def _scores(q, k, scale, causal):
-    """fp32 ``q kᵀ scale`` ``[b, ng, rep, sq, sk]``, future keys at -inf when ``causal`` (then sq == sk)."""
+def _scores(q, k, scale, causal_offset):
+    """fp32 ``q kᵀ scale`` ``[b, ng, rep, sq, sk]``; keys after row ``i + causal_offset`` at -inf (None: no mask)."""
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
-    if causal:
-        future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu_(1)
+    if causal_offset is not None:
+        future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu_(1 + causal_offset)
         scores.masked_fill_(future, float("-inf"))
     return scores
 
 
-def _block_forward(q, k, v, scale, causal):
+def _block_forward(q, k, v, scale, causal_offset):
     """Softmax attention of one block: ``(out [b, ng, rep, sq, hn], lse [b, ng, rep, sq])``, fp32.
 
     ``q`` is ``[b, ng, rep, sq, hn]`` (the ``rep`` query heads of each K/V group), ``k, v`` are
     ``[b, ng, 1, sk, hn]``; all fp32.
     """
-    scores = _scores(q, k, scale, causal)
+    scores = _scores(q, k, scale, causal_offset)
     lse = torch.logsumexp(scores, dim=-1)
     probs = scores.sub_(lse.unsqueeze(-1)).exp_()
     return torch.matmul(probs, v), lse
 
 
-def _block_backward(q, k, v, dout, lse, delta, scale, causal):
+def _block_backward(q, k, v, dout, lse, delta, scale, causal_offset):
     """Gradients of one block ``(dq [b, ng, rep, sq, hn], dk, dv [b, ng, sk, hn])``, fp32.
 
     ``lse`` is the rows' log-sum-exp over ALL keys (from forward), so ``exp(scores - lse)`` are the
     block's entries of the full softmax; ``delta = rowsum(dout * out)`` ``[b, ng, rep, sq]``.
     """
-    probs = _scores(q, k, scale, causal).sub_(lse.unsqueeze(-1)).exp_()
+    probs = _scores(q, k, scale, causal_offset).sub_(lse.unsqueeze(-1)).exp_()
     dv = torch.matmul(probs.transpose(-1, -2), dout).sum(dim=2)
     dscores = torch.matmul(dout, v.transpose(-1, -2)).sub_(delta.unsqueeze(-1)).mul_(probs).mul_(scale)
     del probs
@@ -154,18 +160,19 @@ class RingAttention(torch.autograd.Function):
         ng, chunk = key.shape[1], s // 2
         q = _grouped(query, ng)
         kv = torch.stack([key, value])  # one message per step; travels in the input dtype
-        out = lse = None
+        out, lse = torch.empty_like(q), torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         for step in range(ring.size):
             pending = ring.exchange(kv, _KV_TAG) if step + 1 < ring.size else None
-            rows, cols, causal = _block_plan(step, ring.rank, chunk)
             k, v = _kv_block(kv, query.device)
-            block_out, block_lse = _block_forward(q[..., rows, :], k[..., cols, :], v[..., cols, :],
-                                                  softmax_scale, causal)
-            if out is None:  # step 0 covers every row, so lse is finite from here on
-                out, lse = block_out, block_lse
-            else:
-                _merge(out[..., rows, :], lse[..., rows], block_out, block_lse)
-            del block_out, block_lse, k, v
+            for rows, cols, causal_offset in _block_plan(step, ring.rank, chunk):
+                block_out, block_lse = _block_forward(q[..., rows, :], k[..., cols, :], v[..., cols, :],
+                                                      softmax_scale, causal_offset)
+                if step == 0:  # step 0's blocks cover every row once, so lse is finite from here on
+                    out[..., rows, :], lse[..., rows] = block_out, block_lse
+                else:
+                    _merge(out[..., rows, :], lse[..., rows], block_out, block_lse)
+                del block_out, block_lse
+            del k, v
             if pending is not None:
                 kv = pending.wait(query.device)
         out = out.reshape(b, heads, s, hn).to(query.dtype)
@@ -186,16 +193,17 @@ class RingAttention(torch.autograd.Function):
         incoming: Optional[_Transfer] = None  # the accumulator of the K/V block we hold, from the previous rank
         for step in range(ring.size):
             pending = ring.exchange(kv, _KV_TAG) if step + 1 < ring.size else None
-            rows, cols, causal = _block_plan(step, ring.rank, chunk)
             k, v = _kv_block(kv, query.device)
-            block_dq, block_dk, block_dv = _block_backward(
-                q[..., rows, :], k[..., cols, :], v[..., cols, :], dout[..., rows, :], lse[..., rows],
-                delta[..., rows], scale, causal)
-            dq[..., rows, :] += block_dq
             dkv = torch.zeros(2, b, ng, s, hn, dtype=torch.float32, device=query.device)
-            dkv[0][..., cols, :] = block_dk
-            dkv[1][..., cols, :] = block_dv
-            del block_dq, block_dk, block_dv, k, v
+            for rows, cols, causal_offset in _block_plan(step, ring.rank, chunk):
+                block_dq, block_dk, block_dv = _block_backward(
+                    q[..., rows, :], k[..., cols, :], v[..., cols, :], dout[..., rows, :], lse[..., rows],
+                    delta[..., rows], scale, causal_offset)
+                dq[..., rows, :] += block_dq
+                dkv[0][..., cols, :] += block_dk
+                dkv[1][..., cols, :] += block_dv
+                del block_dq, block_dk, block_dv
+            del k, v
             if incoming is not None:
                 dkv += incoming.wait(query.device)
             # After the last step the accumulator we hold is the next rank's own: this send delivers it.
