@@ -124,7 +124,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, cp
     heads, groups = query.shape[1], key.shape[1]
     problems = _check_heads(heads, groups, cp)
     if problems:
-        raise ValueError("--cp-comm-type a2a splits the attention heads over the CP ranks: " + "; ".join(problems))
+        raise ValueError("--cp-comm-type a2a splits the attention heads over the CP ranks: " + "; ".join(problems)
+                         + " (--num-query-groups need not divide: its K/V groups are repeated when it does not)")
     if groups % cp != 0:  # e.g. one K/V group at CP=2: give each query head its own copy
         key = key.repeat_interleave(heads // groups, dim=1)
         value = value.repeat_interleave(heads // groups, dim=1)
