@@ -76,9 +76,14 @@ def _run_case(comm_type, group, cp, cp_rank, b, heads, groups, dtype):
             "saved_max_numel": max(saved, default=0), "saved_limit": lq.numel()}
 
 
-def _check_kernel(rank, world, comm_type, case_names, subgroups):
-    """Every case on this rank: ``{case: errors}``; with ``subgroups`` the CP groups are halves of the world."""
+def _check_kernel(rank, world, comm_type, case_names, subgroups, plain_ring_kernels=False):
+    """Every case on this rank: ``{case: errors}``; with ``subgroups`` the CP groups are halves of the world;
+    ``plain_ring_kernels``: ring attention without PyTorch's CPU flash ops (its path on other devices)."""
     torch.set_num_threads(1)
+    if plain_ring_kernels:  # this rank is its own process: the change ends with it
+        from megatron.core.transformer.context_parallel import ring_attention
+
+        ring_attention._CPU_FLASH = None
     if subgroups:  # CP groups {0..w/2-1}, {w/2..w-1}: neighbours by global rank, not group rank
         half = world // 2
         groups = [dist.new_group(list(range(start, start + half))) for start in (0, half)]
@@ -133,6 +138,13 @@ def test_context_parallel_attention_on_subgroups(comm_type):
     _assert_within(results, comm_type, 2)
 
 
+@pytest.mark.timeout(300)
+def test_ring_attention_with_plain_block_kernels():
+    """p2p on 4 ranks through the plain-tensor-op block kernels (what runs off CPU)."""
+    results = run_distributed(_check_kernel, 4, "p2p", sorted(CASES), False, True, timeout=240)
+    _assert_within(results, "p2p(plain)", 4)
+
+
 def _a2a_heads_error(rank, world):
     q = torch.zeros(1, 2, 8, HN)
     try:
@@ -182,7 +194,7 @@ def test_saved_tensor_check_sees_a_score_block():
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
 def test_ring_block_plan_covers_each_causal_pair_once(cp):
-    """Over the cp ring steps, rank r's blocks (with their causal offsets) cover every (query, key) pair with
+    """Over the cp ring steps, rank r's blocks (causal ones lower-triangular) cover every (query, key) pair with
     key position <= query position exactly once, and no other pair: skipped blocks are all in the future."""
     from megatron.core.transformer.context_parallel.ring_attention import _block_plan
 
@@ -192,11 +204,36 @@ def test_ring_block_plan_covers_each_causal_pair_once(cp):
         covered = torch.zeros(2 * chunk, seq, dtype=torch.int64)
         for step in range(cp):
             k_pos = cp_attn.local_positions(seq, cp, (rank - step) % cp)
-            for rows, cols, offset in _block_plan(step, rank, chunk):
+            for rows, cols, causal in _block_plan(step, rank, chunk):
                 n_rows, n_cols = len(q_pos[rows]), len(k_pos[cols])
                 seen = torch.ones(n_rows, n_cols, dtype=torch.bool)
-                if offset is not None:
-                    seen = seen.tril(offset)
+                if causal:
+                    assert n_rows == n_cols
+                    seen = seen.tril()
                 covered[rows][:, k_pos[cols]] += seen  # rows is a slice: a view of covered
         want = (torch.arange(seq)[None, :] <= q_pos[:, None]).long()
         assert torch.equal(covered, want), (cp, rank)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_ring_block_kernels_plain_ops_equal_cpu_flash(causal):
+    """The two block kernels of ring_attention (PyTorch's CPU flash ops; plain tensor ops, the path off CPU)
+    agree, forward and backward with the final out/lse of a longer row (GQA: 4 query heads, 2 K/V groups)."""
+    from megatron.core.transformer.context_parallel import ring_attention as ra
+
+    if not ra._use_cpu_flash(torch.zeros(1)):
+        pytest.skip("this torch has no CPU flash-attention ops: only the plain kernels run")
+    gen = torch.Generator().manual_seed(7)
+    q, dout = (torch.randn(2, 4, 8, HN, generator=gen) for _ in range(2))
+    k, v, k_more, v_more = (torch.randn(2, 2, 8, HN, generator=gen) for _ in range(4))
+    scale = 0.4
+    # final out / lse over this block plus an earlier one, as the ring passes them to backward
+    out1, lse1 = ra._plain_block_forward(q, k_more, v_more, scale, False)
+    out2, lse2 = ra._plain_block_forward(q, k, v, scale, causal)
+    flash_out, flash_lse = ra._block_forward(q, k, v, scale, causal)
+    assert _max_err(flash_out, out2) <= 1e-6 and _max_err(flash_lse, lse2) <= 1e-6
+    out, lse = out1.clone(), lse1.clone()
+    ra._merge(out, lse, out2, lse2)
+    for got, want in zip(ra._block_backward(q, k, v, dout, out, lse, scale, causal),
+                         ra._plain_block_backward(q, k, v, dout, out, lse, scale, causal)):
+        assert got.shape == want.shape and _max_err(got, want) <= 1e-6

@@ -13,7 +13,7 @@ step ``i`` rank ``r`` holds the K/V of rank ``j = (r - i) mod cp``:
 
 - ``i = 0`` (``j = r``): the local tokens are in increasing global order (``r < 2cp-1-r``), so this is
   ordinary causal attention of ``q`` over ``k``; q0-k1 lies wholly in the future and is skipped, leaving
-  q0-k0 (causal) and q1-[k0 | k1] (causal, shifted by one chunk).
+  q0-k0 (causal), q1-k0 (no mask) and q1-k1 (causal).
 - ``j < r``: chunk ``j`` precedes both of rank ``r``'s chunks and chunk ``2cp-1-j`` follows both, so all
   of ``q`` attends to ``k0`` only, without a mask.
 - ``j > r``: chunk ``j`` and chunk ``2cp-1-j`` both lie after chunk ``r`` and before chunk ``2cp-1-r``,
@@ -25,7 +25,8 @@ the accumulators are fp32 whatever the input dtype; K/V travel in the input dtyp
 in fp32.
 
 Backward (explicit, as in FlashAttention): the per-row log-sum-exp ``lse`` of the forward is saved,
-each block's probabilities are recomputed as ``exp(q kᵀ scale - lse)`` and freed, and the dK/dV
+each block's probabilities are recomputed as ``exp(q kᵀ scale - lse)`` and freed (on CPU by PyTorch's
+flash-attention kernels, which take the saved output and ``lse``; elsewhere by plain tensor ops), and the dK/dV
 accumulator of every K/V block travels around the ring with it, reaching its owner after ``cp``
 steps. Nothing of size ``[s, s]`` is ever saved; the largest saved tensors are ``q, k, v, out``.
 
@@ -81,53 +82,99 @@ class _Transfer:
         return self._recv.to(device)
 
 
-def _block_plan(step: int, rank: int, chunk: int) -> List[Tuple[slice, slice, Optional[int]]]:
-    """The blocks ``(query rows, key columns, causal offset)`` of ring step ``step`` on CP rank ``rank``.
+def _block_plan(step: int, rank: int, chunk: int) -> List[Tuple[slice, slice, bool]]:
+    """The blocks ``(query rows, key columns, causal)`` of ring step ``step`` on CP rank ``rank``.
 
-    ``causal offset`` ``o``: query row ``i`` of the block sees key columns ``<= i + o``; None: no mask.
-    Step 0 is split into q0 x k0 (causal) and q1 x [k0 | k1] (causal with offset ``chunk``), which leaves
-    out the masked q0 x k1 quarter (see the module docstring for the other steps).
+    ``causal``: query row ``i`` of the (square) block sees key columns ``<= i``; else every column.
+    Step 0 is q0 x k0 (causal), q1 x k0 (full), q1 x k1 (causal), leaving out the masked q0 x k1
+    quarter (see the module docstring for the other steps).
     """
     if step == 0:
-        return [(slice(0, chunk), slice(0, chunk), 0), (slice(chunk, None), slice(None), chunk)]
+        return [(slice(0, chunk), slice(0, chunk), True), (slice(chunk, None), slice(0, chunk), False),
+                (slice(chunk, None), slice(chunk, None), True)]
     if step <= rank:  # the K/V of rank j = rank - step < rank
-        return [(slice(None), slice(0, chunk), None)]
-    return [(slice(chunk, None), slice(None), None)]  # j = rank - step + cp > rank
+        return [(slice(None), slice(0, chunk), False)]
+    return [(slice(chunk, None), slice(None), False)]  # j = rank - step + cp > rank
 
 
-def _scores(q, k, scale, causal_offset):
-    """fp32 ``q kᵀ scale`` ``[b, ng, rep, sq, sk]``; keys after row ``i + causal_offset`` at -inf (None: no mask)."""
+# ---- one block's attention and its gradients, all fp32. q [b, np, sq, hn], k, v [b, ng, sk, hn] (GQA).
+# PyTorch's CPU flash kernels return the row log-sum-exp and take it back in backward (the same private
+# ops torch.distributed.tensor's own ring attention calls); elsewhere (CUDA, or a torch without them) the
+# plain-tensor-op kernels below do the same arithmetic, one block of scores at a time.
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _use_cpu_flash(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and _CPU_FLASH is not None and _CPU_FLASH_BACKWARD is not None
+
+
+def _scores(q, k, scale, causal):
+    """``q kᵀ scale`` ``[b, ng, rep, sq, sk]`` of grouped ``q`` ``[b, ng, rep, sq, hn]``, ``k`` ``[b, ng, 1, sk, hn]``."""
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
-    if causal_offset is not None:
-        future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu_(1 + causal_offset)
+    if causal:
+        future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu_(1)
         scores.masked_fill_(future, float("-inf"))
     return scores
 
 
-def _block_forward(q, k, v, scale, causal_offset):
-    """Softmax attention of one block: ``(out [b, ng, rep, sq, hn], lse [b, ng, rep, sq])``, fp32.
+def _grouped(q, k, v):
+    """``q`` ``[b, np, s, hn]`` -> ``[b, ng, np/ng, s, hn]`` (query heads under their K/V group); ``k, v`` get dim 2."""
+    b, heads, sq, hn = q.shape
+    return q.reshape(b, k.shape[1], heads // k.shape[1], sq, hn), k.unsqueeze(2), v.unsqueeze(2)
 
-    ``q`` is ``[b, ng, rep, sq, hn]`` (the ``rep`` query heads of each K/V group), ``k, v`` are
-    ``[b, ng, 1, sk, hn]``; all fp32.
-    """
-    scores = _scores(q, k, scale, causal_offset)
+
+def _plain_block_forward(q, k, v, scale, causal):
+    qg, kg, vg = _grouped(q, k, v)
+    scores = _scores(qg, kg, scale, causal)
     lse = torch.logsumexp(scores, dim=-1)
-    probs = scores.sub_(lse.unsqueeze(-1)).exp_()
-    return torch.matmul(probs, v), lse
+    out = torch.matmul(scores.sub_(lse.unsqueeze(-1)).exp_(), vg)
+    return out.reshape(q.shape), lse.reshape(q.shape[:-1])
 
 
-def _block_backward(q, k, v, dout, lse, delta, scale, causal_offset):
-    """Gradients of one block ``(dq [b, ng, rep, sq, hn], dk, dv [b, ng, sk, hn])``, fp32.
-
-    ``lse`` is the rows' log-sum-exp over ALL keys (from forward), so ``exp(scores - lse)`` are the
-    block's entries of the full softmax; ``delta = rowsum(dout * out)`` ``[b, ng, rep, sq]``.
-    """
-    probs = _scores(q, k, scale, causal_offset).sub_(lse.unsqueeze(-1)).exp_()
-    dv = torch.matmul(probs.transpose(-1, -2), dout).sum(dim=2)
-    dscores = torch.matmul(dout, v.transpose(-1, -2)).sub_(delta.unsqueeze(-1)).mul_(probs).mul_(scale)
+def _plain_block_backward(q, k, v, dout, out, lse, scale, causal):
+    qg, kg, vg = _grouped(q, k, v)
+    doutg = dout.reshape(qg.shape)
+    delta = (dout * out).sum(dim=-1).reshape(qg.shape[:-1])
+    probs = _scores(qg, kg, scale, causal).sub_(lse.reshape(qg.shape[:-1]).unsqueeze(-1)).exp_()
+    dv = torch.matmul(probs.transpose(-1, -2), doutg).sum(dim=2)
+    dscores = torch.matmul(doutg, vg.transpose(-1, -2)).sub_(delta.unsqueeze(-1)).mul_(probs).mul_(scale)
     del probs
-    dq = torch.matmul(dscores, k)
-    dk = torch.matmul(dscores.transpose(-1, -2), q).sum(dim=2)
+    dq = torch.matmul(dscores, kg).reshape(q.shape)
+    dk = torch.matmul(dscores.transpose(-1, -2), qg).sum(dim=2)
+    return dq, dk, dv
+
+
+def _repeat_groups(k, v, heads):
+    """K/V ``[b, ng, sk, hn]`` repeated to ``heads`` heads, contiguous (the flash kernels want equal heads)."""
+    rep = heads // k.shape[1]
+    return tuple((t.repeat_interleave(rep, dim=1) if rep > 1 else t).contiguous() for t in (k, v))
+
+
+def _block_forward(q, k, v, scale, causal):
+    """Softmax attention of one block: ``(out [b, np, sq, hn], lse [b, np, sq])``, fp32 (``lse``: the rows'
+    log-sum-exp of their scaled scores over this block's keys)."""
+    if not _use_cpu_flash(q):
+        return _plain_block_forward(q, k, v, scale, causal)
+    k, v = _repeat_groups(k, v, q.shape[1])
+    return _CPU_FLASH(q.contiguous(), k, v, 0.0, causal, scale=scale)
+
+
+def _block_backward(q, k, v, dout, out, lse, scale, causal):
+    """Gradients ``(dq [b, np, sq, hn], dk, dv [b, ng, sk, hn])`` of one block, fp32.
+
+    ``out`` and ``lse`` are the rows' FINAL output and log-sum-exp over ALL keys (from forward), so
+    ``exp(scores - lse)`` are this block's entries of the full softmax and ``rowsum(dout * out)`` is the
+    full softmax's correction term: the block's share of the gradient, as in FlashAttention's backward.
+    """
+    if not _use_cpu_flash(q):
+        return _plain_block_backward(q, k, v, dout, out, lse, scale, causal)
+    b, ng, sk, hn = k.shape
+    kr, vr = _repeat_groups(k, v, q.shape[1])
+    dq, dk, dv = _CPU_FLASH_BACKWARD(dout.contiguous(), q.contiguous(), kr, vr, out.contiguous(), lse.contiguous(),
+                                     0.0, causal, scale=scale)
+    if kr is not k:  # sum the copies of each K/V group
+        dk, dv = (t.reshape(b, ng, -1, sk, hn).sum(dim=2) for t in (dk, dv))
     return dq, dk, dv
 
 
@@ -138,16 +185,10 @@ def _merge(out, lse, block_out, block_lse):
     lse.copy_(new_lse)
 
 
-def _grouped(x: torch.Tensor, ng: int) -> torch.Tensor:
-    """``[b, np, s, hn]`` -> fp32 ``[b, ng, np/ng, s, hn]``: query heads under their K/V group (GQA)."""
-    b, heads, s, hn = x.shape
-    return x.float().reshape(b, ng, heads // ng, s, hn)
-
-
 def _kv_block(kv: torch.Tensor, device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The fp32 ``[b, ng, 1, s, hn]`` key and value of a stacked ``[2, b, ng, s, hn]`` K/V block."""
+    """The fp32 ``[b, ng, s, hn]`` key and value of a stacked ``[2, b, ng, s, hn]`` K/V block."""
     kv = kv.to(device=device, dtype=torch.float32)
-    return kv[0].unsqueeze(2), kv[1].unsqueeze(2)
+    return kv[0], kv[1]
 
 
 class RingAttention(torch.autograd.Function):
@@ -156,26 +197,24 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, cp_group, softmax_scale):
         ring = _Ring(cp_group)
-        b, heads, s, hn = query.shape
-        ng, chunk = key.shape[1], s // 2
-        q = _grouped(query, ng)
+        chunk = query.shape[2] // 2
+        q = query.float()
         kv = torch.stack([key, value])  # one message per step; travels in the input dtype
-        out, lse = torch.empty_like(q), torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        # Every row's first block meets lse = -inf: logaddexp gives the block's lse and out * 0 + block_out.
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         for step in range(ring.size):
             pending = ring.exchange(kv, _KV_TAG) if step + 1 < ring.size else None
             k, v = _kv_block(kv, query.device)
-            for rows, cols, causal_offset in _block_plan(step, ring.rank, chunk):
-                block_out, block_lse = _block_forward(q[..., rows, :], k[..., cols, :], v[..., cols, :],
-                                                      softmax_scale, causal_offset)
-                if step == 0:  # step 0's blocks cover every row once, so lse is finite from here on
-                    out[..., rows, :], lse[..., rows] = block_out, block_lse
-                else:
-                    _merge(out[..., rows, :], lse[..., rows], block_out, block_lse)
+            for rows, cols, causal in _block_plan(step, ring.rank, chunk):
+                block_out, block_lse = _block_forward(q[:, :, rows], k[:, :, cols], v[:, :, cols],
+                                                      softmax_scale, causal)
+                _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
                 del block_out, block_lse
             del k, v
             if pending is not None:
                 kv = pending.wait(query.device)
-        out = out.reshape(b, heads, s, hn).to(query.dtype)
+        out = out.to(query.dtype)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.cp_group, ctx.softmax_scale = cp_group, softmax_scale
         return out
@@ -184,24 +223,22 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         query, key, value, out, lse = ctx.saved_tensors
         ring, scale = _Ring(ctx.cp_group), ctx.softmax_scale
-        b, heads, s, hn = query.shape
-        ng, chunk = key.shape[1], s // 2
-        q, dout = _grouped(query, ng), _grouped(grad_out, ng)
-        delta = (dout * _grouped(out, ng)).sum(dim=-1)
+        chunk = query.shape[2] // 2
+        q, dout, out = query.float(), grad_out.float(), out.float()
         dq = torch.zeros_like(q)
         kv = torch.stack([key, value])
         incoming: Optional[_Transfer] = None  # the accumulator of the K/V block we hold, from the previous rank
         for step in range(ring.size):
             pending = ring.exchange(kv, _KV_TAG) if step + 1 < ring.size else None
             k, v = _kv_block(kv, query.device)
-            dkv = torch.zeros(2, b, ng, s, hn, dtype=torch.float32, device=query.device)
-            for rows, cols, causal_offset in _block_plan(step, ring.rank, chunk):
+            dkv = torch.zeros((2,) + tuple(key.shape), dtype=torch.float32, device=query.device)
+            for rows, cols, causal in _block_plan(step, ring.rank, chunk):
                 block_dq, block_dk, block_dv = _block_backward(
-                    q[..., rows, :], k[..., cols, :], v[..., cols, :], dout[..., rows, :], lse[..., rows],
-                    delta[..., rows], scale, causal_offset)
-                dq[..., rows, :] += block_dq
-                dkv[0][..., cols, :] += block_dk
-                dkv[1][..., cols, :] += block_dv
+                    q[:, :, rows], k[:, :, cols], v[:, :, cols], dout[:, :, rows], out[:, :, rows],
+                    lse[:, :, rows], scale, causal)
+                dq[:, :, rows] += block_dq
+                dkv[0][:, :, cols] += block_dk
+                dkv[1][:, :, cols] += block_dv
                 del block_dq, block_dk, block_dv
             del k, v
             if incoming is not None:
@@ -212,7 +249,7 @@ class RingAttention(torch.autograd.Function):
                 kv = pending.wait(query.device)
         if incoming is not None:
             dkv = incoming.wait(query.device)
-        dq = dq.reshape(b, heads, s, hn).to(query.dtype)
+        dq = dq.to(query.dtype)
         return dq, dkv[0].to(key.dtype), dkv[1].to(value.dtype), None, None
 
 
