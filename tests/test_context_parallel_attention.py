@@ -1,6 +1,7 @@
 """Context-parallel attention kernels (p2p ring, a2a Ulysses, all_gather) on 2 and 4 gloo ranks vs full causal SDPA.
 
-Errors are ``max |got - want| / (1 + |want|)`` (atol = rtol). Each rank draws the same global q, k, v, dO, keeps its load-balanced rows (``local_positions``), runs
+Errors are ``max |got - want| / (1 + |want|)`` (atol = rtol). Each rank draws the same global q, k, v, dO,
+keeps its load-balanced rows (``local_positions``), runs
 ``context_parallel_attention`` and compares output and q/k/v gradients with full causal attention on the
 whole sequence in one process. It also records every tensor saved for backward (saved_tensors_hooks)
 and checks that none is larger than this rank's query ``[b, np, s/cp, hn]`` (so neither an ``[s, s]``

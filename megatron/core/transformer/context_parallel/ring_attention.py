@@ -26,9 +26,9 @@ in fp32.
 
 Backward (explicit, as in FlashAttention): the per-row log-sum-exp ``lse`` of the forward is saved,
 each block's probabilities are recomputed as ``exp(q kᵀ scale - lse)`` and freed (on CPU by PyTorch's
-flash-attention kernels, which take the saved output and ``lse``; elsewhere by plain tensor ops), and the dK/dV
-accumulator of every K/V block travels around the ring with it, reaching its owner after ``cp``
-steps. Nothing of size ``[s, s]`` is ever saved; the largest saved tensors are ``q, k, v, out``.
+flash-attention kernels, which take the saved output and ``lse``; elsewhere by plain tensor ops), and
+the dK/dV accumulator of every K/V block travels around the ring with it, reaching its owner after
+``cp`` steps. Nothing of size ``[s, s]`` is ever saved; the largest saved tensors are ``q, k, v, out``.
 
 Overlap: the exchange of the next K/V block (``batch_isend_irecv``) is started before this block's
 compute and waited for after it; in backward, the dK/dV accumulator received from the previous rank is
@@ -110,7 +110,8 @@ def _use_cpu_flash(q: torch.Tensor) -> bool:
 
 
 def _scores(q, k, scale, causal):
-    """``q kᵀ scale`` ``[b, ng, rep, sq, sk]`` of grouped ``q`` ``[b, ng, rep, sq, hn]``, ``k`` ``[b, ng, 1, sk, hn]``."""
+    """``q kᵀ scale`` ``[b, ng, rep, sq, sk]`` of grouped ``q`` ``[b, ng, rep, sq, hn]`` and ``k``
+    ``[b, ng, 1, sk, hn]``; with ``causal`` (a square block) the keys after each row at -inf."""
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
     if causal:
         future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu_(1)
