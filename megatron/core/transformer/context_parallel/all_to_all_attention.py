@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core.collective_device import get_collective_device
+from megatron.core.transformer.context_parallel.comm import cp_comm_section
 
 from . import local_positions
 
@@ -43,7 +44,8 @@ def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     device = x.device
     send = x.to(get_collective_device(group)).contiguous()
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    with cp_comm_section("all_to_all", **{"megatron.cp.size": send.shape[0]}):
+        dist.all_to_all_single(recv, send, group=group)
     return recv.to(device)
 
 

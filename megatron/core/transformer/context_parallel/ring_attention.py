@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.collective_device import get_collective_device
+from megatron.core.transformer.context_parallel.comm import cp_comm_section
 
 _KV_TAG, _DKV_TAG = 0, 1  # gloo matches messages by tag; NCCL by order, which is the same on every rank
 
@@ -66,7 +67,9 @@ class _Ring:
         recv = torch.empty_like(send)
         ops = [dist.P2POp(dist.isend, send, self.next, self.group, tag),
                dist.P2POp(dist.irecv, recv, self.prev, self.group, tag)]
-        return _Transfer(send, recv, dist.batch_isend_irecv(ops))
+        with cp_comm_section("ring_post", **{"megatron.cp.size": self.size}):
+            works = dist.batch_isend_irecv(ops)
+        return _Transfer(send, recv, works)
 
 
 class _Transfer:
@@ -76,8 +79,9 @@ class _Transfer:
         self._send, self._recv, self._works = send, recv, works  # the send buffer must outlive the transfer
 
     def wait(self, device) -> torch.Tensor:
-        for work in self._works:
-            work.wait()
+        with cp_comm_section("ring_wait"):  # the part of the transfer that compute did not hide
+            for work in self._works:
+                work.wait()
         self._send = None
         return self._recv.to(device)
 
