@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check of this project, in one run: tokens/s and MFU of a 1.3B GPT first (default and cuDNN
 # attention, a top-25 kernel table in OUT/kernels.txt), then the GPU tests, bf16 training with
-# save/resume, telemetry, and with 2+ GPUs TP=2/DP=2/PP=2 over NCCL and a 2-GPU --async-save resume
+# save/resume, telemetry, and with 2+ GPUs TP=2/DP=2/PP=2/CP=2 (each --cp-comm-type) over NCCL and a
+# 2-GPU --async-save resume
 # (see bench/gpu_check.py).
 #
 #   bash bench/gpu.sh [--out DIR] [--peak-tflops N] [--time-budget S] [--stages a,b]   # on a GPU machine

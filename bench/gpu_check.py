@@ -22,6 +22,8 @@ come first, so a short lease still yields them:
   (2e-3), DP=2 in bf16 (2e-3); the vocabulary pads to the same size at TP=1 and TP=2.
 - ``parallel_pp``: with 2+ GPUs, pipeline parallelism (PP=2, 1F1B, p2p over NCCL) logs the losses of
   one GPU (bf16 tolerance).
+- ``parallel_cp``: with 2+ GPUs, context parallelism (CP=2) with each ``--cp-comm-type`` (``p2p``,
+  ``all_gather``, ``a2a``) logs the bf16 losses of one GPU; its tokens/s against one GPU's.
 - ``dp_distopt``: with 2+ GPUs, DP=2 with ``--use-distributed-optimizer --overlap-grad-reduce
   --overlap-param-gather`` (bf16) logs the losses of one GPU; its step time against plain DP=2 and the
   theoretical memory report's figure.
@@ -65,14 +67,15 @@ DRY_RUN_PEAK_TFLOPS = 1.0  # a stand-in so the MFU arithmetic runs on the CPU; n
 RESUME_RTOL = {"cpu": 0.0, "cuda": 1e-4}
 # TP=2/DP=2/PP=2 against one GPU: partial sums are reduced in a different order (and, in bf16, rounded
 # to bf16 before the reduction). Both runs have the same padded vocabulary (small_model's vocab), so
-# nothing else differs. fp32 runs without TF32 (initialize.py enables it only with --bf16).
+# nothing else differs (CP=2 splits each sequence, so attention sums in another order too). fp32 runs without TF32 (initialize.py enables it only with --bf16).
 PARALLEL_RTOL = {"fp32": 1e-5, "bf16": 2e-3}
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")  # --cp-comm-type choices, each run by the parallel_cp stage
 
 # Each stage's cap at the default --time-budget of 540 s (scaled with the budget). The caps stop hangs;
 # they are sized from estimates (no GPU run yet), with room for 2-3x the expected time per stage.
 DEFAULT_BUDGET_S = {"gpu": 540.0, "dry_run": 1500.0}
 STAGE_CAPS_S = {"env": 60, "mfu": 180, "mfu_fused": 120, "profile": 90, "gpu_tests": 150, "resume": 120,
-                "telemetry": 60, "parallel": 150, "parallel_pp": 90, "dp_distopt": 90, "async_save_2gpu": 120,
+                "telemetry": 60, "parallel": 150, "parallel_pp": 90, "parallel_cp": 120, "dp_distopt": 90, "async_save_2gpu": 120,
                 "mfu_compile": 180}
 STAGES = list(STAGE_CAPS_S)
 OTEL_PROBE = ("import opentelemetry.sdk.trace, opentelemetry.sdk.metrics, "
@@ -599,12 +602,14 @@ class GPUCheck:
         n = m["iters"]
         diffs = {}
         for precision in ("fp32", "bf16"):
-            base = losses(self.pretrain(f"parallel_1gpu_{precision}", 1,
-                                        self._small_flags(m, n, dropout=False, precision=precision))[1])
+            base_out = self.pretrain(f"parallel_1gpu_{precision}", 1,
+                                     self._small_flags(m, n, dropout=False, precision=precision))[1]
+            base = losses(base_out)
             runs = {"tp2": losses(self.pretrain(f"parallel_tp2_{precision}", 2, self._small_flags(
                 m, n, "--tensor-model-parallel-size", "2", dropout=False, precision=precision))[1])}
             if precision == "bf16":
                 self.parallel_runs["base"] = base
+                self.parallel_runs["base_out"] = base_out
                 self.parallel_runs["dp2"] = self.pretrain("parallel_dp2", 2, self._small_flags(m, n, dropout=False))[1]
                 runs["dp2"] = losses(self.parallel_runs["dp2"])
             for name, got in runs.items():
@@ -636,6 +641,36 @@ class GPUCheck:
         self.figure("pp2_max_rel_loss_diff", float(f"{diff:.3g}"), "relative")
         if diff > PARALLEL_RTOL["bf16"]:
             raise StageFailed(f"PP=2 losses differ from one GPU by {diff:.3g} (bf16 tolerance {PARALLEL_RTOL['bf16']})")
+
+    def stage_parallel_cp(self):
+        """Context parallelism (CP=2, each sequence split in 4 load-balanced chunks) with each
+        --cp-comm-type: bf16 losses of one GPU and tokens/s against one GPU (same model and batch)."""
+        if not self.dry_run and self.gpus < 2:
+            raise StageSkipped(f"CP=2 needs 2 GPUs; this machine has {self.gpus}")
+        m = small_model(self.dry_run)
+        n = m["iters"]
+        base_out = self.parallel_runs.get("base_out") or self.pretrain(
+            "parallel_cp_1gpu", 1, self._small_flags(m, n, dropout=False))[1]
+        base = losses(base_out)
+        base_tokens = m["global_batch"] * m["seq"] / (_median_step_ms(base_out) / 1e3)
+        failed = []
+        for comm_type in CP_COMM_TYPES:
+            _, out = self.pretrain(f"parallel_cp2_{comm_type}", 2, self._small_flags(
+                m, n, "--context-parallel-size", "2", "--cp-comm-type", comm_type, dropout=False))
+            got = losses(out)
+            if sorted(got) != list(range(1, n + 1)):
+                raise StageFailed(f"cp2 {comm_type} logged iterations {sorted(got)}, expected 1..{n}")
+            diff = max_relative_difference(got, base)
+            tokens = m["global_batch"] * m["seq"] / (_median_step_ms(out) / 1e3)
+            self.figure(f"cp2_{comm_type}_max_rel_loss_diff", float(f"{diff:.3g}"), "relative")
+            self.figure(f"cp2_{comm_type}_tokens_per_sec", round(tokens), "tokens/s")
+            self.figure(f"cp2_{comm_type}_tokens_per_sec_ratio_to_1gpu", round(tokens / base_tokens, 3), "ratio")
+            if diff > PARALLEL_RTOL["bf16"]:
+                failed.append(f"{comm_type} {diff:.3g}")
+        self.figure("parallel_cp_iterations_compared", n, "iterations")
+        if failed:
+            raise StageFailed(f"CP=2 losses differ from one GPU by more than {PARALLEL_RTOL['bf16']} (bf16): "
+                              f"{'; '.join(failed)}")
 
     def stage_dp_distopt(self):
         """The distributed optimizer with both overlaps: bf16 losses of one GPU, step time against plain DP=2."""

@@ -26,6 +26,9 @@ DRY_RUN_FIGURES = {
     "parallel": ["parallel_iterations_compared", "tp2_fp32_max_rel_loss_diff", "tp2_bf16_max_rel_loss_diff",
                  "dp2_bf16_max_rel_loss_diff"],
     "parallel_pp": ["parallel_pp_iterations_compared", "pp2_max_rel_loss_diff"],
+    "parallel_cp": ["parallel_cp_iterations_compared"] + [
+        f"cp2_{c}_{figure}" for c in gpu_check.CP_COMM_TYPES
+        for figure in ("max_rel_loss_diff", "tokens_per_sec", "tokens_per_sec_ratio_to_1gpu")],
     "dp_distopt": ["dp_distopt_max_rel_loss_diff", "dp_distopt_weight_and_optimizer_mb", "dp_distopt_step_time_ms",
                    "dp_distopt_step_time_ratio_to_dp2"],
     "async_save_2gpu": ["async_save_2gpu_iterations_compared", "async_save_2gpu_max_rel_diff"],
@@ -61,6 +64,11 @@ def test_dry_run_passes_every_stage_and_reports_every_figure(tmp_path):
     assert figures["tp2_fp32_max_rel_loss_diff"]["value"] <= 1e-5
     assert figures["tp2_bf16_max_rel_loss_diff"]["value"] <= 2e-3
     assert figures["dp_distopt_max_rel_loss_diff"]["value"] <= 2e-3
+    from megatron.core.transformer.context_parallel import CP_COMM_TYPES
+
+    assert gpu_check.CP_COMM_TYPES == CP_COMM_TYPES  # the stage runs every --cp-comm-type there is
+    for comm_type in gpu_check.CP_COMM_TYPES:
+        assert figures[f"cp2_{comm_type}_max_rel_loss_diff"]["value"] <= 2e-3
     # Resumed from the 2-rank --async-save checkpoint: exactly the uninterrupted run on the CPU.
     assert figures["async_save_2gpu_max_rel_diff"]["value"] == 0.0
     assert figures["async_save_2gpu_iterations_compared"]["value"] == iterations - gpu_check.small_model(True)["half"]
