@@ -157,7 +157,7 @@ def sharded_tensors_of_local(key: str, tensor: torch.Tensor, layout: TPLayout,
     same keys and global shapes as without FSDP, so either run reads the other's checkpoint.
     """
     data, row = local_rows(tensor)
-    if data.numel() == 0:
+    if data is not tensor and data.numel() == 0:  # an FSDP2 rank past the last rows holds nothing to save
         return []
     offsets = [row] + [0] * (data.dim() - 1)
     out = []

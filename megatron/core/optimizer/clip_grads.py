@@ -37,7 +37,7 @@ def _dtensor_group(tensors):
     return None
 
 
-def _to_local(tensor: torch.Tensor) -> torch.Tensor:
+def to_local_if_dtensor(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (a view), any other tensor itself."""
     from torch.distributed.tensor import DTensor
 
@@ -65,7 +65,7 @@ def get_grad_norm_fp32(grads_for_norm: Union[List[torch.Tensor], torch.Tensor], 
     # FSDP2: the grads are DTensor shards; their norms^p are summed over the mesh group first (Megatron's
     # get_data_parallel_group_if_dtensor), then over the model-parallel group as for any grad.
     dtensor_group = _dtensor_group(grads_for_norm)
-    grads_for_norm = [_to_local(g) for g in grads_for_norm]
+    grads_for_norm = [to_local_if_dtensor(g) for g in grads_for_norm]
     norm_type = float(norm_type)
     # The norms are computed where the grads are; only the [1] total moves to the reduction's device.
     comm_device = get_collective_device(model_parallel_group)
@@ -104,7 +104,7 @@ def clip_grad_by_total_norm_fp32(parameters: Union[Iterable[torch.nn.Parameter],
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    grads = [_to_local(p.grad.detach()) for p in parameters if p.grad is not None]  # FSDP2: the local shards
+    grads = [to_local_if_dtensor(p.grad.detach()) for p in parameters if p.grad is not None]  # FSDP2: the local shards
     clip_coeff = max_norm / (total_norm + 1.0e-6)
     if clip_coeff < 1.0 and grads:
         torch._foreach_mul_(grads, clip_coeff)
@@ -120,7 +120,7 @@ def count_zeros_fp32(parameters: Iterable[torch.nn.Parameter], grad_stats_parall
         grad = param.grad
         if grad is None or not param_is_not_shared(param) or not param_is_not_tensor_parallel_duplicate(param, tp_rank):
             continue
-        grad = _to_local(grad)
+        grad = to_local_if_dtensor(grad)
         zeros = grad.numel() - torch.count_nonzero(grad)
         total = zeros if total is None else total + zeros
     comm_device = get_collective_device(grad_stats_parallel_group)
