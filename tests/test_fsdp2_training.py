@@ -3,7 +3,8 @@ checkpoints resume without FSDP (one process, TP=2) and a one-process checkpoint
 the flag combinations Megatron-LM refuses are refused in one line each.
 
 Every run trains the 2-layer test GPT in fp32 without dropout on gloo ranks; losses and grad norms are
-read from TensorBoard (float32) and compared within 1e-5 relative. The vocabulary is padded to 50304
+read from TensorBoard (float32) and compared within 1e-5 relative, so are the params norm
+(--log-params-norm) and, within 8 of 1.6M, the zero count of the grads (--log-num-zeros-in-grad). The vocabulary is padded to 50304
 rows at TP 1 and 2 (--make-vocab-size-divisible-by 64), so every layout trains the same model.
 """
 import os
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.timeout(300)
 SAVE_AT, ITERS = 5, 10
 COMMON = ["--micro-batch-size", "2", "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-interval", "100",
           "--make-vocab-size-divisible-by", "64", "--untie-embeddings-and-output-weights",
-          "--no-gradient-accumulation-fusion"]
+          "--no-gradient-accumulation-fusion", "--log-params-norm", "--log-num-zeros-in-grad"]
 FSDP2 = ["--use-torch-fsdp2"]
 
 
@@ -30,6 +31,7 @@ def _run(nproc, layout_flags, tmp_path, name, shared_data, prefix, load=None, sa
         flags += ["--load", str(load)]
     out = run_pretrain(nproc, flags, shared_data, prefix, tmp_path)
     run = dict(out=out, loss=tensorboard_scalars(tb, "lm loss"), grad_norm=tensorboard_scalars(tb, "grad-norm"),
+               params_norm=tensorboard_scalars(tb, "params-norm"), zeros=tensorboard_scalars(tb, "num-zeros"),
                ckpt=tmp_path / f"ckpt_{name}")
     if save:
         assert os.path.isfile(run["ckpt"] / f"iter_{SAVE_AT:07d}" / ".metadata")
@@ -44,6 +46,9 @@ def _assert_same(run, reference, iterations, grad_norms=True):
         assert run["loss"][iteration] == pytest.approx(reference["loss"][iteration], rel=1e-5), iteration
         if grad_norms:
             assert run["grad_norm"][iteration] == pytest.approx(reference["grad_norm"][iteration], rel=1e-5), iteration
+            assert run["params_norm"][iteration] == pytest.approx(reference["params_norm"][iteration], rel=1e-5)
+            # A grad that sums to exactly 0 in one reduction order may not in another: a few of 1.6M.
+            assert run["zeros"][iteration] == pytest.approx(reference["zeros"][iteration], abs=8), iteration
     assert reference["loss"][iterations[-1]] < reference["loss"][1]  # it learns: the comparison means something
 
 

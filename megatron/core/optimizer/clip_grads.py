@@ -26,7 +26,7 @@ def param_is_not_tensor_parallel_duplicate(param: torch.nn.Parameter, tp_rank: O
     return (_tp_rank() if tp_rank is None else tp_rank) == 0
 
 
-def _dtensor_group(tensors):
+def get_data_parallel_group_if_dtensor(tensors):
     """The process group of the (one-dimensional) mesh the DTensors among ``tensors`` are sharded over
     (FSDP2's data-parallel group), or None when none is a DTensor."""
     from torch.distributed.tensor import DTensor
@@ -64,7 +64,7 @@ def get_grad_norm_fp32(grads_for_norm: Union[List[torch.Tensor], torch.Tensor], 
         grads_for_norm = [grads_for_norm]
     # FSDP2: the grads are DTensor shards; their norms^p are summed over the mesh group first (Megatron's
     # get_data_parallel_group_if_dtensor), then over the model-parallel group as for any grad.
-    dtensor_group = _dtensor_group(grads_for_norm)
+    dtensor_group = get_data_parallel_group_if_dtensor(grads_for_norm)
     grads_for_norm = [to_local_if_dtensor(g) for g in grads_for_norm]
     norm_type = float(norm_type)
     # The norms are computed where the grads are; only the [1] total moves to the reduction's device.
@@ -115,7 +115,7 @@ def count_zeros_fp32(parameters: Iterable[torch.nn.Parameter], grad_stats_parall
     tp_rank = _tp_rank()
     total = None
     parameters = list(parameters)
-    dtensor_group = _dtensor_group([p.grad for p in parameters if p.grad is not None])
+    dtensor_group = get_data_parallel_group_if_dtensor([p.grad for p in parameters if p.grad is not None])
     for param in parameters:
         grad = param.grad
         if grad is None or not param_is_not_shared(param) or not param_is_not_tensor_parallel_duplicate(param, tp_rank):
