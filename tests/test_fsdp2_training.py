@@ -77,6 +77,14 @@ def test_fsdp2_dp2_tp2_gives_the_losses_and_grad_norms_of_one_process(one_proces
     _assert_same(run, one_process, range(1, ITERS + 1))
 
 
+def test_fsdp2_prefetch_and_no_reshard_give_the_same_losses(one_process, shared_data, shakespeare_prefix, tmp_path):
+    """--overlap-grad-reduce (reduce-scatter every micro-batch, backward prefetch), --overlap-param-gather
+    (forward prefetch) and --torch-fsdp2-no-reshard-after-forward change when, not what, is communicated."""
+    run = _run(2, [*FSDP2, "--overlap-grad-reduce", "--overlap-param-gather", "--torch-fsdp2-no-reshard-after-forward"],
+               tmp_path, "fsdp_overlap", shared_data, shakespeare_prefix, save=False)
+    _assert_same(run, one_process, range(1, ITERS + 1))
+
+
 @pytest.mark.parametrize("nproc,layout", [(1, []), (2, ["--tensor-model-parallel-size", "2"])],
                          ids=["one-process", "tp2"])
 def test_fsdp2_checkpoint_resumes_without_fsdp(nproc, layout, fsdp_dp2, one_process, shared_data, shakespeare_prefix,
@@ -132,3 +140,40 @@ def test_accepted_flags_build_the_fsdp2_config(monkeypatch):
     assert isinstance(config, TorchFullyShardedDataParallelConfig)
     assert config.reshard_after_forward is False and config.overlap_param_gather and config.overlap_grad_reduce
     assert type(ddp_config_from_args(_validate([], monkeypatch))).__name__ == "DistributedDataParallelConfig"
+
+
+# ---- uneven shards in checkpoints ----------------------------------------------------------------
+
+def _uneven_shards_worker(rank, world_size):
+    """fully_shard a [5, 3] weight and a [2] bias over 3 ranks (rows 2, 2, 1 and 1, 1, 0): the sharded
+    tensors of the checkpoint must tile each global tensor exactly once, as views of the live shards."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.mapping import TPLayout, sharded_tensors_of_local
+
+    torch.manual_seed(0)
+    module = torch.nn.Linear(3, 5)
+    module.bias = torch.nn.Parameter(torch.arange(2.0))
+    full = {name: p.detach().clone() for name, p in module.named_parameters()}
+    fully_shard(module, mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"))
+    out = {}
+    for name, param in module.named_parameters():
+        layout = TPLayout(tuple(param.shape), None, 1, 0, 1)
+        items = sharded_tensors_of_local(name, param.detach(), layout)
+        for item in items:
+            item.data.add_(0)  # a view: writable in place
+            assert torch.equal(item.data, full[name][item.global_offset[0]:item.global_offset[0] + item.data.shape[0]])
+        out[name] = [(item.global_offset, tuple(item.data.shape), item.global_shape) for item in items]
+    return out
+
+
+def test_uneven_fsdp2_shards_tile_the_global_tensors():
+    from dist_utils import run_distributed
+
+    results = run_distributed(_uneven_shards_worker, 3)
+    assert [r["weight"] for r in results] == [[((0, 0), (2, 3), (5, 3))], [((2, 0), (2, 3), (5, 3))],
+                                              [((4, 0), (1, 3), (5, 3))]]
+    assert [r["bias"] for r in results] == [[((0,), (1,), (2,))], [((1,), (1,), (2,))], []]
