@@ -98,6 +98,20 @@ def test_one_process_checkpoint_resumes_under_fsdp2(one_process, shared_data, sh
     _assert_same(run, one_process, range(SAVE_AT + 1, ITERS + 1))
 
 
+def test_fsdp2_bf16_trains_and_resumes_like_one_process(shared_data, shakespeare_prefix, tmp_path):
+    """--bf16: bf16 shards, fp32 reduce-scatter, fp32 main copies of the shards (saved and restored):
+    the losses of a one-process bf16 run within 1e-4 (reduction order moves bf16 roundings), and an
+    FSDP2 bf16 checkpoint resumes in one process."""
+    bf16 = ["--bf16"]
+    reference = _run(1, bf16, tmp_path, "one_bf16", shared_data, shakespeare_prefix, save=False)
+    run = _run(2, [*FSDP2, *bf16], tmp_path, "fsdp_bf16", shared_data, shakespeare_prefix)
+    resumed = _run(1, bf16, tmp_path, "resumed_bf16", shared_data, shakespeare_prefix, load=run["ckpt"], save=False)
+    for result, first in ((run, 1), (resumed, SAVE_AT + 1)):
+        assert sorted(result["loss"]) == list(range(first, ITERS + 1))
+        for iteration in range(first, ITERS + 1):
+            assert result["loss"][iteration] == pytest.approx(reference["loss"][iteration], rel=1e-4), iteration
+
+
 # ---- flag combinations ---------------------------------------------------------------------------
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
