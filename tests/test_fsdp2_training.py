@@ -77,11 +77,14 @@ def test_fsdp2_dp2_tp2_gives_the_losses_and_grad_norms_of_one_process(one_proces
     _assert_same(run, one_process, range(1, ITERS + 1))
 
 
-def test_fsdp2_prefetch_and_no_reshard_give_the_same_losses(one_process, shared_data, shakespeare_prefix, tmp_path):
+def test_fsdp2_prefetch_no_reshard_and_per_token_loss_give_the_same_losses(one_process, shared_data,
+                                                                           shakespeare_prefix, tmp_path):
     """--overlap-grad-reduce (reduce-scatter every micro-batch, backward prefetch), --overlap-param-gather
-    (forward prefetch) and --torch-fsdp2-no-reshard-after-forward change when, not what, is communicated."""
-    run = _run(2, [*FSDP2, "--overlap-grad-reduce", "--overlap-param-gather", "--torch-fsdp2-no-reshard-after-forward"],
-               tmp_path, "fsdp_overlap", shared_data, shakespeare_prefix, save=False)
+    (forward prefetch) and --torch-fsdp2-no-reshard-after-forward change when, not what, is communicated;
+    --calculate-per-token-loss (every token counts here, so the same loss) sums the grads over DP and
+    divides by the global token count."""
+    run = _run(2, [*FSDP2, "--overlap-grad-reduce", "--overlap-param-gather", "--torch-fsdp2-no-reshard-after-forward",
+                   "--calculate-per-token-loss"], tmp_path, "fsdp_overlap", shared_data, shakespeare_prefix, save=False)
     _assert_same(run, one_process, range(1, ITERS + 1))
 
 

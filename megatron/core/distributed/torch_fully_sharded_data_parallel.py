@@ -85,10 +85,11 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         for name, param in module.named_parameters():
             for attribute, value in saved_attributes.get(name, {}).items():
                 setattr(param, attribute, value)
-        if getattr(config, "calculate_per_token_loss", False):
-            # Sum (no average) over DP: finalize_model_grads divides by the global token count.
-            for unit in self._units:
-                unit.set_gradient_divide_factor(1.0)
+        # FSDP2 averages over the group. With --calculate-per-token-loss the grads must be the sum, which
+        # finalize_model_grads divides by the global token count (scale_gradients): that scale takes the
+        # group size back out (a divide factor of 1 would need PREMUL_SUM, which gloo lacks).
+        self._per_token_rescale = (float(dist.get_world_size(self.data_parallel_group))
+                                   if getattr(config, "calculate_per_token_loss", False) else 1.0)
         if ddp_config.overlap_param_gather:
             for current, following in zip(layers, layers[1:]):
                 current.set_modules_to_forward_prefetch([following])
@@ -142,7 +143,9 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         """Nothing is recorded in backward; kept for the loop's NaN check."""
 
     def scale_gradients(self, scaling_factor: float):
-        """Multiply every local grad shard by ``scaling_factor`` (per-token loss normalisation)."""
+        """Multiply every local grad shard by ``scaling_factor`` (per-token loss normalisation; with
+        ``calculate_per_token_loss`` also by the group size, undoing FSDP2's average into a sum)."""
+        scaling_factor = scaling_factor * self._per_token_rescale
         with torch.no_grad():
             for param in self.module.parameters():
                 if param.grad is not None:
