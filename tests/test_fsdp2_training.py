@@ -1,5 +1,5 @@
 """--use-torch-fsdp2 end to end: FSDP2 at DP=2 and DP=2 x TP=2 trains as one process does, its torch_dist
-checkpoints resume without FSDP (one process, TP=2) and a one-process checkpoint resumes under FSDP2, and
+checkpoints resume without FSDP (one process, TP=2, PP=2) and a one-process checkpoint resumes under FSDP2, and
 the flag combinations Megatron-LM refuses are refused in one line each.
 
 Every run trains the 2-layer test GPT in fp32 without dropout on gloo ranks; losses and grad norms are
@@ -88,8 +88,9 @@ def test_fsdp2_prefetch_no_reshard_and_per_token_loss_give_the_same_losses(one_p
     _assert_same(run, one_process, range(1, ITERS + 1))
 
 
-@pytest.mark.parametrize("nproc,layout", [(1, []), (2, ["--tensor-model-parallel-size", "2"])],
-                         ids=["one-process", "tp2"])
+@pytest.mark.parametrize("nproc,layout", [(1, []), (2, ["--tensor-model-parallel-size", "2"]),
+                                          (2, ["--pipeline-model-parallel-size", "2"])],
+                         ids=["one-process", "tp2", "pp2"])
 def test_fsdp2_checkpoint_resumes_without_fsdp(nproc, layout, fsdp_dp2, one_process, shared_data, shakespeare_prefix,
                                                tmp_path):
     run = _run(nproc, layout, tmp_path, "resumed", shared_data, shakespeare_prefix, load=fsdp_dp2["ckpt"], save=False)
