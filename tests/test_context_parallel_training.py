@@ -115,6 +115,15 @@ def test_one_comm_type_per_layer(references, tmp_path):
     _assert_same_numbers(run, references(()), f"per layer {per_layer}")
 
 
+def test_context_parallel_under_fsdp2_matches_one_process(references, tmp_path):
+    """--use-torch-fsdp2 shards over the data x context-parallel ranks (Megatron's FSDP2 mesh): CP=2 under
+    FSDP2 gives the numbers of one process."""
+    fsdp = ["--untie-embeddings-and-output-weights"]
+    run = _train(2, ["--context-parallel-size", "2", "--use-torch-fsdp2", "--no-gradient-accumulation-fusion", *fsdp],
+                 tmp_path, "cp2_fsdp2")
+    _assert_same_numbers(run, references(tuple(fsdp)), "cp2 fsdp2")
+
+
 @pytest.mark.parametrize("ckpt_format", ["torch_dist", "torch"])
 def test_checkpoint_saved_at_cp2_resumes_at_cp1(ckpt_format, references, tmp_path):
     """torch_dist: keys and shapes do not depend on CP; the distributed optimizer's fragments are over the

@@ -57,10 +57,24 @@ def test_several_megatron_only_flags_one_line_naming_them(capsys):
 
 
 def test_megatron_only_flag_with_equals_and_no_neighbour_suggestion(capsys):
-    # --use-torch-fsdp2=... is no neighbour of anything; --ckpt-fully-parallel-load used to be "corrected".
+    # --ckpt-fully-parallel-load used to be "corrected" to a neighbour flag.
     lines, _ = _refused([*SMALL, "--ckpt-fully-parallel-load"], capsys)
     assert "did you mean" not in lines[0] and lines[0].startswith(
         "error: --ckpt-fully-parallel-load is a Megatron-LM flag that this project does not support: ")
+
+
+def test_no_refusal_reason_names_a_flag_this_project_has():
+    """A flag that lands here (FSDP2, --cp-comm-type) must leave the list of refusal reasons, which would
+    otherwise describe it as missing (``--num-experts`` is parsed and refused by validate_args, naming MoE)."""
+    import fnmatch
+
+    from megatron.training.arguments import _MegatronArgumentParser, add_megatron_arguments
+    from megatron.training.unsupported_flags import UNSUPPORTED_REASONS
+
+    ours = {option for action in add_megatron_arguments(_MegatronArgumentParser())._actions
+            for option in action.option_strings}
+    assert [pattern for pattern, _ in UNSUPPORTED_REASONS
+            if any(fnmatch.fnmatch(option, pattern) for option in ours)] == ["--num-experts"]
 
 
 def test_megatron_only_flag_printed_by_rank_0_only(capsys, monkeypatch):

@@ -352,6 +352,14 @@ def _add_distributed_args(parser):
                        help="Shard optimizer state across data-parallel ranks.")
     group.add_argument("--overlap-grad-reduce", action="store_true", help="Overlap grad reduction with backward.")
     group.add_argument("--overlap-param-gather", action="store_true", help="Overlap param all-gather with forward.")
+    group.add_argument("--use-torch-fsdp2", action="store_true",
+                       help="Shard parameters, gradients and optimizer state over the data-parallel (with context-"
+                            "parallel) ranks with torch.distributed.fsdp.fully_shard (FSDP2), one unit per "
+                            "transformer layer, the embedding, the output layer and the root.")
+    group.add_argument("--torch-fsdp2-no-reshard-after-forward", action="store_false",
+                       dest="torch_fsdp2_reshard_after_forward",
+                       help="With --use-torch-fsdp2: keep each unit's parameters gathered from forward to "
+                            "backward (ZeRO-2 style: more memory, one all-gather less per unit).")
     group.add_argument("--ddp-bucket-size", type=int, default=None, help="Elements per grad-reduction bucket.")
     group.add_argument("--ddp-average-in-collective", action="store_true",
                        help="Average (not sum) gradients inside the collective.")

@@ -21,7 +21,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.nn.functional as F
 
-from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.distributed import DistributedDataParallelConfig, TorchFullyShardedDataParallelConfig
 from megatron.core.num_microbatches_calculator import build_num_microbatches_calculator
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.telemetry.config import TelemetryConfig
@@ -85,6 +85,9 @@ ARGUMENTS_ONLY_FLAGS = {
     "scatter_gather_tensors_in_pipeline": "no effect (Megatron-LM core_v0.14 does not use it either)",
     "deprecated_use_dist_ckpt": "deprecated no-op; validate_args warns",
     "dist_ckpt_format_deprecated": "deprecated no-op; validate_args warns",
+    "use_torch_fsdp2": "makes the ddp slice a TorchFullyShardedDataParallelConfig (get_model wraps with FSDP2)",
+    "torch_fsdp2_reshard_after_forward": "ddp.reshard_after_forward of the TorchFullyShardedDataParallelConfig "
+                                         "(--use-torch-fsdp2 only)",
 }
 
 
@@ -179,7 +182,8 @@ def optimizer_config_from_args(args) -> OptimizerConfig:
 
 
 def ddp_config_from_args(args) -> DistributedDataParallelConfig:
-    """The DistributedDataParallelConfig of the run (Megatron's flag -> field translations).
+    """The DistributedDataParallelConfig of the run (Megatron's flag -> field translations); with
+    ``--use-torch-fsdp2`` its subclass TorchFullyShardedDataParallelConfig (``reshard_after_forward``).
 
     A flag missing from ``args`` (a checkpoint's args from an older version) keeps the field's default.
     """
@@ -187,6 +191,9 @@ def ddp_config_from_args(args) -> DistributedDataParallelConfig:
                "check_for_nan_in_loss_and_grad": "check_for_nan_in_grad",
                "ddp_bucket_size": "bucket_size", "ddp_average_in_collective": "average_in_collective"}
     explicit = {field: getattr(args, dest) for dest, field in renamed.items() if hasattr(args, dest)}
+    if getattr(args, "use_torch_fsdp2", False):
+        explicit["reshard_after_forward"] = getattr(args, "torch_fsdp2_reshard_after_forward", True)
+        return _fields_from_args(TorchFullyShardedDataParallelConfig, args, **explicit)
     return _fields_from_args(DistributedDataParallelConfig, args, **explicit)
 
 

@@ -137,6 +137,7 @@ def validate_args(args, defaults={}):
 
     _validate_required(args)
     _validate_features(args)
+    _validate_torch_fsdp2(args)
     _validate_parallel_sizes(args)
     _validate_data_sources(args)
     _validate_batch_sizes(args)
@@ -187,7 +188,8 @@ def _validate_required(args):
 
 def _validate_features(args):
     _validate_context_parallel(args)
-    if args.overlap_param_gather and not (args.use_distributed_optimizer and args.overlap_grad_reduce):
+    if args.overlap_param_gather and not args.use_torch_fsdp2 and not (args.use_distributed_optimizer
+                                                                      and args.overlap_grad_reduce):
         raise ValueError("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce")
     if args.use_distributed_optimizer and args.optimizer != "adam":
         raise ValueError(f"--use-distributed-optimizer supports --optimizer adam only, got {args.optimizer}")
@@ -373,6 +375,28 @@ def _validate_rampup_batch_size(args):
     RampupBatchsizeNumMicroBatchesCalculator(
         args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
         args.decrease_batch_size_if_needed, -1, start, increment, samples)
+
+
+def _validate_torch_fsdp2(args):
+    """``--use-torch-fsdp2``: Megatron-LM core_v0.14's requirements, each refused in one line naming the flags."""
+    if not args.use_torch_fsdp2:
+        return
+    _require(not args.use_distributed_optimizer,
+             "--use-torch-fsdp2 and --use-distributed-optimizer are mutually exclusive: FSDP2 shards the optimizer "
+             "state itself")
+    _require(args.ckpt_format == "torch_dist",
+             f"--use-torch-fsdp2 requires --ckpt-format torch_dist (got {args.ckpt_format}): each rank saves its "
+             "parameter shard into the global tensors")
+    _require(args.untie_embeddings_and_output_weights,
+             "--use-torch-fsdp2 requires --untie-embeddings-and-output-weights (a tied weight would be one "
+             "parameter in two FSDP units)")
+    _require(not args.fp16, "--use-torch-fsdp2 is not supported with --fp16 (use --bf16)")
+    _require(args.pipeline_model_parallel_size == 1,
+             f"--use-torch-fsdp2 is not supported with pipeline parallelism (--pipeline-model-parallel-size "
+             f"{args.pipeline_model_parallel_size}); use 1, as Megatron-LM requires")
+    _require(not args.gradient_accumulation_fusion,
+             "--use-torch-fsdp2 requires --no-gradient-accumulation-fusion (FSDP2 owns the gradients; there is "
+             "no main_grad buffer to fuse into)")
 
 
 def _validate_precision(args):

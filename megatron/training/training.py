@@ -14,7 +14,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.collective_device import get_collective_device
 from megatron.core.console import write_line
-from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    TorchFullyShardedDataParallel,
+    TorchFullyShardedDataParallelConfig,
+    finalize_model_grads,
+)
 from megatron.core.num_microbatches_calculator import (
     get_num_microbatches,
     update_num_microbatches,
@@ -116,7 +121,10 @@ def get_model(model_provider_func, wrap_with_ddp: bool = True):
         return model
     config = get_model_config(model[0])
     # Chunks after the first run their backward last in an iteration: no bucketing (Megatron-LM).
-    model = [DistributedDataParallel(config, cfg.ddp, chunk, disable_bucketing=index > 0)
+    # --use-torch-fsdp2 makes the ddp slice a TorchFullyShardedDataParallelConfig: wrap with FSDP2.
+    wrapper = (TorchFullyShardedDataParallel if isinstance(cfg.ddp, TorchFullyShardedDataParallelConfig)
+               else DistributedDataParallel)
+    model = [wrapper(config, cfg.ddp, chunk, disable_bucketing=index > 0)
              for index, chunk in enumerate(model)]
     for chunk in model:
         chunk.broadcast_params()

@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.collective_device import get_collective_device
+from megatron.core.optimizer.clip_grads import get_data_parallel_group_if_dtensor, to_local_if_dtensor
 from megatron.core.console import write_line
 from megatron.core.transformer.context_parallel import batch as _cp_batch
 
@@ -122,17 +123,19 @@ def calc_params_l2_norm(model) -> float:
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     group = parallel_state.get_model_parallel_group() if dist.is_initialized() else None
     device = get_collective_device(group)
-    squares = [
-        param.detach().double().pow(2).sum()
-        for chunk in model for param in chunk.parameters()
-        if not getattr(param, "shared", False) and (getattr(param, "tensor_model_parallel", False) or tp_rank == 0)
-    ]
+    params = [param for chunk in model for param in chunk.parameters()
+              if not getattr(param, "shared", False) and (getattr(param, "tensor_model_parallel", False) or tp_rank == 0)]
+    # FSDP2: local shards, summed over their data-parallel mesh group first.
+    dtensor_group = get_data_parallel_group_if_dtensor(params)
+    squares = [to_local_if_dtensor(param.detach()).double().pow(2).sum() for param in params]
     if squares:
         total = torch.stack(squares).sum().reshape(1).to(device)
     else:
         total = torch.zeros(1, dtype=torch.float64, device=device)
-    if group is not None:
-        dist.all_reduce(total, group=group)
+    for reduce_group in (dtensor_group, group):
+        if reduce_group is not None:
+            total = total.to(get_collective_device(reduce_group))
+            dist.all_reduce(total, group=reduce_group)
     return total.sqrt().item()
 
 

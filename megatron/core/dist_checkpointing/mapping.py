@@ -121,12 +121,49 @@ def _narrow(tensor: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) 
     return tensor
 
 
+def local_rows(tensor: torch.Tensor) -> Tuple[torch.Tensor, int]:
+    """``(data, row offset)``: the rows of a tensor-parallel-local ``tensor`` this rank holds.
+
+    A plain tensor is all of itself (offset 0). A ``DTensor`` sharded ``Shard(0)`` over a
+    one-dimensional mesh (FSDP2's parameters, grads and Adam moments) holds torch's ``chunk`` piece
+    of dimension 0: ``ceil(rows / mesh size)`` rows per rank, fewer (possibly none) on the last
+    ones; ``data`` is its local tensor, a view of the live storage.
+
+    Raises ValueError for any other DTensor placement.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(tensor, DTensor):
+        return tensor, 0
+    if len(tensor.placements) != 1 or tensor.placements[0] != Shard(0):
+        raise ValueError(f"DTensor placements {tensor.placements} are not supported in checkpoints (only Shard(0) "
+                         "over a one-dimensional mesh, FSDP2's layout)")
+    mesh = tensor.device_mesh
+    rows = tensor.shape[0]
+    per_rank = -(-rows // mesh.size())
+    offset = min(mesh.get_local_rank() * per_rank, rows)
+    data = tensor.to_local()
+    if data.shape[0] != min(per_rank, rows - offset):
+        raise ValueError(f"DTensor local shard has {data.shape[0]} rows, expected {min(per_rank, rows - offset)} "
+                         f"from row {offset} of {rows}")
+    return data, offset
+
+
 def sharded_tensors_of_local(key: str, tensor: torch.Tensor, layout: TPLayout,
                              allow_shape_mismatch: bool = False, replica: bool = False) -> List[ShardedTensor]:
-    """The chunks of a whole tensor-parallel-local ``tensor`` (a parameter or a same-shaped state)."""
+    """The chunks of a whole tensor-parallel-local ``tensor`` (a parameter or a same-shaped state).
+
+    For an FSDP2 ``DTensor`` only this rank's rows (:func:`local_rows`) at their global offsets: the
+    same keys and global shapes as without FSDP, so either run reads the other's checkpoint.
+    """
+    data, row = local_rows(tensor)
+    if data is not tensor and data.numel() == 0:  # an FSDP2 rank past the last rows holds nothing to save
+        return []
+    offsets = [row] + [0] * (data.dim() - 1)
     out = []
-    for local_offsets, sizes, global_offsets in layout.split_box([0] * tensor.dim(), list(tensor.shape)):
-        out.append(ShardedTensor(key, _narrow(tensor, local_offsets, sizes), layout.global_shape, global_offsets,
+    for local_offsets, sizes, global_offsets in layout.split_box(offsets, list(data.shape)):
+        relative = [lo - o for lo, o in zip(local_offsets, offsets)]
+        out.append(ShardedTensor(key, _narrow(data, relative, sizes), layout.global_shape, global_offsets,
                                  allow_shape_mismatch, replica))
     return out
 

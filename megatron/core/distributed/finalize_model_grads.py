@@ -4,6 +4,7 @@ from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
@@ -22,7 +23,9 @@ def _timed(config, name: str, barrier: bool):
 
 def _main_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     grad = getattr(param, "main_grad", None)
-    return param.grad if grad is None else grad
+    grad = param.grad if grad is None else grad
+    # FSDP2: the reduced local shard (a view); every TP rank holds the same rows of a replicated param.
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def _allreduce_coalesced(grads: List[torch.Tensor], group):

@@ -3,7 +3,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .clip_grads import clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32
+from .clip_grads import clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32, to_local_if_dtensor
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from .distrib_optimizer import DistributedOptimizer
 from .optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer, MegatronOptimizer
@@ -32,7 +32,7 @@ def get_optimizer_state_bytes(optimizer) -> int:
     Counts every tensor in the inner optimizer's per-param state (Adam ``exp_avg``, ``exp_avg_sq``,
     ``step``; SGD ``momentum_buffer``) plus the fp32 main params that are separate copies of the
     model params (:meth:`MegatronOptimizer.main_param_copies`: the fp32 copies of fp16/bf16 params,
-    or of this rank's shard with the distributed optimizer). fp32 params updated in place (or
+    or of this rank's shard with the distributed optimizer). FSDP2's DTensors count their local shard. fp32 params updated in place (or
     views of them) are model weights, not optimizer state, and are not counted. This is the
     quantity Megatron's theoretical memory report calls the optimizer part (12 bytes/param for
     Adam with fp32 main params, divided by DP with the distributed optimizer).
@@ -51,7 +51,8 @@ def get_optimizer_state_bytes(optimizer) -> int:
         nonlocal total
         if isinstance(tensor, torch.Tensor) and id(tensor) not in seen:
             seen.add(id(tensor))
-            total += tensor.numel() * tensor.element_size()
+            local = to_local_if_dtensor(tensor)  # FSDP2: the shard this rank holds
+            total += local.numel() * local.element_size()
 
     for state in inner.state.values():
         for value in state.values():

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from megatron.core.collective_device import get_collective_device
 
 from .clip_grads import (
+    to_local_if_dtensor,
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
     get_grad_norm_fp32,
@@ -39,6 +40,8 @@ def multi_tensor_copy(destinations: List[torch.Tensor], sources: List[torch.Tens
     param; same values as the per-param copies. Raises RuntimeError if the lists' shapes differ.
     """
     if destinations:
+        # FSDP2's DTensor shards: copy local shard to local shard (DTensor has no foreach copy).
+        destinations, sources = [to_local_if_dtensor(t) for t in destinations], [to_local_if_dtensor(t) for t in sources]
         torch._foreach_copy_(destinations, sources)
 
 
