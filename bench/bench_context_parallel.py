@@ -122,6 +122,10 @@ def worker(options) -> None:
             "params": sum(p.numel() for p in model.parameters()), "local_loss": float(loss),
         }), flush=True)
     dist.barrier()
+    # As pretrain's shutdown does (megatron/training/training.py, _shutdown): let gloo's worker threads
+    # release the last collective's tensors while the interpreter is intact, else one may abort the
+    # process at exit ("terminate called without an active exception").
+    time.sleep(0.25)
     ps.destroy_model_parallel()
     dist.destroy_process_group()
 
