@@ -99,6 +99,7 @@ def worker(argv: list, warmup: int) -> None:
             "params": sum(p.numel() for p in params),
         }), flush=True)
     dist.barrier()
+    time.sleep(0.25)  # let gloo's worker threads finish before the groups go (see training._shutdown)
     dist.destroy_process_group()
 
 
