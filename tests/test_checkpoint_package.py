@@ -113,6 +113,18 @@ def test_layout_names_and_rank_order():
         "virtual_pipeline_model_parallel_size": None, "world_size": 4}
 
 
+def test_parallel_layout_records_context_parallelism_only_when_used():
+    """A CP=1 record keeps its pre-CP keys (and bytes); a CP run's record names its CP size, so a resume at
+    another CP size says why the RNG states are not restored."""
+    from megatron.training.checkpointing import layout
+
+    plain = layout.parallel_layout(2, 1, 2)
+    assert "context_parallel_size" not in plain and plain["world_size"] == 4
+    with_cp = layout.parallel_layout(1, 1, 1, context_parallel_size=2)
+    assert with_cp["context_parallel_size"] == 2 and with_cp["world_size"] == 2
+    assert with_cp != layout.parallel_layout(1, 1, 1, world_size=2)
+
+
 def test_durable_writes_go_through_the_replaceable_storage(tmp_path):
     from megatron.training.checkpointing import durable
 

@@ -28,6 +28,9 @@ def test_context_parallelism_flags_are_validated_naming_the_flag(single_process,
         ("--attention-dropout", "0", "--cp-comm-type", "a2a+p2p"): r"--cp-comm-type a2a\+p2p .*not supported",
         ("--attention-dropout", "0", "--cp-comm-type", "ring"): "--cp-comm-type 'ring'",
         ("--attention-dropout", "0", "--cp-comm-type", "p2p", "a2a", "p2p"): "--cp-comm-type takes one value or one",
+        ("--attention-dropout", "0", "--cp-comm-type", "a2a", "--num-attention-heads", "3", "--hidden-size", "48"):
+            r"--cp-comm-type a2a splits the attention heads .*\(3 per tensor-parallel rank\) is not divisible by "
+            r"--context-parallel-size \(2\)",
     }
     for extra, message in refusals.items():
         with pytest.raises(ValueError, match=message):

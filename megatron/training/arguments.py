@@ -267,6 +267,13 @@ def _validate_context_parallel(args):
     _require(args.attention_dropout == 0.0,
              f"--attention-dropout ({args.attention_dropout}) must be 0 with --context-parallel-size > 1: the "
              "context-parallel attention kernels have no dropout in this version")
+    if "a2a" in args.cp_comm_type:
+        # Ulysses gives each CP rank whole query heads (K/V groups are repeated when they do not split).
+        heads = args.num_attention_heads // args.tensor_model_parallel_size
+        _require(heads % cp == 0,
+                 f"--cp-comm-type a2a splits the attention heads over the CP ranks: --num-attention-heads "
+                 f"({heads} per tensor-parallel rank) is not divisible by --context-parallel-size ({cp}); "
+                 f"use p2p or all_gather, or another head count")
 
 
 # Flags accepted by the parser (Megatron compatibility) whose behaviour is not implemented yet.

@@ -152,28 +152,37 @@ def rank_of(tensor_rank, pipeline_rank, tensor_model_parallel_size, data_paralle
 
 
 def parallel_layout(tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size=1,
-                    virtual_pipeline_model_parallel_size=None, world_size=None):
+                    virtual_pipeline_model_parallel_size=None, world_size=None, context_parallel_size=1):
     """The ``parallel_layout`` record of ``common.pt`` and of each RNG file (RNG states are restored only at
-    the same one). ``world_size`` defaults to the product of the three sizes."""
+    the same one). ``world_size`` defaults to the product of the four sizes.
+
+    ``context_parallel_size`` is recorded only when it is above 1, so a record without context
+    parallelism keeps the bytes it had before context parallelism existed (and that older checkpoints hold).
+    """
     if world_size is None:
-        world_size = tensor_model_parallel_size * pipeline_model_parallel_size * data_parallel_size
-    return {
+        world_size = (tensor_model_parallel_size * pipeline_model_parallel_size * data_parallel_size
+                      * context_parallel_size)
+    record = {
         "tensor_model_parallel_size": tensor_model_parallel_size,
         "pipeline_model_parallel_size": pipeline_model_parallel_size,
         "data_parallel_size": data_parallel_size,
         "virtual_pipeline_model_parallel_size": virtual_pipeline_model_parallel_size,
         "world_size": world_size,
     }
+    if context_parallel_size > 1:
+        record["context_parallel_size"] = context_parallel_size
+    return record
 
 
 def current_parallel_layout():
-    """:func:`parallel_layout` of this run (parallel_state's sizes; 1 for data parallelism without torch.distributed)."""
+    """:func:`parallel_layout` of this run (parallel_state's sizes; 1 for DP and CP without torch.distributed)."""
     return parallel_layout(
         parallel_state.get_tensor_model_parallel_world_size(),
         parallel_state.get_pipeline_model_parallel_world_size(),
         parallel_state.get_data_parallel_world_size() if dist.is_initialized() else 1,
         parallel_state.get_virtual_pipeline_model_parallel_world_size(),
-        dist.get_world_size() if dist.is_initialized() else 1)
+        dist.get_world_size() if dist.is_initialized() else 1,
+        parallel_state.get_context_parallel_world_size() if dist.is_initialized() else 1)
 
 
 # ---------------------------------------------------------------------------------------------------
