@@ -43,17 +43,19 @@ def model_flags(options) -> list:
     return flags + (["--bf16"] if options.bf16 else [])
 
 
-def worker(argv: list, warmup: int) -> None:
-    """One rank: pretrain_gpt.py's setup, ``train_step`` timed, optimizer bytes; rank 0 prints JSON."""
+def timed_train_steps(argv: list):
+    """One rank: ``pretrain_gpt.py``'s setup (``initialize_megatron``, ``setup_model_and_optimizer``, its
+    data) from ``argv``, then ``--train-iters`` calls of ``train_step``, each timed after a barrier.
+
+    Returns ``(args, model, optimizer, step_seconds, losses)``; shared by the data-parallel benchmarks
+    (this file, bench_fsdp2.py) so that they time the same loop.
+    """
     sys.path.insert(0, str(REPO))
-    import torch
     import torch.distributed as dist
 
     import pretrain_gpt
-    from megatron.core.optimizer import get_optimizer_state_bytes
     from megatron.training.global_vars import get_args
     from megatron.training.initialize import initialize_megatron
-    from megatron.training.theoretical_memory_usage import compute_weight_and_optimizer_memory
     from megatron.training.training import (
         build_train_valid_test_data_iterators,
         setup_model_and_optimizer,
@@ -72,6 +74,18 @@ def worker(argv: list, warmup: int) -> None:
         times.append(time.perf_counter() - start)
         if loss_dict:
             losses.append(float(loss_dict["lm loss"]))
+    return args, model, optimizer, times, losses
+
+
+def worker(argv: list, warmup: int) -> None:
+    """One rank: :func:`timed_train_steps`, then optimizer bytes; rank 0 prints JSON."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron.core.optimizer import get_optimizer_state_bytes
+    from megatron.training.theoretical_memory_usage import compute_weight_and_optimizer_memory
+
+    args, model, optimizer, times, losses = timed_train_steps(argv)
     measured = torch.tensor([float(get_optimizer_state_bytes(optimizer))], dtype=torch.float64)
     per_rank = [torch.zeros_like(measured) for _ in range(dist.get_world_size())]
     dist.all_gather(per_rank, measured)

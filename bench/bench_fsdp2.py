@@ -55,33 +55,14 @@ def _local_bytes(tensor) -> int:
 
 
 def worker(argv: list, warmup: int) -> None:
-    """One rank: pretrain_gpt.py's setup, ``train_step`` timed, bytes held; rank 0 prints JSON."""
-    sys.path.insert(0, str(REPO))
+    """One rank: bench_dp's timed ``train_step`` loop, then the bytes held; rank 0 prints JSON."""
     import torch
     import torch.distributed as dist
 
-    import pretrain_gpt
+    from bench_dp import timed_train_steps
     from megatron.core.optimizer import get_optimizer_state_bytes
-    from megatron.training.global_vars import get_args
-    from megatron.training.initialize import initialize_megatron
-    from megatron.training.training import (
-        build_train_valid_test_data_iterators,
-        setup_model_and_optimizer,
-        train_step,
-    )
 
-    initialize_megatron(argv=argv)
-    args = get_args()
-    model, optimizer, scheduler = setup_model_and_optimizer(pretrain_gpt.model_provider)
-    train_iterator, _, _ = build_train_valid_test_data_iterators(pretrain_gpt.train_valid_test_datasets_provider)
-    times, losses = [], []
-    for _ in range(args.train_iters):
-        dist.barrier()
-        start = time.perf_counter()
-        loss_dict, _, _, _ = train_step(pretrain_gpt.forward_step, train_iterator, model, optimizer, scheduler)
-        times.append(time.perf_counter() - start)
-        if loss_dict:
-            losses.append(float(loss_dict["lm loss"]))
+    _, model, optimizer, times, losses = timed_train_steps(argv)
     params = list(model[0].module.parameters())
     held = torch.tensor([
         float(sum(_local_bytes(p) for p in params)),
