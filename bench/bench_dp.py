@@ -99,21 +99,31 @@ def worker(argv: list, warmup: int) -> None:
             "final_loss": losses[-1] if losses else None,
         }), flush=True)
     dist.barrier()
+    time.sleep(0.25)  # let gloo's worker threads finish before the groups go (see training._shutdown)
     dist.destroy_process_group()
 
 
-def run_layout(name: str, options) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(Path(__file__).resolve()), "--worker", "--warmup", str(options.warmup), "--",
-           *model_flags(options), *LAYOUTS[name]]
+def launch_worker(script: Path, nproc: int, worker_argv: list, options, mark: str) -> dict:
+    """``torchrun`` ``nproc`` ranks of ``script --worker --warmup W -- worker_argv`` (this repository on
+    PYTHONPATH, ``options.threads`` OMP threads each); returns the JSON rank 0 printed after ``mark``.
+
+    Raises RuntimeError with the tail of the output when the launch fails or prints no result.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           str(script), "--worker", "--warmup", str(options.warmup), "--", *worker_argv]
     env = dict(os.environ, OMP_NUM_THREADS=str(options.threads),
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=options.timeout)
-    lines = [line for line in result.stdout.splitlines() if line.startswith(MARK)]
+    lines = [line for line in result.stdout.splitlines() if line.startswith(mark)]
     if result.returncode != 0 or not lines:
-        raise RuntimeError(f"layout {name!r} failed (exit {result.returncode}):\n"
+        raise RuntimeError(f"launch of {nproc} x {worker_argv[-6:]} failed (exit {result.returncode}):\n"
                            f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return json.loads(lines[-1][len(MARK):])
+    return json.loads(lines[-1][len(mark):])
+
+
+def run_layout(name: str, options) -> dict:
+    """One DP=2 launch of the layout ``name`` of :data:`LAYOUTS`."""
+    return launch_worker(Path(__file__).resolve(), 2, [*model_flags(options), *LAYOUTS[name]], options, MARK)
 
 
 def main(argv=None) -> dict:

@@ -22,10 +22,7 @@ step time is not reported as a speed.
 """
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -85,17 +82,10 @@ def worker(argv: list, warmup: int) -> None:
 
 
 def run_layout(nproc: int, flags: list, options) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           str(Path(__file__).resolve()), "--worker", "--warmup", str(options.warmup), "--",
-           *model_flags(options), *flags]
-    env = dict(os.environ, OMP_NUM_THREADS=str(options.threads),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=options.timeout)
-    lines = [line for line in result.stdout.splitlines() if line.startswith(MARK)]
-    if result.returncode != 0 or not lines:
-        raise RuntimeError(f"launch {nproc} x {flags} failed (exit {result.returncode}):\n"
-                           f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return json.loads(lines[-1][len(MARK):])
+    """One launch of ``nproc`` ranks with the model's flags plus ``flags`` (bench_dp's launcher)."""
+    from bench_dp import launch_worker
+
+    return launch_worker(Path(__file__).resolve(), nproc, [*model_flags(options), *flags], options, MARK)
 
 
 def main(argv=None) -> dict:
