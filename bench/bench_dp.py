@@ -33,14 +33,19 @@ LAYOUTS = {
 MARK = "BENCH_DP_RESULT "
 
 
-def model_flags(options) -> list:
+def common_model_flags(iters: int, bf16: bool) -> list:
+    """The data-parallel benchmarks' model and run (4 layers, hidden 256, seq 128, vocab 8192, mock data)."""
     flags = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "128",
              "--max-position-embeddings", "128", "--micro-batch-size", "2", "--global-batch-size", "8",
              "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "8192", "--lr", "1e-4",
-             "--train-iters", str(options.iters), "--hidden-dropout", "0", "--attention-dropout", "0",
+             "--train-iters", str(iters), "--hidden-dropout", "0", "--attention-dropout", "0",
              "--eval-iters", "0", "--num-workers", "0", "--seed", "1234", "--distributed-backend", "gloo",
-             "--ddp-bucket-size", str(options.bucket_size), "--log-interval", "1000"]
-    return flags + (["--bf16"] if options.bf16 else [])
+             "--log-interval", "1000"]
+    return flags + (["--bf16"] if bf16 else [])
+
+
+def model_flags(options) -> list:
+    return common_model_flags(options.iters, options.bf16) + ["--ddp-bucket-size", str(options.bucket_size)]
 
 
 def timed_train_steps(argv: list):

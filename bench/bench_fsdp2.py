@@ -33,13 +33,11 @@ MARK = "BENCH_FSDP2_RESULT "
 
 
 def model_flags(options) -> list:
-    flags = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "128",
-             "--max-position-embeddings", "128", "--micro-batch-size", "2", "--global-batch-size", "8",
-             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "8192", "--lr", "1e-4",
-             "--train-iters", str(options.iters), "--hidden-dropout", "0", "--attention-dropout", "0",
-             "--eval-iters", "0", "--num-workers", "0", "--seed", "1234", "--distributed-backend", "gloo",
-             "--log-interval", "1000", "--untie-embeddings-and-output-weights", "--no-gradient-accumulation-fusion"]
-    return flags + (["--bf16"] if options.bf16 else [])
+    """bench_dp's model, untied and without gradient-accumulation fusion (FSDP2 needs both)."""
+    from bench_dp import common_model_flags
+
+    return common_model_flags(options.iters, options.bf16) + ["--untie-embeddings-and-output-weights",
+                                                             "--no-gradient-accumulation-fusion"]
 
 
 def _local_bytes(tensor) -> int:

@@ -7,13 +7,11 @@
   evaluation: CP=2, CP=4, DP=2 x CP=2 (distributed optimizer), CP=2 x TP=2 (--sequence-parallel),
   CP=2 x PP=2 and a Llama-shaped CP=2 give the
   ``lm loss`` (training and validation) of one process within 1e-5 and its grad norm within 1e-5
-  relative, for each --cp-comm-type whose kernel is in the tree;
+  relative, for each --cp-comm-type;
 - checkpoints: a torch_dist (and a legacy torch) checkpoint saved at CP=2 with the distributed optimizer
   (sharded over the data x context-parallel ranks) resumes at CP=1 (torch_dist also at CP=4) with the
   uninterrupted losses.
 """
-import importlib.util
-
 import pytest
 import torch
 
@@ -23,7 +21,6 @@ from pretrain_utils import run_ranks, tensorboard_scalars
 pytestmark = pytest.mark.timeout(300)
 
 COMM_TYPES = ("p2p", "all_gather", "a2a")
-_KERNEL_MODULES = {"p2p": "ring_attention", "all_gather": "all_gather_attention", "a2a": "all_to_all_attention"}
 ITERS = 10
 MODEL = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "32", "--max-position-embeddings", "32", "--tokenizer-type", "NullTokenizer",
@@ -45,19 +42,6 @@ LAYOUTS = {  # name: (ranks, flags, flags of the one-process reference)
     "cp4": (4, ["--context-parallel-size", "4"], []),
     "dp2-cp2-distopt": (4, ["--context-parallel-size", "2", "--use-distributed-optimizer"], []),
 }
-
-
-def _kernel_present(comm_type):
-    return importlib.util.find_spec(f"megatron.core.transformer.context_parallel.{_KERNEL_MODULES[comm_type]}") \
-        is not None
-
-
-def _comm_type_param(comm_type):
-    return pytest.param(comm_type, marks=pytest.mark.skipif(not _kernel_present(comm_type),
-                                                             reason="kernel not in this branch"))
-
-
-COMM_PARAMS = [_comm_type_param(c) for c in COMM_TYPES]
 
 
 def _train(nproc, flags, tmp_path, name):
@@ -94,7 +78,7 @@ def max_loss_difference(run, reference):
     return max(abs(run["lm loss"][s] - reference["lm loss"][s]) for s in reference["lm loss"])
 
 
-@pytest.mark.parametrize("comm_type", COMM_PARAMS)
+@pytest.mark.parametrize("comm_type", COMM_TYPES)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_context_parallel_training_matches_one_process(layout, comm_type, references, tmp_path):
     nproc, flags, reference_flags = LAYOUTS[layout]
@@ -107,10 +91,7 @@ def test_context_parallel_training_matches_one_process(layout, comm_type, refere
 
 def test_one_comm_type_per_layer(references, tmp_path):
     """--cp-comm-type with one value per layer (--num-layers 2): layer i uses value i."""
-    present = [c for c in COMM_TYPES if _kernel_present(c)]
-    if not present:
-        pytest.skip("no context-parallel kernel in this branch")
-    per_layer = [present[0], present[-1]]
+    per_layer = [COMM_TYPES[0], COMM_TYPES[-1]]
     run = _train(2, ["--context-parallel-size", "2", "--cp-comm-type", *per_layer], tmp_path, "per_layer")
     _assert_same_numbers(run, references(()), f"per layer {per_layer}")
 
@@ -129,9 +110,7 @@ def test_checkpoint_saved_at_cp2_resumes_at_cp1(ckpt_format, references, tmp_pat
     """torch_dist: keys and shapes do not depend on CP; the distributed optimizer's fragments are over the
     data x context-parallel ranks. The legacy torch format (written by data x context-parallel rank 0,
     the optimizer state gathered over those ranks) resumes too."""
-    comm_type = next((c for c in COMM_TYPES if _kernel_present(c)), None)
-    if comm_type is None:
-        pytest.skip("no context-parallel kernel in this branch")
+    comm_type = COMM_TYPES[0]
     ckpt = tmp_path / "ckpt"
     fmt = ["--ckpt-format", ckpt_format, "--use-distributed-optimizer"]
     save = ["--save", ckpt, "--save-interval", "5", "--exit-interval", "5", *fmt]
@@ -191,7 +170,7 @@ def _grads(rank, world, kind, comm_type):
     return out
 
 
-@pytest.mark.parametrize("comm_type", COMM_PARAMS)
+@pytest.mark.parametrize("comm_type", COMM_TYPES)
 @pytest.mark.parametrize("kind", list(_GRAD_MODELS))
 def test_one_step_gradients_match_one_process(kind, comm_type):
     reference = run_distributed(_grads, 1, kind, None)[0]

@@ -1,6 +1,6 @@
 """The data flags of a GPT pretraining run (this project's addition to Megatron-LM HEAD's config package).
 
-Megatron-LM HEAD leaves ``dataset`` a TODO in its container. Here the container holds the *flags*
+Megatron-LM HEAD has no ``dataset`` slice in its container yet. Here the container holds the *flags*
 (``DataConfig``), not a ``GPTDatasetConfig``: that one needs the tokenizer and the padded vocabulary,
 which exist only once the tokenizer is built at run time, and ``GPTDatasetConfig.__post_init__``
 checks the blend and split against each other. ``DataConfig.to_gpt_dataset_config`` builds it then,
