@@ -27,6 +27,8 @@ class ModelParallelConfig:
     sequence_parallel: bool = False
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
+    # Tensor-parallel size inside expert layers; None means tensor_model_parallel_size (Megatron's default).
+    expert_tensor_parallel_size: Optional[int] = None
 
     # Initialisation
     perform_initialization: bool = True
@@ -65,6 +67,11 @@ class ModelParallelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.expert_tensor_parallel_size is None:
+            self.expert_tensor_parallel_size = self.tensor_model_parallel_size
+        elif not isinstance(self.expert_tensor_parallel_size, int) or self.expert_tensor_parallel_size < 1:
+            raise ValueError(
+                f"expert_tensor_parallel_size must be a positive integer, got {self.expert_tensor_parallel_size!r}")
         if self.fp16 and self.bf16:
             raise ValueError("fp16 and bf16 cannot both be True")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:

@@ -26,7 +26,7 @@ import torch
 __all__ = ["PARTS", "TIMER_PARTS", "StepTimeRecorder", "install", "uninstall", "active_recorder", "section"]
 
 # The parts of a step, in report order (metric ``megatron.training.step.<part>_ms``).
-PARTS = ("forward_compute", "backward_compute", "data_wait", "tp_comm", "pp_comm", "cp_comm", "grad_sync",
+PARTS = ("forward_compute", "backward_compute", "data_wait", "tp_comm", "pp_comm", "cp_comm", "ep_comm", "grad_sync",
          "optimizer")
 
 # Megatron's timer names (megatron/core/timers.py users) -> the part they time.
@@ -46,6 +46,8 @@ TIMER_PARTS: Dict[str, str] = {
     "forward-backward-send-forward-backward-recv": "pp_comm",
     # The context-parallel attention kernels' K/V exchange (transformer/context_parallel/comm.py).
     "cp-comm": "cp_comm",
+    # The MoE token dispatchers' expert-parallel exchange (transformer/moe/ep_comm.py).
+    "ep-comm": "ep_comm",
     "optimizer": "optimizer",
 }
 

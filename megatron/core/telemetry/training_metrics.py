@@ -28,7 +28,7 @@ TRAINING_INSTRUMENTS: Dict[str, Tuple[str, str, str, str]] = {
 # Beyond the spec's table: progress and liveness, where each rank's step time goes, the straggler
 # view and memory per rank. Gauges, recorded at each --log-interval; per-rank ones carry ``dl.rank`` (and the
 # rank's parallel coordinates), the straggler view ``dl.pipeline_parallel.rank``.
-_STEP_PARTS = ("forward_compute", "backward_compute", "data_wait", "tp_comm", "pp_comm", "cp_comm", "grad_sync",
+_STEP_PARTS = ("forward_compute", "backward_compute", "data_wait", "tp_comm", "pp_comm", "cp_comm", "ep_comm", "grad_sync",
                "optimizer", "other", "total")
 PROGRESS_INSTRUMENTS: Dict[str, Tuple[str, str, str, str]] = {
     "iteration": ("megatron.training.iteration", "gauge", "1", "Iterations completed"),

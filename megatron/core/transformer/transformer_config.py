@@ -30,6 +30,9 @@ class TransformerConfig(ModelParallelConfig):
     ``attention_backend`` (an ``AttnBackend`` or its name) picks the SDPA kernel;
     ``compile_transformer_layers`` wraps each TransformerLayer's forward in ``torch.compile``.
 
+    MoE (``num_moe_experts`` set): Megatron's rules in ``_check_moe``; ``is_moe_layer(n)`` says which
+    layers get the MoE MLP.
+
     Raises ValueError (naming the numbers) when heads or query groups do not fit the tensor-parallel
     size, hidden is not divisible by heads with ``kv_channels`` unset, num_layers does not split over
     pipeline stages, or normalization / recompute / attention-backend settings are unknown or
@@ -95,6 +98,34 @@ class TransformerConfig(ModelParallelConfig):
     masked_softmax_fusion: bool = False
     bias_activation_fusion: bool = False
     bias_dropout_fusion: bool = False
+
+    # Mixture of experts (megatron/core/transformer/moe; Megatron core_v0.14 names and defaults).
+    # num_moe_experts None: every layer has a dense MLP. moe_layer_freq: int N gives MoE at layers with
+    # 0-based index i % N == 0; a list gives one 0/1 per layer. moe_ffn_hidden_size None: ffn_hidden_size.
+    num_moe_experts: Optional[int] = None
+    moe_layer_freq: Union[int, List[int]] = 1
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_overlap: bool = False
+    moe_router_load_balancing_type: Union[str, List[str]] = "aux_loss"
+    moe_router_topk: int = 2
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_score_function: str = "softmax"
+    moe_router_dtype: Optional[str] = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_grouped_gemm: bool = False
+    moe_aux_loss_coeff: Union[float, List[float]] = 0.0
+    moe_z_loss_coeff: Optional[float] = None
+    moe_input_jitter_eps: Optional[float] = None
+    moe_token_dispatcher_type: str = "allgather"
+    moe_per_layer_logging: bool = False
+    moe_expert_capacity_factor: Optional[float] = None
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_drop_policy: str = "probs"
 
     def __post_init__(self):
         super().__post_init__()
@@ -190,6 +221,9 @@ class TransformerConfig(ModelParallelConfig):
                 f"sequence parallel is enabled: {self.sequence_parallel}"
             )
 
+        if self.num_moe_experts is not None:
+            self._check_moe()
+
         if self.init_method_xavier_uniform:
             self.init_method = xavier_uniform_init_method()
             self.output_layer_init_method = xavier_uniform_init_method()
@@ -201,3 +235,90 @@ class TransformerConfig(ModelParallelConfig):
             self.embedding_init_method_std = self.init_method_std
         if self.embedding_init_method is None:
             self.embedding_init_method = init_method_normal(self.embedding_init_method_std)
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether the 1-based global ``layer_number`` has an MoE MLP (``moe_layer_freq``, Megatron's
+        ``get_gpt_decoder_block_spec``: int N -> 0-based index % N == 0; list -> its 0/1 entry)."""
+        if self.num_moe_experts is None:
+            return False
+        if isinstance(self.moe_layer_freq, int):
+            return (layer_number - 1) % self.moe_layer_freq == 0
+        return bool(self.moe_layer_freq[layer_number - 1])
+
+    def _check_moe(self) -> None:
+        """Megatron's MoE rules from ``TransformerConfig.__post_init__`` (same conditions, field names).
+
+        Raises ValueError naming the fields.
+        """
+        num_experts = self.num_moe_experts
+        if not isinstance(num_experts, int) or num_experts < 1:
+            raise ValueError(f"num_moe_experts must be a positive integer, got {num_experts!r}")
+        if self.add_bias_linear:
+            raise ValueError("Bias is not supported for MoE (num_moe_experts is set): set add_bias_linear=False "
+                             "(--disable-bias-linear)")
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        etp = self.expert_tensor_parallel_size
+        if self.moe_ffn_hidden_size % etp != 0:
+            raise ValueError(f"moe_ffn_hidden_size ({self.moe_ffn_hidden_size}) must be a multiple of "
+                             f"expert_tensor_parallel_size ({etp})")
+        if num_experts % self.expert_model_parallel_size != 0:
+            raise ValueError(f"num_moe_experts ({num_experts}) must be a multiple of expert_model_parallel_size "
+                             f"({self.expert_model_parallel_size})")
+        if isinstance(self.moe_layer_freq, int):
+            if self.moe_layer_freq < 1:
+                raise ValueError(f"moe_layer_freq must be >= 1, got {self.moe_layer_freq}")
+        elif len(self.moe_layer_freq) != self.num_layers or any(v not in (0, 1) for v in self.moe_layer_freq):
+            raise ValueError(f"moe_layer_freq as a list needs one 0/1 entry per layer (num_layers "
+                             f"{self.num_layers}), got {list(self.moe_layer_freq)}")
+        if self.moe_shared_expert_intermediate_size is not None and self.moe_shared_expert_intermediate_size <= 0:
+            raise ValueError("moe_shared_expert_intermediate_size must be num_shared_experts * ffn_size_of_each_"
+                             f"shared_expert > 0, got {self.moe_shared_expert_intermediate_size}")
+        if self.moe_shared_expert_overlap and self.moe_token_dispatcher_type != "alltoall":
+            raise ValueError("moe_shared_expert_overlap only works with the alltoall token dispatcher, got "
+                             f"moe_token_dispatcher_type={self.moe_token_dispatcher_type!r}")
+        if self.moe_token_dispatcher_type not in ("allgather", "alltoall"):
+            raise ValueError(f"moe_token_dispatcher_type must be 'allgather' or 'alltoall' (flex needs DeepEP, not "
+                             f"available here), got {self.moe_token_dispatcher_type!r}")
+        if self.moe_router_score_function not in ("softmax", "sigmoid"):
+            raise ValueError(f"moe_router_score_function must be 'softmax' or 'sigmoid', got "
+                             f"{self.moe_router_score_function!r}")
+        if self.moe_router_dtype not in (None, "fp32", "fp64"):
+            raise ValueError(f"moe_router_dtype must be None, 'fp32' or 'fp64', got {self.moe_router_dtype!r}")
+        if self.moe_token_drop_policy not in ("probs", "position"):
+            raise ValueError(f"moe_token_drop_policy must be 'probs' or 'position', got "
+                             f"{self.moe_token_drop_policy!r}")
+        if not 1 <= self.moe_router_topk <= num_experts:
+            raise ValueError(f"moe_router_topk ({self.moe_router_topk}) must be between 1 and num_moe_experts "
+                             f"({num_experts})")
+        balancing = self.moe_router_load_balancing_type
+        types = list(balancing) if isinstance(balancing, (list, tuple)) else [balancing]
+        for kind in types:
+            if kind not in ("aux_loss", "seq_aux_loss", "none"):
+                raise ValueError(f"moe_router_load_balancing_type must be aux_loss, seq_aux_loss or none (sinkhorn "
+                                 f"is not available here), got {kind!r}")
+        coeffs = self.moe_aux_loss_coeff
+        if isinstance(balancing, (list, tuple)) and (not isinstance(coeffs, (list, tuple))
+                                                     or len(coeffs) != len(balancing)):
+            raise ValueError(f"moe_aux_loss_coeff needs one value per moe_router_load_balancing_type entry "
+                             f"({list(balancing)}), got {coeffs!r}")
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise ValueError("Expert bias for aux-loss-free routing only supports sigmoid score function. "
+                             "Please set --moe-router-score-function sigmoid for sigmoid score function.")
+        if (self.moe_router_topk == 1 and self.moe_router_score_function == "softmax"
+                and not self.moe_router_pre_softmax):
+            raise ValueError("Please use --moe-router-pre-softmax when topk is 1.")
+        if self.moe_router_group_topk is not None:
+            groups = self.moe_router_num_groups
+            if not groups:
+                raise ValueError("When using group limited routing, moe_router_num_groups must be specified.")
+            if num_experts % groups != 0:
+                raise ValueError(f"num_moe_experts ({num_experts}) should be divisible by moe_router_num_groups "
+                                 f"({groups}).")
+            if self.moe_router_group_topk > groups:
+                raise ValueError(f"moe_router_group_topk ({self.moe_router_group_topk}) should be smaller than "
+                                 f"moe_router_num_groups ({groups}).")
+        if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor < 0:
+            self.moe_expert_capacity_factor = None  # Megatron: a negative factor means dropless
+        if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
+            raise ValueError("moe_expert_capacity_factor must be set to use moe_pad_expert_input_to_capacity")
