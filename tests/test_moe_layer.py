@@ -106,7 +106,7 @@ def _case_worker(rank, world, case):
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel()
     ref = _layer(_config(**kw))
-    ref_init = {k: v for k, v in _expert_tensors(ref, False).items()}
+    ref_init = _expert_tensors(ref, False)
     ref_router_init = ref.router.weight.detach().clone()
     ref_out, ref_dx, ref_aux = [], [], []
     for d in range(dp):
