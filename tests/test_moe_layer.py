@@ -319,3 +319,34 @@ def test_aux_loss_backward_uses_the_class_scale():
     finally:
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     assert grads[0] > 0 and grads[1] == 0
+
+
+def _gpt_moe_step(recompute):
+    from megatron.core.models.gpt import GPTModel
+
+    kw = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}
+    config = _config(moe_layer_freq=[1, 1], **kw)
+    torch.manual_seed(3)
+    model = GPTModel(config, vocab_size=32, max_sequence_length=S).train()
+    tokens = torch.randint(0, 32, (B, S))
+    position_ids = torch.arange(S).unsqueeze(0).expand(B, -1)
+    recorder = routing_stats.install()
+    try:
+        get_moe_layer_wise_logging_tracker().clear()
+        loss = model(tokens, position_ids, None, labels=tokens)
+        loss.sum().backward()
+    finally:
+        routing_stats.uninstall()
+    tracked = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"].clone()
+    return recorder.take(), tracked, model.decoder.layers[0].mlp.router.weight.grad.clone()
+
+
+def test_gpt_model_with_moe_records_and_logs_each_layer_once_even_with_full_recompute():
+    stats, tracked, grad = _gpt_moe_step(recompute=False)
+    assert sorted(stats) == [1, 2] and all(sum(counts) == S * B * 2 for counts, _ in stats.values())
+    assert (tracked > 0).all()
+    # Full recompute runs each layer twice (no-grad forward, replay in backward): still one record and one loss.
+    stats_rc, tracked_rc, grad_rc = _gpt_moe_step(recompute=True)
+    assert stats_rc == stats
+    assert torch.equal(tracked_rc, tracked)
+    torch.testing.assert_close(grad_rc, grad, rtol=0, atol=1e-12)
