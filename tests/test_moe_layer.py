@@ -205,6 +205,12 @@ CASES = {
         moe_token_dispatcher_type="allgather", gated_linear_unit=True, moe_shared_expert_intermediate_size=8)),
     "ep2_tp2_sp_alltoall": dict(world=4, tp=2, ep=2, sp=True, kw=dict(
         moe_token_dispatcher_type="alltoall", gated_linear_unit=True)),
+    "ep2_tp2_sp_alltoall_grouped_pad": dict(world=4, tp=2, ep=2, sp=True, kw=dict(
+        moe_token_dispatcher_type="alltoall", gated_linear_unit=True, moe_grouped_gemm=True,
+        moe_pad_expert_input_to_capacity=True, moe_token_drop_policy="position", **_DROP)),
+    "ep2_tp2_sp_allgather_sigmoid_z": dict(world=4, tp=2, ep=2, sp=True, kw=dict(
+        moe_token_dispatcher_type="allgather", moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True, moe_z_loss_coeff=1e-2)),
     "ep2_tp2_sp_alltoall_drop": dict(world=4, tp=2, ep=2, sp=True, kw=dict(
         moe_token_dispatcher_type="alltoall", **_DROP)),
     "ep2_etp1_tp2_sp_alltoall": dict(world=4, tp=2, ep=2, etp=1, sp=True, kw=dict(
