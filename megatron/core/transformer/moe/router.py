@@ -39,7 +39,8 @@ class TopKRouter(MegatronModule):
     forward(x [s, b, h] or [tokens, h]; tokens local to this rank: s/CP, further /TP under SP)
     -> (probs [tokens, E] (0 off the map), routing_map [tokens, E] bool). Steps: logits in
     ``moe_router_dtype``; input jitter and z-loss (training); top-k by the score function
-    (``moe_utils.topk_routing_with_score_function``); capacity dropping; aux / seq-aux loss attached to
+    (``moe_utils.topk_routing_with_score_function``); capacity dropping, on this rank's tokens only
+(under sequence parallelism each SP shard drops on its own, as in Megatron); aux / seq-aux loss attached to
     the probs with ``MoEAuxLossAutoScaler`` (training, under grad); expert-bias counts; one
     ``routing_stats.record_routing`` call (counts before dropping, dropped pairs; no host sync; not in the
     no-grad first pass of activation recompute, whose replay records instead).
