@@ -256,6 +256,11 @@ def test_transformer_layer_builds_moe_where_config_says():
     assert out.shape == (S, B, H)
 
 
+def test_moe_layer_refuses_expert_sizes_its_groups_do_not_have():
+    with pytest.raises(ValueError, match="expert_model_parallel_size=2 but the expert-parallel group has 1"):
+        MoELayer(_config(expert_model_parallel_size=2), 1, ModelCommProcessGroups())
+
+
 def test_moe_layer_refuses_tp_without_sequence_parallel_in_training(monkeypatch):
     layer = _layer(_config())
     monkeypatch.setattr(layer, "attn_tp_group", object())
@@ -356,3 +361,20 @@ def test_gpt_model_with_moe_records_and_logs_each_layer_once_even_with_full_reco
     assert stats_rc == stats
     assert torch.equal(tracked_rc, tracked)
     torch.testing.assert_close(grad_rc, grad, rtol=0, atol=1e-12)
+
+
+def test_expert_parallel_overrides_build_another_ranks_experts_with_the_same_weights():
+    # Converters build the model of EP rank 1 of 2 in one process (parallel_state's set_* overrides).
+    full = _expert_tensors(_layer(_config()), False)
+    parallel_state.set_expert_model_parallel_world_size(2)
+    parallel_state.set_expert_model_parallel_rank(1)
+    try:
+        for grouped in (False, True):
+            layer = _layer(_config(expert_model_parallel_size=2, moe_grouped_gemm=grouped))
+            assert layer.local_expert_indices == [2, 3]
+            shard = _expert_tensors(layer, False)
+            assert sorted(shard) == [(2, "fc1"), (2, "fc2"), (3, "fc1"), (3, "fc2")]
+            assert all(torch.equal(shard[key], full[key]) for key in shard)
+    finally:
+        parallel_state.set_expert_model_parallel_world_size(None)
+        parallel_state.set_expert_model_parallel_rank(None)

@@ -15,13 +15,14 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core import parallel_state
 from megatron.core.collective_device import get_collective_device
 
 # torch >= 2.13 renamed the flat-tensor collectives (as in tensor_parallel/mappings.py).
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-__all__ = ["group_size", "group_rank", "all_to_all", "gather_along_first_dim", "reduce_scatter_along_first_dim",
+__all__ = ["group_size", "group_rank", "expert_parallel_size_rank", "all_to_all", "gather_along_first_dim", "reduce_scatter_along_first_dim",
            "all_reduce_sum"]
 
 
@@ -33,6 +34,22 @@ def group_size(group) -> int:
 def group_rank(group) -> int:
     """This rank's index in ``group`` (0 for None)."""
     return 0 if group is None else dist.get_rank(group)
+
+
+def expert_parallel_size_rank(ep_group) -> tuple:
+    """(EP size, EP rank) that decide which experts a rank builds.
+
+    parallel_state's own expert-parallel group (or None) answers through its getters, which honour
+    ``set_expert_model_parallel_world_size/rank`` (converters build the model of a rank they are not)
+    and give (1, 0) in a single process; another group answers for itself.
+    """
+    if ep_group is None or ep_group is parallel_state.get_expert_model_parallel_group(check_initialized=False):
+        try:
+            return (parallel_state.get_expert_model_parallel_world_size(),
+                    parallel_state.get_expert_model_parallel_rank())
+        except AssertionError:  # several processes but parallel_state not initialised: no expert parallelism
+            return group_size(ep_group), group_rank(ep_group)
+    return group_size(ep_group), group_rank(ep_group)
 
 
 def _on_comm_device(tensor: torch.Tensor, group) -> torch.Tensor:

@@ -20,7 +20,7 @@ from megatron.core.tensor_parallel.layers import _param_device  # where the laye
 from megatron.core.tensor_parallel.utils import divide
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.moe.collectives import group_rank, group_size
+from megatron.core.transformer.moe.collectives import expert_parallel_size_rank, group_rank, group_size
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 __all__ = ["SequentialMLP", "GroupedMLP", "grouped_matmul"]
@@ -52,7 +52,7 @@ class SequentialMLP(MegatronModule):
         super().__init__(config)
         self.num_local_experts = num_local_experts
         ep_group, self.tp_group = _expert_groups(config, model_comm_pgs)
-        ep_rank = group_rank(ep_group)
+        ep_rank = expert_parallel_size_rank(ep_group)[1]
         first = ep_rank * num_local_experts
         ffn = config.moe_ffn_hidden_size
         fc1_rows = 2 * ffn if config.gated_linear_unit else ffn
@@ -158,7 +158,7 @@ class GroupedMLP(MegatronModule):
         self.num_local_experts = num_local_experts
         ep_group, self.tp_group = _expert_groups(config, model_comm_pgs)
         tp_size, tp_rank = group_size(self.tp_group), group_rank(self.tp_group)
-        ep_rank = group_rank(ep_group)
+        ep_rank = expert_parallel_size_rank(ep_group)[1]
         ffn = config.moe_ffn_hidden_size
         glu = config.gated_linear_unit
         self.ffn_per_partition = divide(ffn, tp_size)
