@@ -320,7 +320,8 @@ def _pyplot():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plt.rcParams.update({"svg.hashsalt": "megatron-report", "font.size": 9})  # stable ids in the SVG
+    # Stable ids in the SVG; text as <text> elements (searchable, small; the browser draws the font).
+    plt.rcParams.update({"svg.hashsalt": "megatron-report", "svg.fonttype": "none", "font.size": 9})
     return plt
 
 
