@@ -68,6 +68,10 @@ def test_report_of_a_two_rank_run_matches_its_log_lines(shared_data, shakespeare
         # tokens/s is global batch x sequence / elapsed time (8 x 32 tokens)
         assert row["tokens_per_sec"] == pytest.approx(8 * 32 / (row["elapsed_ms"] / 1000.0), rel=1e-6)
 
+    final = re.search(r"validation loss at iteration 5 on validation set \| lm loss value: ([0-9.]+E[+-]\d+)", out)
+    assert [(v["iteration"], v["split"], f"{v['loss']:.6E}") for v in data["validation"]] == [
+        (5, "validation", final.group(1))]
+
     from megatron.core.step_timing import PARTS
 
     assert data["parts"] == [*PARTS, "other"]  # ep_comm included: read from step_timing.PARTS

@@ -244,8 +244,9 @@ def build_report_data(telemetry: Telemetry) -> dict:
     per_rank_rows: Dict[int, Dict[int, dict]] = defaultdict(dict)
     breakdown: Dict[int, Dict[int, dict]] = defaultdict(dict)
     straggler: Dict[int, Dict[int, dict]] = defaultdict(dict)
-    validation: Dict[Tuple[int, str], float] = {}
+    validation = set()  # (iteration, split, loss)
     histogram_last: Dict[str, Tuple[float, float]] = {}
+    validation_last: Dict[Tuple[str, str], float] = {}
     for (resource_key, _), points in sorted(snapshots.items(), key=lambda item: (item[0][0], item[0][1])):
         iteration = next((p["value"] for p in points if p["name"] == _ITERATION and p["value"] is not None), None)
         if iteration is None:
@@ -272,7 +273,11 @@ def build_report_data(telemetry: Telemetry) -> dict:
                 key = name[len(_STRAGGLER_PREFIX):]
                 straggler[stage].setdefault(iteration, {"iteration": iteration})[key] = point["value"]
             elif name == "megatron.validation.loss" and point["value"] is not None:
-                validation[(iteration, str(attrs.get("megatron.split", "validation")))] = point["value"]
+                # A gauge is exported again in every later snapshot: an evaluation is where its value changes.
+                split = str(attrs.get("megatron.split", "validation"))
+                if validation_last.get((resource_key, split)) != point["value"]:
+                    validation_last[(resource_key, split)] = point["value"]
+                    validation.add((iteration, split, point["value"]))  # each rank exports the same
     with_loss = [rank for rank, rows in per_rank_rows.items() if any("loss" in r for r in rows.values())]
     reporting = max((r for r in with_loss if r is not None), default=None) if with_loss else (
         max((r for r in per_rank_rows if r is not None), default=None))
@@ -297,7 +302,7 @@ def build_report_data(telemetry: Telemetry) -> dict:
     ranks = {rank: {k: resource.get(k) for k in _PER_PROCESS if k in resource} for rank, resource in resources.items()}
     return {
         "iterations": iterations,
-        "validation": [{"iteration": it, "split": split, "loss": loss} for (it, split), loss in sorted(validation.items())],
+        "validation": [{"iteration": it, "split": split, "loss": loss} for it, split, loss in sorted(validation)],
         "breakdown": {str(rank): [rows[it] for it in sorted(rows)] for rank, rows in sorted(breakdown.items())},
         "parts": [part for part in BREAKDOWN_PARTS
                   if any(part in row for rows in breakdown.values() for row in rows.values())],
