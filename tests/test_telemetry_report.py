@@ -126,7 +126,7 @@ def _synthetic_spans():
             if rank == 0:
                 span.add_event("megatron.hang_report", {
                     "megatron.iteration": 815, "megatron.hang.stalled_ranks": [1], "megatron.hang.phase": "backward",
-                    "megatron.hang.seconds": 12.5})
+                    "megatron.hang.seconds": 12.5, "megatron.hang.blocked_in": "all_reduce (dp group)"})
         spans.extend(exporter.get_finished_spans())
         reader = InMemoryMetricReader()
         meter = MeterProvider(resource=resource, metric_readers=[reader]).get_meter("m")
@@ -170,12 +170,14 @@ def test_slow_step_and_hang_tables_from_console_lines_and_from_otlp_json(tmp_pat
          "span": "megatron.train"}]
     assert data["console"]["hang_reports"] == data["otlp"]["hang_reports"] == [
         {"megatron.iteration": 815, "megatron.hang.stalled_ranks": [1], "megatron.hang.phase": "backward",
-         "megatron.hang.seconds": 12.5, "reported_by": 0, "span": "megatron.train"}]
+         "megatron.hang.seconds": 12.5, "megatron.hang.blocked_in": "all_reduce (dp group)", "reported_by": 0,
+         "span": "megatron.train"}]
     for page in pages.values():
         slow = re.search(r'<table id="slow-steps">.*?</table>', page, re.S).group(0)
-        assert "<td>812</td><td>5</td><td>3.4</td><td>data_wait</td><td>2100</td><td>0</td>" in slow
+        assert "<td>812</td><td>5</td><td>3.4</td><td>data_wait</td><td>2100</td><td>0</td><td></td>" in slow
         hang = re.search(r'<table id="hang-reports">.*?</table>', page, re.S).group(0)
-        assert "<td>815</td><td>1</td><td>backward</td><td>12.5</td><td>0</td>" in hang
+        assert ("<td>815</td><td>1</td><td>backward</td><td>12.5</td><td>0</td>"
+                "<td>megatron.hang.blocked_in=all_reduce (dp group)</td>") in hang
     for name in data:  # the metric snapshots, dated by their iteration gauge, in both formats
         assert data[name]["iterations"] == [{"iteration": 7, "loss": 5.5, "rank": 1}]
         assert data[name]["breakdown"] == {"0": [{"iteration": 7, "forward_compute": 10.0}],

@@ -427,6 +427,12 @@ def _table(table_id: str, columns: List[str], rows: List[dict], headers: Optiona
     return f'<table id="{table_id}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
+def _other_attributes(row: dict, shown: List[str]) -> str:
+    """An event's attributes that have no column of their own (what a hang report adds: node, pid, the
+    collective a rank waits in, ...), as ``key=value`` text."""
+    return "; ".join(f"{key}={row[key]}" for key in sorted(row) if key not in shown and key not in ("span", "time"))
+
+
 def _figure(svg: Optional[str], missing: str) -> str:
     return f'<div class="figure">{svg}</div>' if svg else f'<p class="missing">{html.escape(missing)}</p>'
 
@@ -453,8 +459,10 @@ def render_html(data: dict, files: List[str], plt) -> str:
         means.append(mean)
     straggler_rows = [dict(row, stage=stage) for stage, rows in data["straggler"].items() for row in rows]
     straggler_keys = sorted({k for row in straggler_rows for k in row} - {"stage", "iteration"})
-    slow_cols = [*SLOW_STEP_COLUMNS, "reported_by"]
-    hang_cols = [*HANG_COLUMNS, "reported_by"]
+    slow_cols = [*SLOW_STEP_COLUMNS, "reported_by", "other"]
+    hang_cols = [*HANG_COLUMNS, "reported_by", "other"]
+    slow_rows = [dict(row, other=_other_attributes(row, slow_cols)) for row in data["slow_steps"]]
+    hang_rows = [dict(row, other=_other_attributes(row, hang_cols)) for row in data["hang_reports"]]
     sections = [
         f"<h1>Training run report {html.escape(str(run_id))}</h1>",
         f"<p>{len(data['ranks'])} rank(s) exported telemetry; {len(data['iterations'])} logged iteration(s); read "
@@ -474,12 +482,12 @@ def render_html(data: dict, files: List[str], plt) -> str:
         _figure(figure_straggler(plt, data), "no straggler series in the input"),
         _table("straggler", ["stage", "iteration", *straggler_keys], straggler_rows),
         "<h2>Slow steps</h2>",
-        _table("slow-steps", slow_cols, data["slow_steps"],
-               ["iteration", "rank", "x median", "part that grew", "delta ms", "reported by"])
+        _table("slow-steps", slow_cols, slow_rows,
+               ["iteration", "rank", "x median", "part that grew", "delta ms", "reported by", "other attributes"])
         if data["slow_steps"] else '<p class="ok">No slow step was reported.</p>',
         "<h2>Hang reports</h2>",
-        _table("hang-reports", hang_cols, data["hang_reports"],
-               ["iteration", "stalled ranks", "phase", "seconds", "reported by"])
+        _table("hang-reports", hang_cols, hang_rows,
+               ["iteration", "stalled ranks", "phase", "seconds", "reported by", "other attributes"])
         if data["hang_reports"] else '<p class="ok">No hang was reported.</p>',
         "<h2>Settings</h2>",
         _table("ranks", ["rank", *_PER_PROCESS],

@@ -7,7 +7,8 @@ runs when:
   Megatron's schedule (``wait=max(start - 1, 0)``, ``warmup=1 if start > 0 else 0``,
   ``active=end - start``, ``repeat=1``, ``record_shapes=True``, ``with_stack=True``) and stepped at the
   top of every iteration, so the 1-based iterations ``start .. end - 1`` are recorded; it is stopped
-  after iteration ``end``. The trace is a Chrome trace named as torch's ``tensorboard_trace_handler``
+  after iteration ``end``. As in Megatron, the schedule counts the loop's own iterations: a run resumed
+  at iteration N records iterations ``N + start .. N + end - 1``. The trace is a Chrome trace named as torch's ``tensorboard_trace_handler``
   names it, ``<host>_<pid>.<ns>.pt.trace.json`` in ``--tensorboard-dir`` (TensorBoard's profiler
   plugin reads it there). One difference: the handler stamps ``<ns>`` when it writes, after the
   recorded iterations have ended, so here the stamp is taken when the profiler is created. The name is
@@ -72,6 +73,7 @@ class RunProfiler:
         self._prof = None
         self._nvtx = None
         self._recording = False
+        self._recorded = []  # 1-based iterations profiled
         self._stopped = False
         if not self.profiling:
             return
@@ -122,11 +124,12 @@ class RunProfiler:
             self._nvtx.__enter__()
             self._recording = True
 
-    def span_attributes(self) -> dict:
-        """Attributes for the step span of the iteration now running: the trace file's name (or the nsys
-        range) when it is recorded, else none."""
+    def span_attributes(self, iteration: int) -> dict:
+        """Attributes for the step span of ``iteration`` (1-based, now running): the trace file's name (or
+        the nsys range) when it is recorded, else none."""
         if not self._recording:
             return {}
+        self._recorded.append(iteration)
         if self._prof is not None:
             return {"profile.trace_file": os.path.basename(self.trace_path)}
         return {"profile.trace_file": "nsys (cudaProfilerStart range)"}
@@ -143,8 +146,12 @@ class RunProfiler:
         self._stopped, self._recording = True, False
         if self._prof is not None:
             self._prof.stop()
-            write_line(f"[rank {_rank()}] torch.profiler trace of iterations {self.cfg.profile_step_start}-"
-                       f"{self.cfg.profile_step_end - 1} written to {self.trace_path}")
+            if self._recorded:
+                write_line(f"[rank {_rank()}] torch.profiler trace of iterations {self._recorded[0]}-"
+                           f"{self._recorded[-1]} written to {self.trace_path}")
+            else:
+                write_line(f"[rank {_rank()}] --profile: no iteration was profiled (the loop ended before "
+                           f"--profile-step-start {self.cfg.profile_step_start})")
         else:
             torch.cuda.cudart().cudaProfilerStop()
             if self._nvtx is not None:

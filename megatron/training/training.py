@@ -675,7 +675,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
                     forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler
                 )
                 telemetry.set_attributes(step_span, loss=loss_dict.get("lm loss"), grad_norm=grad_norm,
-                                         **(profiler.span_attributes() if profiler is not None else {}))
+                                         **(profiler.span_attributes(iteration + 1) if profiler is not None else {}))
             if breakdown is not None:
                 breakdown.step_end()
             telemetry.note_step_finished()
