@@ -666,10 +666,10 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             if async_save_pending():  # every rank has the same pending save: publish it once all wrote it
                 with checkpoint_save_errors_as_user_errors():
                     finalize_async_save(blocking=False)
+            if profiler is not None:  # before the breakdown's clock: writing a trace is not the step's time
+                profiler.begin_iteration(iteration)
             if breakdown is not None:
                 breakdown.step_begin()
-            if profiler is not None:
-                profiler.begin_iteration(iteration)
             with telemetry.step_span(iteration + 1, first=(iteration == start_iteration)) as step_span:
                 loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
                     forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler
