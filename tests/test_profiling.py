@@ -1,11 +1,15 @@
 """Megatron's profiling flags on a real pretrain_gpt.py run: the torch.profiler trace of the chosen iterations under
 --tensorboard-dir, the step spans naming it, the CPU lines of --profile (nsys) and --record-memory-history, and the
 one-line flag errors."""
+import importlib.util
 import json
+import re
+import subprocess
+import sys
 
 import pytest
 
-from pretrain_utils import console_objects, run_pretrain
+from pretrain_utils import REPO, console_objects, run_pretrain
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -38,6 +42,17 @@ def test_pytorch_profiler_trace_of_steps_3_and_4_under_tensorboard_dir(shared_da
     named = {it: attrs.get("megatron.profile.trace_file") for it, attrs in step_spans.items()}
     assert named == {1: None, 2: None, 3: traces[0].name, 4: traces[0].name, 5: None, 6: None}
     assert "--record-memory-history needs CUDA: no memory history is recorded on this machine" in out
+    if importlib.util.find_spec("matplotlib") is None:
+        return  # the report part needs the [report] extra (in [dev]); tests/test_telemetry_report.py skips likewise
+    # tools/telemetry_report.py lists the profiled iterations and their trace
+    log = tmp_path / "run.log"
+    log.write_text(out)
+    subprocess.run([sys.executable, "tools/telemetry_report.py", str(log), "-o", str(tmp_path / "r.html")], cwd=REPO,
+                   check=True, capture_output=True, timeout=120)
+    page = (tmp_path / "r.html").read_text()
+    data = json.loads(re.search(r'id="report-data">(.*?)</script>', page, re.S).group(1))
+    assert data["profiles"] == [{"iteration": 3, "rank": 0, "trace_file": traces[0].name},
+                                {"iteration": 4, "rank": 0, "trace_file": traces[0].name}]
     assert not (tmp_path / "snapshot.pickle").exists()
 
 

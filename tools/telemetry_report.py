@@ -235,7 +235,8 @@ def build_report_data(telemetry: Telemetry) -> dict:
     grad_norm, rank}]`` from the rank that prints the log line; ``validation``: ``[{iteration, split, loss}]``;
     ``breakdown``: ``{rank: [{iteration, <part>: ms, ..., total}]}``; ``straggler``: ``{stage: [{iteration,
     ratio, ...}]}``; ``slow_steps``/``hang_reports``: the events' attributes; ``ranks``: each rank's
-    resource labels; ``settings``: the run's common resource attributes; ``args``: Megatron's arguments.
+    resource labels; ``settings``: the run's common resource attributes; ``args``: Megatron's arguments;
+    ``profiles``: ``[{iteration, rank, trace_file}]`` of the step spans that ``--profile`` named.
     """
     snapshots: Dict[Tuple[str, int], List[dict]] = defaultdict(list)
     for point in telemetry.points:
@@ -283,8 +284,12 @@ def build_report_data(telemetry: Telemetry) -> dict:
         max((r for r in per_rank_rows if r is not None), default=None))
     iterations = [dict(row, rank=reporting) for _, row in sorted(per_rank_rows.get(reporting, {}).items())]
 
-    slow_steps, hangs = [], []
+    slow_steps, hangs, profiles = [], [], []
     for span in telemetry.spans:
+        trace = span["attrs"].get("megatron.profile.trace_file")
+        if trace:  # a step profiled with --profile (see docs/observability.md)
+            profiles.append({"iteration": span["attrs"].get("megatron.iteration"), "rank": _rank_of(span["resource"]),
+                             "trace_file": trace})
         for event in span["events"]:
             if event["name"] in (SLOW_STEP_EVENT, HANG_EVENT):
                 record = dict(event["attrs"], reported_by=_rank_of(span["resource"]), span=span["name"],
@@ -309,6 +314,7 @@ def build_report_data(telemetry: Telemetry) -> dict:
         "straggler": {str(stage): [rows[it] for it in sorted(rows)] for stage, rows in sorted(straggler.items())},
         "slow_steps": sorted(slow_steps, key=order),
         "hang_reports": sorted(hangs, key=order),
+        "profiles": sorted(profiles, key=lambda r: (r["iteration"] or 0, r["rank"] or 0)),
         "ranks": {str(rank): ranks[rank] for rank in sorted(ranks)},
         "settings": {k: common[k] for k in sorted(common) if k not in _PER_PROCESS},
         "args": dict(sorted(telemetry.args.items())),
@@ -489,6 +495,10 @@ def render_html(data: dict, files: List[str], plt) -> str:
         _table("hang-reports", hang_cols, hang_rows,
                ["iteration", "stalled ranks", "phase", "seconds", "reported by", "other attributes"])
         if data["hang_reports"] else '<p class="ok">No hang was reported.</p>',
+        "<h2>Profiled iterations</h2>",
+        _table("profiles", ["iteration", "rank", "trace_file"], data["profiles"], ["iteration", "rank", "trace file"])
+        if data["profiles"] else "<p>No profiled step span in the input (--profile, with "
+        "MEGATRON_OTEL_SPAN_GROUPS=per_step).</p>",
         "<h2>Settings</h2>",
         _table("ranks", ["rank", *_PER_PROCESS],
                [dict(v, rank=k) for k, v in data["ranks"].items()]),
