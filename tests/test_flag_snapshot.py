@@ -137,6 +137,7 @@ def _world_size(launcher) -> int:
             if name in launcher:
                 return int(launcher[launcher.index(name) + 1])
         return default
+    launcher = [w for w in launcher if not re.fullmatch(r"[A-Za-z_]\w*=.*", w)]  # NAME=value: the environment
     if not launcher or launcher[0] not in ("torchrun", "srun"):
         return 1
     return option("--nproc_per_node", "--nproc-per-node") * option("--nnodes")

@@ -446,6 +446,22 @@ def _add_logging_args(parser):
                        help="Level of the framework's Python logging records: a number (10 = DEBUG, 20 = INFO, "
                             "30 = WARNING, ...) or a level name. Default: env MEGATRON_LOGGING_LEVEL, else INFO "
                             "for the megatron loggers with WARNING and above printed on the console.")
+    # Profiling (Megatron-LM core_v0.14's names and defaults; megatron/training/profiling.py).
+    group.add_argument("--profile", action="store_true",
+                       help="Profile iterations [--profile-step-start, --profile-step-end) on --profile-ranks: "
+                            "with --use-pytorch-profiler a torch.profiler trace under --tensorboard-dir, else the "
+                            "CUDA profiler range for nsys (nsys profile --capture-range=cudaProfilerApi "
+                            "--capture-range-end=stop ...; CUDA only).")
+    group.add_argument("--profile-step-start", type=int, default=10, help="Global step to start profiling.")
+    group.add_argument("--profile-step-end", type=int, default=12, help="Global step to stop profiling.")
+    group.add_argument("--profile-ranks", nargs="+", type=int, default=[0], help="Global ranks to profile.")
+    group.add_argument("--use-pytorch-profiler", action="store_true", dest="use_pytorch_profiler",
+                       help="With --profile: torch.profiler, its trace viewable in TensorBoard (needs --tensorboard-dir).")
+    group.add_argument("--record-memory-history", action="store_true", default=False,
+                       help="Record the CUDA allocator's history; the last rank dumps a snapshot every log interval "
+                            "(CUDA only).")
+    group.add_argument("--memory-snapshot-path", type=str, default="snapshot.pickle",
+                       help="Where to dump the memory history pickle.")
     return parser
 
 

@@ -33,6 +33,7 @@ from megatron.training.config.common_config import DistributedInitConfig, RNGCon
 from megatron.training.config.container import PretrainConfigContainer
 from megatron.training.config.data_config import DataConfig
 from megatron.training.config.model_config import GPTModelProviderConfig
+from megatron.training.config.profiling_config import ProfilingConfig
 from megatron.training.config.training_config import (
     CheckpointConfig,
     LoggerConfig,
@@ -434,6 +435,11 @@ def logger_config_from_args(args) -> LoggerConfig:
     return _fields_from_args(LoggerConfig, args)
 
 
+def profiling_config_from_args(args) -> ProfilingConfig:
+    """The ProfilingConfig of ``args`` (every field copied by name)."""
+    return _fields_from_args(ProfilingConfig, args)
+
+
 def rng_config_from_args(args) -> RNGConfig:
     """The RNGConfig of ``args`` (every field copied by name)."""
     return _fields_from_args(RNGConfig, args)
@@ -478,4 +484,5 @@ def pretrain_cfg_container_from_args(args, with_telemetry: bool = True) -> Pretr
         tokenizer=tokenizer_config_from_args(args),
         data=data_config_from_args(args),
         telemetry=telemetry,
+        profiling=profiling_config_from_args(args),
     )

@@ -17,6 +17,7 @@ from megatron.training.argument_utils import (
     core_transformer_config_from_args,
     data_config_from_args,
     logger_config_from_args,
+    profiling_config_from_args,
     rng_config_from_args,
     scheduler_config_from_args,
     tokenizer_config_from_args,
@@ -147,6 +148,7 @@ def validate_args(args, defaults={}):
     _validate_pipeline(args)
     _validate_checkpointing(args)
     logger_config_from_args(args).validate(save=args.save)  # --wandb-*
+    profiling_config_from_args(args).validate(args.tensorboard_dir, args.world_size)  # --profile*
     _validate_misc(args)
 
     # The run counters (iteration, consumed samples, FLOPs) are not args: the training loop owns them

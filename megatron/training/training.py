@@ -53,6 +53,7 @@ from megatron.training.global_vars import (
     get_wandb_writer,
 )
 from megatron.training.initialize import initialize_megatron
+from megatron.training.profiling import RunProfiler, start_memory_history
 from megatron.training.step_breakdown import StepBreakdown, wrap_data_iterator
 from megatron.training.training_state import TrainingState
 from megatron.training.user_errors import UserInputError, one_line
@@ -205,6 +206,7 @@ def setup_model_and_optimizer(model_provider_func, train_state=None):
     train_state = TrainingState() if train_state is None else train_state
     timers = get_timers()
     with telemetry.span("model_init", "megatron.model_init"):
+        start_memory_history(cfg.profiling)  # --record-memory-history: from before the model's allocations
         model = get_model(model_provider_func)
         config = get_model_config(model[0])
         config.timers = timers
@@ -653,7 +655,9 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     world_size, data_parallel_size, seq_length = cfg.dist.world_size, cfg.dist.data_parallel_size, cfg.data.seq_length
 
     print_rank_0("training ...")
-    with telemetry.span("job", "megatron.train", train_iters=train_cfg.train_iters):
+    profiler = RunProfiler.create(cfg.profiling, logger_cfg.tensorboard_dir)  # --profile*, --record-memory-history
+    with telemetry.span("job", "megatron.train", train_iters=train_cfg.train_iters), \
+            contextlib.closing(profiler) if profiler is not None else contextlib.nullcontext():
         while iteration < train_cfg.train_iters:
             # --rampup-batch-size: this iteration's batch follows the samples consumed so far.
             update_num_microbatches(train_state.consumed_train_samples, consistency_check=True, verbose=True)
@@ -662,13 +666,16 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             if async_save_pending():  # every rank has the same pending save: publish it once all wrote it
                 with checkpoint_save_errors_as_user_errors():
                     finalize_async_save(blocking=False)
+            if profiler is not None:  # before the breakdown's clock: writing a trace is not the step's time
+                profiler.begin_iteration(iteration)
             if breakdown is not None:
                 breakdown.step_begin()
             with telemetry.step_span(iteration + 1, first=(iteration == start_iteration)) as step_span:
                 loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
                     forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler
                 )
-                telemetry.set_attributes(step_span, loss=loss_dict.get("lm loss"), grad_norm=grad_norm)
+                telemetry.set_attributes(step_span, loss=loss_dict.get("lm loss"), grad_norm=grad_norm,
+                                         **(profiler.span_attributes(iteration + 1) if profiler is not None else {}))
             if breakdown is not None:
                 breakdown.step_end()
             telemetry.note_step_finished()
@@ -698,6 +705,8 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             )
             if is_log_iteration:
                 last_log_time, last_log_iteration = time.perf_counter(), iteration
+            if profiler is not None:
+                profiler.end_iteration(iteration, iteration % logger_cfg.log_interval == 0)
 
             if train_cfg.manual_gc and train_cfg.manual_gc_interval and iteration % train_cfg.manual_gc_interval == 0:
                 gc.collect()

@@ -101,10 +101,6 @@ UNSUPPORTED_REASONS = (
     ("--check-for-large-grads", "the rerun state machine is not available"),
     ("--check-for-spiky-loss", "the rerun state machine is not available"),
     ("--check-weight-hash-across-dp-replicas-interval", "the cross-replica weight-hash check is not available"),
-    ("--profile*", "the profiler hooks are not available"), ("--use-pytorch-profiler", "the profiler hooks are "
-                                                                                       "not available"),
-    ("--record-memory-history", "memory snapshots are not available"),
-    ("--memory-snapshot-path", "memory snapshots are not available"),
     ("--one-logger-*", "NVIDIA one-logger is not available"), ("--no-one-logger", "NVIDIA one-logger is not available"),
     ("--app-tag-*", "NVIDIA one-logger is not available"),
     ("--config-logger-dir", "the config logger is not available"),

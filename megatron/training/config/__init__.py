@@ -3,6 +3,7 @@ from megatron.training.config.common_config import DistributedInitConfig, RNGCon
 from megatron.training.config.container import PretrainConfigContainer
 from megatron.training.config.data_config import DataConfig
 from megatron.training.config.model_config import GPTModelProviderConfig
+from megatron.training.config.profiling_config import ProfilingConfig
 from megatron.training.config.training_config import (
     CheckpointConfig,
     LoggerConfig,
@@ -14,6 +15,6 @@ from megatron.training.config.training_config import (
 
 __all__ = [
     "CheckpointConfig", "DataConfig", "DistributedInitConfig", "GPTModelProviderConfig", "LoggerConfig",
-    "PretrainConfigContainer", "RNGConfig", "SchedulerConfig", "TokenizerConfig", "TrainingConfig",
+    "PretrainConfigContainer", "ProfilingConfig", "RNGConfig", "SchedulerConfig", "TokenizerConfig", "TrainingConfig",
     "ValidationConfig",
 ]

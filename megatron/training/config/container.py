@@ -11,6 +11,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.config.common_config import DistributedInitConfig, RNGConfig
 from megatron.training.config.data_config import DataConfig
 from megatron.training.config.model_config import GPTModelProviderConfig
+from megatron.training.config.profiling_config import ProfilingConfig
 from megatron.training.config.training_config import (
     CheckpointConfig,
     LoggerConfig,
@@ -49,6 +50,7 @@ class PretrainConfigContainer:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
 
     def to_dict(self) -> dict:
         """``{slice: {field: value}}`` with plain JSON values: dtypes, functions, classes, signals and
