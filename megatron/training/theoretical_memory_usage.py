@@ -490,7 +490,8 @@ def report_theoretical_memory(config, num_microbatches: Optional[int] = None, ve
         per = bytes_per_parameter(cfg)
         write_line(f"Total number of parameters in billions: {footprint.num_parameters / 10 ** 9:.2f}")
         if cfg.model.num_moe_experts is not None:
-            write_line(f"Total number of active parameters in billions: {footprint.num_active_parameters / 10 ** 9:.2f}")
+            write_line(f"Total number of active parameters in billions: "
+                       f"{footprint.num_active_parameters / 10 ** 9:.2f}")
         write_line(f"Number of parameters in most loaded shard in billions: "
                    f"{footprint.num_parameters_on_rank / 10 ** 9:.4f}")
         write_line(f"Theoretical bytes per parameter: weight={per.weight} gradient={per.gradient} "

@@ -6,8 +6,8 @@ import math
 import weakref
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
-__all__ = ["record_training_metrics", "TRAINING_INSTRUMENTS", "PROGRESS_INSTRUMENTS", "MOE_INSTRUMENTS", "get_instruments",
-           "initialize_counters", "observe_heartbeat"]
+__all__ = ["record_training_metrics", "TRAINING_INSTRUMENTS", "PROGRESS_INSTRUMENTS", "MOE_INSTRUMENTS",
+           "get_instruments", "initialize_counters", "observe_heartbeat"]
 
 logger = logging.getLogger(__name__)
 
