@@ -123,3 +123,20 @@ def test_refusal_divides_the_experts_by_expert_parallelism(monkeypatch):
     # bf16: (298,048 - 49,152 routed expert parameters) * 2 + 49,152 / 2 * 2 = 546,944 bytes per rank.
     assert model_memory_refusal(cfg, "x", host_memory=546_944) is None
     assert "refusing" in model_memory_refusal(cfg, "x", host_memory=546_943)
+
+
+def test_megatron_flags_reach_both_figures(monkeypatch):
+    """The same model from Megatron's MoE flags (validated args, as Megatron-LM's callers pass them)."""
+    from megatron.training.training_log import num_floating_point_operations
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    args = validate_args(parse_args(args=[
+        *FLAGS, "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+        "--moe-shared-expert-intermediate-size", "48", "--moe-layer-freq", "2", "--expert-model-parallel-size", "2"]))
+    args.padded_vocab_size = 1024
+    assert num_floating_point_operations(args, 4) == 165_150_720
+    footprint = compute_weight_and_optimizer_memory(args)
+    assert (footprint.num_parameters, footprint.num_parameters_on_rank) == (298_048, 273_472)
+    assert footprint.weight_and_optimizer_bytes == 3_429_120
