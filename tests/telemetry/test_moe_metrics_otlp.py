@@ -19,25 +19,34 @@ LOG_ITERATIONS = (1, 3, 6)  # --log-interval 3 (and the first iteration)
 
 
 def _snapshots(received, name, by):
-    """The exporting rank's points of gauge ``name``: ``[{attribute values: value}]`` in time order, one per
-    distinct timestamp (a later re-export of unchanged values carries the same timestamp)."""
-    by_time = {}
+    """The exporting rank's points of gauge ``name`` per log iteration: ``{iteration: {attribute values: value}}``.
+
+    Each export request is one log-interval snapshot (or a later re-export of the same values, at shutdown),
+    labelled by the ``megatron.training.iteration`` gauge it carries; a re-export must repeat the values."""
+    out = {}
     for request in received.metrics:
+        iteration, points = None, {}
         for rm in request.resource_metrics:
             for sm in rm.scope_metrics:
                 for metric in sm.metrics:
-                    if metric.name != name:
+                    if metric.name not in (name, "megatron.training.iteration"):
                         continue
-                    assert metric.HasField("gauge"), name
+                    assert metric.HasField("gauge"), metric.name
                     for point in metric.gauge.data_points:
-                        attrs = {a.key: _value(a.value) for a in point.attributes}
                         value = point.as_double if point.HasField("as_double") else point.as_int
-                        by_time.setdefault(point.time_unix_nano, {})[tuple(attrs.get(k) for k in by)] = value
-    return [by_time[t] for t in sorted(by_time)]
+                        if metric.name != name:
+                            iteration = int(value)
+                            continue
+                        attrs = {a.key: _value(a.value) for a in point.attributes}
+                        points[tuple(attrs.get(k) for k in by)] = value
+        if points:
+            assert iteration is not None, name
+            assert out.setdefault(iteration, points) == points, (name, iteration)
+    return out
 
 
 def _reference(hook_dir, num_layers, num_experts):
-    """Per log interval: ``{(layer, expert): tokens}`` from the routers' hooks of both ranks."""
+    """Per log iteration: ``{(layer, expert): tokens}`` from the routers' hooks of both ranks."""
     windows = [(0, 1), (1, 3), (3, 6)]  # iterations (exclusive start, inclusive end) of each log line
     out = [{(layer, e): 0 for layer in range(1, num_layers + 1) for e in range(num_experts)} for _ in windows]
     for rank in (0, 1):
@@ -49,7 +58,7 @@ def _reference(hook_dir, num_layers, num_experts):
                 for counts in mine[start * MICRO_BATCHES:end * MICRO_BATCHES]:
                     for expert, count in enumerate(counts):
                         out[w][(layer, expert)] += count
-    return out
+    return dict(zip(LOG_ITERATIONS, out))
 
 
 @pytest.mark.timeout(400)
@@ -77,21 +86,25 @@ def test_per_expert_counts_reach_the_receiver_and_equal_the_routers(shared_data,
         stop()
 
     expected = _reference(hook_dir, num_layers=2, num_experts=4)
-    tokens = _snapshots(received, "megatron.training.moe.tokens_per_expert", ("megatron.moe.layer", "megatron.moe.expert"))
+    tokens = _snapshots(received, "megatron.training.moe.tokens_per_expert",
+                        ("megatron.moe.layer", "megatron.moe.expert"))
     assert tokens == expected
     # Every token of the interval is routed to 2 experts: 2 ranks x 64 tokens x 2 micro-batches x iterations x top-2.
-    assert [sum(v for (layer, _), v in snap.items() if layer == 1) for snap in tokens] == [
+    assert [sum(v for (layer, _), v in tokens[i].items() if layer == 1) for i in LOG_ITERATIONS] == [
         2 * 64 * MICRO_BATCHES * n * 2 for n in (1, 2, 3)]
     imbalance = _snapshots(received, "megatron.training.moe.imbalance", ("megatron.moe.layer",))
-    for snap, reference in zip(imbalance, expected):
+    assert sorted(imbalance) == list(LOG_ITERATIONS)
+    for iteration, snap in imbalance.items():
+        assert sorted(snap) == [(1,), (2,)]
         for (layer,), value in snap.items():
-            counts = [reference[(layer, e)] for e in range(4)]
+            counts = [expected[iteration][(layer, e)] for e in range(4)]
             assert value == pytest.approx(max(counts) / (sum(counts) / 4))
     dropped = _snapshots(received, "megatron.training.moe.dropped_tokens", ("megatron.moe.layer",))
-    assert dropped == [{(1,): 0, (2,): 0}] * 3  # dropless
+    assert dropped == {i: {(1,): 0, (2,): 0} for i in LOG_ITERATIONS}  # dropless
 
     ep_comm = _snapshots(received, "megatron.training.step.ep_comm_ms", ("dl.rank",))
-    assert ep_comm and all(snap[(rank,)] > 0 for snap in ep_comm for rank in (0, 1)), ep_comm
+    assert sorted(ep_comm) == list(LOG_ITERATIONS)
+    assert all(snap[(rank,)] > 0 for snap in ep_comm.values() for rank in (0, 1)), ep_comm
 
     spans = {span.span_id: span for request in received.traces for rs in request.resource_spans
              for ss in rs.scope_spans for span in ss.spans}
