@@ -1,10 +1,12 @@
-"""Test helper (not a test): pretrain_gpt.py with a forward hook on every MoE router that records its routing map.
+"""Test helper (not a test): pretrain_gpt.py with every MoE router's routing wrapped to record what it chose.
 
-Run like pretrain_gpt.py (same flags). Each router's forward output ``(probs, routing_map)`` is read by a
-PyTorch forward hook, independently of the routing-stats recorder the telemetry uses: per call, the layer
-number (1-based, from the module name and the stage's layer offset), whether autograd was recording, and
-``routing_map.sum(0)`` (tokens per global expert after any capacity dropping). At exit each rank writes its
-calls, in order, to ``$MOE_ROUTING_HOOK_DIR/rank{RANK}.json``. Production code has no such hook.
+Run like pretrain_gpt.py (same flags). Each router's ``routing(logits)`` is wrapped on the instance, so the
+record is made independently of the routing-stats recorder the telemetry uses: per call, the layer number
+(1-based, from the module name and the stage's layer offset), whether autograd was recording, ``before``: the
+tokens per global expert recomputed here as the top-k of the logits (the router's choice for a softmax or
+sigmoid score without expert bias or group limits, before any capacity dropping), and ``after``: the returned
+``routing_map.sum(0)`` (after dropping). At exit each rank writes its calls, in order, to
+``$MOE_ROUTING_HOOK_DIR/rank{RANK}.json``. Production code has no such hook.
 """
 import json
 import os
@@ -30,12 +32,16 @@ def _hooked_model_provider(*args, **kwargs):
             continue
         layer_number = offset + int(name.split(".layers.")[1].split(".")[0]) + 1
 
-        def hook(module, inputs, output, layer_number=layer_number):
-            routing_map = output[1]
+        def routing(logits, original=module.routing, layer_number=layer_number, topk=module.topk):
+            probs, routing_map = original(logits)
+            experts = routing_map.shape[-1]
+            chosen = torch.topk(logits.reshape(-1, experts), topk, dim=-1).indices
             CALLS.append({"layer": layer_number, "grad": torch.is_grad_enabled(),
-                          "counts": routing_map.sum(dim=0).tolist()})
+                          "before": torch.bincount(chosen.flatten(), minlength=experts).tolist(),
+                          "after": routing_map.sum(dim=0).tolist()})
+            return probs, routing_map
 
-        module.register_forward_hook(hook)
+        module.routing = routing
     return model
 
 

@@ -1,11 +1,13 @@
-"""End to end with a real OTLP gRPC receiver: a 2-rank EP=2 MoE run's per-expert token counts arrive and equal
-the routers' own outputs.
+"""End to end with a real OTLP gRPC receiver: a 2-rank EP=2 MoE run (capacity factor 1) sends per-expert token
+counts and dropped tokens that equal what its routers chose.
 
-The reference counts come from a forward hook on every router (``tests/moe_routing_hook_pretrain.py``: the sum
-of each call's routing map, written per rank), not from the routing-stats recorder the metrics are built from.
-Each log interval's point per (layer, expert) must equal the hook's counts of that interval's iterations summed
-over both ranks. The same run checks that ``ep_comm`` is a part of the exported step breakdown and that the
-dispatchers' ``megatron.ep_comm.*`` spans hang under the layer / micro-batch spans."""
+The reference comes from a wrapper around every router's ``routing`` (``tests/moe_routing_hook_pretrain.py``,
+written per rank), not from the routing-stats recorder the metrics are built from: the tokens per expert
+recomputed as the top-k of the router's logits (before dropping) and the returned routing map's sums (after
+dropping). Each log interval's point per (layer, expert) must equal the recomputed counts of that interval's
+iterations summed over both ranks, and the dropped tokens per layer their difference from the routing map's.
+The same run checks that ``ep_comm`` is a part of the exported step breakdown and that the dispatchers'
+``megatron.ep_comm.*`` spans hang under the layer spans."""
 import json
 
 import pytest
@@ -46,19 +48,23 @@ def _snapshots(received, name, by):
 
 
 def _reference(hook_dir, num_layers, num_experts):
-    """Per log iteration: ``{(layer, expert): tokens}`` from the routers' hooks of both ranks."""
+    """Per log iteration, from the routers' wrappers of both ranks: ``({(layer, expert): tokens chosen},
+    {layer: (token, expert) pairs dropped})``."""
     windows = [(0, 1), (1, 3), (3, 6)]  # iterations (exclusive start, inclusive end) of each log line
-    out = [{(layer, e): 0 for layer in range(1, num_layers + 1) for e in range(num_experts)} for _ in windows]
+    tokens = [{(layer, e): 0 for layer in range(1, num_layers + 1) for e in range(num_experts)} for _ in windows]
+    dropped = [{layer: 0 for layer in range(1, num_layers + 1)} for _ in windows]
     for rank in (0, 1):
         calls = [c for c in json.loads((hook_dir / f"rank{rank}.json").read_text()) if c["grad"]]
         for layer in range(1, num_layers + 1):
-            mine = [c["counts"] for c in calls if c["layer"] == layer]
+            mine = [c for c in calls if c["layer"] == layer]
             assert len(mine) == LOG_ITERATIONS[-1] * MICRO_BATCHES, (rank, layer, len(mine))
             for w, (start, end) in enumerate(windows):
-                for counts in mine[start * MICRO_BATCHES:end * MICRO_BATCHES]:
-                    for expert, count in enumerate(counts):
-                        out[w][(layer, expert)] += count
-    return dict(zip(LOG_ITERATIONS, out))
+                for call in mine[start * MICRO_BATCHES:end * MICRO_BATCHES]:
+                    assert all(a <= b for a, b in zip(call["after"], call["before"])), call
+                    dropped[w][layer] += sum(call["before"]) - sum(call["after"])
+                    for expert, count in enumerate(call["before"]):
+                        tokens[w][(layer, expert)] += count
+    return dict(zip(LOG_ITERATIONS, tokens)), dict(zip(LOG_ITERATIONS, dropped))
 
 
 @pytest.mark.timeout(400)
@@ -77,7 +83,8 @@ def test_per_expert_counts_reach_the_receiver_and_equal_the_routers(shared_data,
         argv = _pretrain_argv(["--micro-batch-size", "2", "--train-iters", "6", "--log-interval", "3",
                                "--eval-interval", "100", "--disable-bias-linear", "--num-experts", "4",
                                "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
-                               "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
+                               "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+                               "--moe-expert-capacity-factor", "1.0"],
                               shared_data, shakespeare_prefix, tmp_path)
         argv[0] = "tests/moe_routing_hook_pretrain.py"
         result = run_ranks(2, argv)
@@ -85,7 +92,7 @@ def test_per_expert_counts_reach_the_receiver_and_equal_the_routers(shared_data,
     finally:
         stop()
 
-    expected = _reference(hook_dir, num_layers=2, num_experts=4)
+    expected, expected_dropped = _reference(hook_dir, num_layers=2, num_experts=4)
     tokens = _snapshots(received, "megatron.training.moe.tokens_per_expert",
                         ("megatron.moe.layer", "megatron.moe.expert"))
     assert tokens == expected
@@ -100,7 +107,8 @@ def test_per_expert_counts_reach_the_receiver_and_equal_the_routers(shared_data,
             counts = [expected[iteration][(layer, e)] for e in range(4)]
             assert value == pytest.approx(max(counts) / (sum(counts) / 4))
     dropped = _snapshots(received, "megatron.training.moe.dropped_tokens", ("megatron.moe.layer",))
-    assert dropped == {i: {(1,): 0, (2,): 0} for i in LOG_ITERATIONS}  # dropless
+    assert dropped == {i: {(layer,): n for layer, n in expected_dropped[i].items()} for i in LOG_ITERATIONS}
+    assert sum(n for snap in dropped.values() for n in snap.values()) > 0  # the capacity factor did drop
 
     ep_comm = _snapshots(received, "megatron.training.step.ep_comm_ms", ("dl.rank",))
     assert sorted(ep_comm) == list(LOG_ITERATIONS)
