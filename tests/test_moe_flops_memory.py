@@ -140,3 +140,44 @@ def test_megatron_flags_reach_both_figures(monkeypatch):
     footprint = compute_weight_and_optimizer_memory(args)
     assert (footprint.num_parameters, footprint.num_parameters_on_rank) == (298_048, 273_472)
     assert footprint.weight_and_optimizer_bytes == 3_429_120
+
+
+@pytest.mark.parametrize("extra", [[], ["--moe-grouped-gemm"]], ids=["sequential", "grouped"])
+def test_shapes_match_the_built_moe_model(extra, monkeypatch):
+    """The estimator's per-rank shapes are the MoE GPTModel's ``named_parameters`` (EP=2 rank 1, fake backend)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    import pretrain_gpt
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.training import global_vars
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    args = validate_args(parse_args(args=[
+        *FLAGS, "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+        "--moe-shared-expert-intermediate-size", "48", "--moe-layer-freq", "2", "--expert-model-parallel-size", "2",
+        "--use-cpu-initialization", *extra]))
+    args.padded_vocab_size = 1024
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        ps.initialize_model_parallel(expert_model_parallel_size=2)
+        model_parallel_cuda_manual_seed(1234)
+        global_vars.set_args(args)
+        model = pretrain_gpt.model_provider(pre_process=True, post_process=True)
+        built = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    finally:
+        global_vars.set_args(None)
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+    assert gpt_parameter_shapes(args) == built
+    assert sum(_numel(shape) for _, shape in built) == 273_472
+
+
+def _numel(shape):
+    out = 1
+    for size in shape:
+        out *= size
+    return out
