@@ -126,7 +126,8 @@ def test_log_line_carries_load_balancing_loss_as_one_process_logs_it(references,
 
 
 def test_per_layer_logging_and_z_loss_reach_tensorboard(tmp_path):
-    """--moe-per-layer-logging adds ``moe/{name}_layer_{i}``; --moe-z-loss-coeff adds ``z_loss`` to the line."""
+    """--moe-per-layer-logging adds ``moe/{name}_layer_{i}``; --moe-z-loss-coeff adds ``z_loss`` to the line, before
+    ``load_balancing_loss`` as in Megatron (the tracker's order: the router saves the z-loss first)."""
     run, stdout = _train(1, ["--moe-per-layer-logging", "--moe-z-loss-coeff", "1e-3"], tmp_path, "per_layer")
     tb = tmp_path / "tb_per_layer"
     layers = [tensorboard_scalars(tb, f"moe/load_balancing_loss_layer_{i}") for i in range(2)]
@@ -134,4 +135,5 @@ def test_per_layer_logging_and_z_loss_reach_tensorboard(tmp_path):
         mean = (layers[0][step] + layers[1][step]) / 2
         assert run["load_balancing_loss"][step] == pytest.approx(mean, rel=1e-5)
     assert sorted(tensorboard_scalars(tb, "z_loss")) == list(range(1, ITERS + 1))
-    assert re.search(r"\| load_balancing_loss: [0-9.]+E[+-]\d+ \| z_loss: [0-9.]+E[+-]\d+ \| loss scale:", stdout)
+    assert len(re.findall(r"\| lm loss: [0-9.]+E[+-]\d+ \| z_loss: [0-9.]+E[+-]\d+ \| "
+                          r"load_balancing_loss: [0-9.]+E[+-]\d+ \| loss scale:", stdout)) == ITERS
