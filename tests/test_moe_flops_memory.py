@@ -181,3 +181,12 @@ def _numel(shape):
     for size in shape:
         out *= size
     return out
+
+
+def test_pipeline_stages_place_moe_layers_by_global_number(monkeypatch):
+    # moe_layer_freq [1, 0, 0, 1] over PP=2: stage 0 holds layers 1 (MoE) and 2, stage 1 layers 3 and 4 (MoE).
+    cfg = _config(monkeypatch)
+    cfg.model = dataclasses.replace(cfg.model, pipeline_model_parallel_size=2, moe_layer_freq=[1, 0, 0, 1])
+    first, last = dict(gpt_parameter_shapes(cfg, 0)), dict(gpt_parameter_shapes(cfg, 1))
+    assert "decoder.layers.0.mlp.router.weight" in first and "decoder.layers.1.mlp.linear_fc1.weight" in first
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in last and "decoder.layers.1.mlp.router.weight" in last
