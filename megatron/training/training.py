@@ -54,6 +54,7 @@ from megatron.training.global_vars import (
 )
 from megatron.training.initialize import initialize_megatron
 from megatron.training.profiling import RunProfiler, start_memory_history
+from megatron.training.moe_metrics import MoERoutingReport
 from megatron.training.step_breakdown import StepBreakdown, wrap_data_iterator
 from megatron.training.training_state import TrainingState
 from megatron.training.user_errors import UserInputError, one_line
@@ -650,6 +651,8 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     last_log_time, last_log_iteration = time.perf_counter(), iteration
     # Where each rank's step time goes (--log-straggler or telemetry metrics): see step_breakdown.py.
     breakdown = StepBreakdown.create(logger_cfg, get_telemetry())
+    # Per-expert routing counts of the MoE layers (telemetry metrics on): see moe_metrics.py.
+    moe_report = MoERoutingReport.create(cfg.model, get_telemetry())
     train_data_iterator = wrap_data_iterator(train_data_iterator)
     telemetry.prepare_metrics()
     world_size, data_parallel_size, seq_length = cfg.dist.world_size, cfg.dist.data_parallel_size, cfg.data.seq_length
@@ -696,6 +699,8 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             learning_rate = optimizer.param_groups[0]["lr"]
             if is_log_iteration and breakdown is not None:  # collective: every rank, same iterations
                 breakdown.report(flops / world_size)
+            if is_log_iteration and moe_report is not None:  # collective: every rank, same iterations
+                moe_report.report()
             training_log(
                 acc, loss_dict, learning_rate, optimizer.get_loss_scale(),
                 iteration, grad_norm, params_norm, num_zeros, skipped_iter, now - last_log_time,
@@ -782,9 +787,11 @@ _GLOO_DRAIN_S = 0.25  # see _shutdown
 
 def _shutdown():
     from megatron.core import step_timing
+    from megatron.core.transformer.moe import routing_stats
     from megatron.training.global_vars import destroy_global_variables
 
     step_timing.uninstall()  # the step-breakdown recorder of train(), if any
+    routing_stats.uninstall()  # the MoE routing recorder of train(), if any
 
     writer = get_tensorboard_writer()
     if writer is not None:

@@ -41,15 +41,31 @@ _LOGGED_TIMERS = [
 
 def gpt_floating_point_operations(model_cfg: TransformerConfig, seq_length: int, padded_vocab_size: int,
                                   batch_size: int) -> int:
-    """Training FLOPs of one iteration of a dense GPT (forward + backward), Megatron's formula.
+    """Training FLOPs of one iteration of a GPT (forward + backward), Megatron's formula.
 
-    ``B*s*[6*h*f*g*L + 6*L*(h*(q+k+v) + q*h) + 6*h*V] + B*s^2*L*6*q`` with q = kv_channels*heads,
+    Dense: ``B*s*[6*h*f*g*L + 6*L*(h*(q+k+v) + q*h) + 6*h*V] + B*s^2*L*6*q`` with q = kv_channels*heads,
     k = v = kv_channels*groups, g = 3 for SwiGLU (a gated linear unit) else 2 (spec §8.3; Narayanan et
     al. 2021, §5.1). ``model_cfg.num_query_groups`` is the heads without grouped-query attention.
+
+    Mixture of experts (``num_moe_experts`` set) counts the *active* parameters, as Megatron core_v0.14's
+    ``num_floating_point_operations`` does: each of the L_moe layers that ``moe_layer_freq`` makes MoE
+    runs ``moe_router_topk`` experts of ``moe_ffn_hidden_size`` plus the shared expert
+    (``moe_shared_expert_intermediate_size``) per token, so the MLP term becomes
+    ``6*h*g*(f*L_dense + (F_moe*topk + F_shared)*L_moe)``. Like Megatron's, it leaves out the router's
+    ``[h, E]`` GEMM (``6*h*E`` per token and MoE layer, under 1% for usual shapes), so the TFLOP/s of an
+    MoE run compare with Megatron-LM's.
     """
-    return _gpt_flops(batch_size, seq_length, model_cfg.num_layers, model_cfg.hidden_size,
+    L = model_cfg.num_layers
+    moe_layers = 0
+    moe_ffn = 0
+    if model_cfg.num_moe_experts is not None:
+        moe_layers = sum(1 for number in range(1, L + 1) if model_cfg.is_moe_layer(number))
+        moe_ffn = ((model_cfg.moe_ffn_hidden_size or model_cfg.ffn_hidden_size) * model_cfg.moe_router_topk
+                   + (model_cfg.moe_shared_expert_intermediate_size or 0))
+    return _gpt_flops(batch_size, seq_length, L, model_cfg.hidden_size,
                       model_cfg.ffn_hidden_size, padded_vocab_size, model_cfg.kv_channels,
-                      model_cfg.num_attention_heads, model_cfg.num_query_groups, model_cfg.gated_linear_unit)
+                      model_cfg.num_attention_heads, model_cfg.num_query_groups, model_cfg.gated_linear_unit,
+                      moe_layers=moe_layers, moe_ffn=moe_ffn)
 
 
 def num_floating_point_operations(args, batch_size: int) -> int:
@@ -61,12 +77,17 @@ def num_floating_point_operations(args, batch_size: int) -> int:
                                          batch_size)
 
 
-def _gpt_flops(batch_size, s, L, h, f, V, kv_channels, heads, groups, gated) -> int:
-    """The formula of :func:`gpt_floating_point_operations` over plain numbers (integer arithmetic)."""
+def _gpt_flops(batch_size, s, L, h, f, V, kv_channels, heads, groups, gated, moe_layers=0, moe_ffn=0) -> int:
+    """The formula of :func:`gpt_floating_point_operations` over plain numbers (integer arithmetic).
+
+    ``moe_layers`` of the ``L`` layers have an MoE MLP whose active width per token is ``moe_ffn``
+    (routed experts' ffn x topk + shared expert ffn); the others a dense MLP of width ``f``.
+    """
     q = kv_channels * heads
     kv = kv_channels * groups
     g = 3 if gated else 2
-    per_token = 6 * h * f * g * L + 6 * L * (h * (q + 2 * kv) + q * h) + 6 * h * V
+    mlp = 6 * h * g * (f * (L - moe_layers) + moe_ffn * moe_layers)
+    per_token = mlp + 6 * L * (h * (q + 2 * kv) + q * h) + 6 * h * V
     return batch_size * s * per_token + batch_size * s * s * L * 6 * q
 
 
@@ -220,6 +241,7 @@ def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm
                 writer.add_scalar(tag, value, iteration)
         if wandb_writer is not None:
             wandb_writer.log({**scalars, **per_iteration}, step=iteration)
+    _track_moe_metrics(acc, iteration, num_microbatches, writer, wandb_writer)
 
     if not is_log_iteration:
         return None
@@ -272,6 +294,40 @@ def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm
         acc.memory_reported = True
     timers.log([name for name in _LOGGED_TIMERS], normalizer=max(iterations_since_last_log, 1))
     return averages
+
+
+def moe_track_names(model_cfg) -> list:
+    """The MoE auxiliary losses a run logs (Megatron's ``training_log``): ``load_balancing_loss`` with aux_loss,
+    ``seq_load_balancing_loss`` with seq_aux_loss, ``z_loss`` with a z-loss coefficient. A list of balancing types is
+    read by membership (Megatron's ``in`` on a single string would also match aux_loss inside seq_aux_loss, whose
+    always-zero value Megatron's log line then hides)."""
+    kinds = model_cfg.moe_router_load_balancing_type
+    kinds = list(kinds) if isinstance(kinds, (list, tuple)) else [kinds]
+    names = []
+    if "aux_loss" in kinds:
+        names.append("load_balancing_loss")
+    if "seq_aux_loss" in kinds:
+        names.append("seq_load_balancing_loss")
+    if model_cfg.moe_z_loss_coeff is not None:
+        names.append("z_loss")
+    return names
+
+
+def _track_moe_metrics(acc, iteration, num_microbatches, writer, wandb_writer):
+    """Every iteration, on every rank (the reduction is collective): Megatron's ``track_moe_metrics`` with
+    ``loss_scale = 1 / num_microbatches``. It adds each aux loss, averaged over the MoE layers, into the log line's
+    totals (``acc.losses``, after ``lm loss``: the line prints ``load_balancing_loss: %.6E |`` there), writes it to
+    TensorBoard / W&B, and with ``--moe-per-layer-logging`` each layer's value as ``moe/{name}_layer_{i}``."""
+    model_cfg = get_config().model
+    if getattr(model_cfg, "num_moe_experts", None) is None:
+        return
+    from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+
+    track_moe_metrics(loss_scale=1.0 / num_microbatches, iteration=iteration, writer=writer,
+                      wandb_writer=wandb_writer, total_loss_dict=acc.losses,
+                      per_layer_logging=model_cfg.moe_per_layer_logging, force_initialize=True,
+                      track_names=moe_track_names(model_cfg), num_layers=model_cfg.num_layers,
+                      moe_layer_freq=model_cfg.moe_layer_freq)
 
 
 def _report_memory(iteration, num_microbatches):

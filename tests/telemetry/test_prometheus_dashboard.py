@@ -1,5 +1,6 @@
 """A real Prometheus (Debian's package, 127.0.0.1 only) scrapes a short training run's pull endpoint
-(MEGATRON_OTEL_METRICS_EXPORTER=prometheus) and every query of the Grafana dashboard returns data."""
+(MEGATRON_OTEL_METRICS_EXPORTER=prometheus) and every query of the Grafana dashboard returns data (the run is a
+small MoE model, so the expert-load panels are queried too)."""
 import json
 import os
 import shutil
@@ -87,7 +88,10 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(prometheus_bi
                    MEGATRON_TEST_HOOK_MARKER=str(marker), MEGATRON_TEST_HOOK_RELEASE=str(release))
         argv = [sys.executable, *_pretrain_argv(
             ["--micro-batch-size", "4", "--train-iters", "12", "--log-interval", "2", "--eval-interval", "6",
-             "--save", str(tmp_path / "ckpt"), "--save-interval", "12"],
+             "--save", str(tmp_path / "ckpt"), "--save-interval", "12",
+             # an MoE model, so that the expert-load panels have data too (1 rank: ep_comm is 0)
+             "--num-experts", "4", "--moe-router-topk", "2", "--moe-expert-capacity-factor", "1.0",
+             "--disable-bias-linear"],
             shared_data, shakespeare_prefix, tmp_path)]
         argv[1] = "tests/faulty_pretrain.py"  # pretrain_gpt.py with the MEGATRON_TEST_* hooks
         scraped = urllib.parse.urlencode(

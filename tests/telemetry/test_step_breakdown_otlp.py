@@ -12,7 +12,8 @@ from pretrain_utils import run_pretrain
 from telemetry_testutil import clean_telemetry  # noqa: F401
 from test_telemetry_otlp import _grpc_receiver, _value
 
-PARTS = ("forward_compute", "backward_compute", "data_wait", "tp_comm", "pp_comm", "grad_sync", "optimizer", "other")
+PARTS = ("forward_compute", "backward_compute", "data_wait", "tp_comm", "pp_comm", "cp_comm", "ep_comm", "grad_sync",
+         "optimizer", "other")
 
 
 def _latest_gauges(received, by="dl.rank"):

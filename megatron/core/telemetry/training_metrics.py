@@ -6,8 +6,8 @@ import math
 import weakref
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
-__all__ = ["record_training_metrics", "TRAINING_INSTRUMENTS", "PROGRESS_INSTRUMENTS", "get_instruments",
-           "initialize_counters", "observe_heartbeat"]
+__all__ = ["record_training_metrics", "TRAINING_INSTRUMENTS", "PROGRESS_INSTRUMENTS", "MOE_INSTRUMENTS",
+           "get_instruments", "initialize_counters", "observe_heartbeat"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,21 @@ PROGRESS_INSTRUMENTS: Dict[str, Tuple[str, str, str, str]] = {
     "rank_memory_peak_gb": ("megatron.training.memory.peak_gb", "gauge", "GB", "Peak allocated device memory"),
     "rank_memory_rss_gb": ("megatron.training.memory.rss_gb", "gauge", "GB", "Resident host memory"),
 }
-_ALL_INSTRUMENTS = {**TRAINING_INSTRUMENTS, **PROGRESS_INSTRUMENTS}
+# Mixture of experts, per MoE layer (attribute ``megatron.moe.layer``, the 1-based global layer number) and, for
+# the token counts, per expert (``megatron.moe.expert``, the global expert index). Counts cover the log interval
+# (every iteration and micro-batch since the previous log line) and the whole model: summed over the ranks
+# that route distinct tokens of the layer (megatron/training/moe_metrics.py).
+MOE_INSTRUMENTS: Dict[str, Tuple[str, str, str, str]] = {
+    "moe_tokens_per_expert": ("megatron.training.moe.tokens_per_expert", "gauge", "tokens",
+                              "Tokens the router sent to the expert over the log interval, all ranks (a token "
+                              "counts once per chosen expert; before capacity dropping)"),
+    "moe_imbalance": ("megatron.training.moe.imbalance", "gauge", "1",
+                      "Most loaded expert's tokens over the mean per expert, over the log interval (1 = balanced)"),
+    "moe_dropped_tokens": ("megatron.training.moe.dropped_tokens", "gauge", "tokens",
+                           "Token-to-expert assignments dropped by the capacity factor over the log interval, "
+                           "all ranks (0 when dropless)"),
+}
+_ALL_INSTRUMENTS = {**TRAINING_INSTRUMENTS, **PROGRESS_INSTRUMENTS, **MOE_INSTRUMENTS}
 HEARTBEAT_INSTRUMENT = ("megatron.training.last_step_timestamp", "s", "Unix time at which the last iteration finished")
 
 # Step times span milliseconds (tiny models) to minutes (large ones); the SDK default tops out at 10 s.
@@ -126,7 +140,9 @@ def record_training_metrics(meter, *, attributes: Optional[Mapping[str, Any]] = 
     ``skipped_iters`` (iterations, counter: pass the increment; 0 records nothing),
     ``learning_rate``, ``memory_allocated_gb`` (GB, peak), ``validation_loss``, ``validation_ppl``,
     and the progress / step-breakdown gauges of ``PROGRESS_INSTRUMENTS`` (``iteration``,
-    ``consumed_samples``, ``consumed_tokens``, ``step_<part>_ms``, ``straggler_*``, ``rank_memory_*_gb``).
+    ``consumed_samples``, ``consumed_tokens``, ``step_<part>_ms``, ``straggler_*``, ``rank_memory_*_gb``)
+    and the mixture-of-experts gauges of ``MOE_INSTRUMENTS`` (``moe_tokens_per_expert``, ``moe_imbalance``,
+    ``moe_dropped_tokens``, recorded with layer / expert attributes).
     Non-finite gauge values (NaN loss) are recorded as they are: they are the signal.
 
     ``attributes`` (a non-empty mapping) is passed as ``attributes=`` to every instrument call; without
