@@ -57,3 +57,23 @@ def test_ep_comm_section_is_charged_to_ep_comm():
     report = recorder.take()
     assert report["ep_comm"] == 3000.0 and report["backward_compute"] == 1000.0
     assert report["cp_comm"] == 0.0
+
+
+def test_backward_of_the_dispatch_collectives_is_ep_comm():
+    """The autograd functions' backward exchanges (all-to-all, gather's reduce-scatter, reduce-scatter's
+    gather) are sectioned too, so a dispatcher's backward communication is not charged to backward_compute."""
+    import torch
+
+    from megatron.core.transformer.moe import collectives
+
+    handle, spans, _ = setup_in_memory(tel.TelemetryConfig(enabled=True, span_groups="per_step,communication"))
+    x = torch.randn(4, 3, requires_grad=True)
+    # A group of one rank (None) makes each exchange the identity; the sections still open in backward.
+    out = collectives._AllToAll.apply(None, x * 1.0, None, None)
+    out = collectives._GatherFirstDim.apply(out, None, None)
+    out = collectives._ReduceScatterFirstDim.apply(out, None, None)
+    out.sum().backward()
+    got = finished(handle, spans)
+    for name in ("all_to_all_backward", "reduce_scatter_backward", "all_gather_backward"):
+        assert f"megatron.ep_comm.{name}" in got, sorted(got)
+    assert torch.equal(x.grad, torch.ones_like(x))

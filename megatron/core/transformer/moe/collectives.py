@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.collective_device import get_collective_device
+from megatron.core.transformer.moe.ep_comm import ep_comm_section
 
 # torch >= 2.13 renamed the flat-tensor collectives (as in tensor_parallel/mappings.py).
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -117,7 +118,10 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        return None, _raw_all_to_all(grad_output, ctx.group, ctx.input_splits, ctx.output_splits), None, None
+        # The backward exchange is expert-parallel communication too (forward ones are sectioned by the dispatcher).
+        with ep_comm_section("all_to_all_backward"):
+            grad = _raw_all_to_all(grad_output, ctx.group, ctx.input_splits, ctx.output_splits)
+        return None, grad, None, None
 
 
 class _GatherFirstDim(torch.autograd.Function):
@@ -130,7 +134,9 @@ class _GatherFirstDim(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _raw_reduce_scatter(grad_output, ctx.group, ctx.split_sizes), None, None
+        with ep_comm_section("reduce_scatter_backward"):
+            grad = _raw_reduce_scatter(grad_output, ctx.group, ctx.split_sizes)
+        return grad, None, None
 
 
 class _ReduceScatterFirstDim(torch.autograd.Function):
@@ -143,7 +149,9 @@ class _ReduceScatterFirstDim(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _raw_gather(grad_output, ctx.group, ctx.split_sizes), None, None
+        with ep_comm_section("all_gather_backward"):
+            grad = _raw_gather(grad_output, ctx.group, ctx.split_sizes)
+        return grad, None, None
 
 
 def all_to_all(group, input_: torch.Tensor, output_splits: Optional[List[int]] = None,
