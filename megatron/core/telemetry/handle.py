@@ -183,7 +183,7 @@ def setup_telemetry(
         live = _state.live_handle()
         if live is not None and not live.is_shutdown:
             raise RuntimeError(
-                "setup_telemetry() was already called in this process and its handle is live; "
+                "setup_telemetry() has already been initialised for this process and its handle is live; "
                 "call handle.shutdown() before setting telemetry up again"
             )
         groups = config.resolved_span_groups()
