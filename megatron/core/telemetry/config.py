@@ -122,9 +122,10 @@ def warn_unknown_variables(prefixes, environ: Optional[Mapping[str, str]] = None
             if not name.startswith(head) or name[len(head):] in known or name in _WARNED_VARIABLES:
                 continue
             _WARNED_VARIABLES.add(name)
-            candidates = [head + key for key in sorted(known)]
-            close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]}?" if close else f"; known names: {', '.join(candidates)}"
+            # Compared without the prefix, which every candidate shares and would make all look close.
+            close = difflib.get_close_matches(name[len(head):], sorted(known), n=1, cutoff=0.6)
+            hint = (f"; did you mean {head}{close[0]}?" if close
+                    else f"; known names: {', '.join(head + key for key in sorted(known))}")
             logger.warning("telemetry: %s is not a known variable and is ignored%s", name, hint)
 
 
