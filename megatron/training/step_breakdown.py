@@ -40,6 +40,7 @@ from megatron.core.collective_device import get_collective_device
 from megatron.core.console import write_line
 from megatron.core.step_timing import PARTS, StepTimeRecorder
 from megatron.core.telemetry import is_span_group_enabled, managed_span, record_training_metrics
+from megatron.core.telemetry.config import DEFAULT_STRAGGLER_RATIO_FLOOR_MS
 from megatron.core.telemetry.resources.identity import service_instance_id
 from megatron.core.telemetry.strategies import node_local_rank
 
@@ -60,8 +61,9 @@ _COORDINATES = (("dl.tensor_parallel.rank", "tensor_parallel_rank"),
                 ("dl.data_parallel.rank", "data_parallel_rank"), ("dl.context_parallel.rank", "context_parallel_rank"),
                 ("dl.local_rank", "local_rank"))
 # Below this much compute per iteration (ms, the stage's fastest rank) the stage straggler ratio is not
-# reported: timing jitter of a few ms makes it noise (the gap in ms is reported always).
-STRAGGLER_RATIO_FLOOR_MS = 50.0
+# reported: timing jitter of a few ms makes it noise (the gap in ms is reported always). The default of
+# MEGATRON_OTEL_STRAGGLER_RATIO_FLOOR_MS (TelemetryConfig.straggler_ratio_floor_ms).
+STRAGGLER_RATIO_FLOOR_MS = DEFAULT_STRAGGLER_RATIO_FLOOR_MS
 # torch >= 2.13 renamed the flat all-gather; keep working on older releases.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -244,12 +246,14 @@ class StepBreakdown:
     """
 
     def __init__(self, rank: int, world_size: int, exporting_meter, log_straggler: bool,
-                 recorder: Optional[StepTimeRecorder] = None, minmax_count: int = 1, run_id: Optional[str] = None):
+                 recorder: Optional[StepTimeRecorder] = None, minmax_count: int = 1, run_id: Optional[str] = None,
+                 ratio_floor_ms: float = STRAGGLER_RATIO_FLOOR_MS):
         self.rank, self.world_size = rank, world_size
         self.meter = exporting_meter
         self.log_straggler = log_straggler
         self.minmax_count = minmax_count
         self.run_id = run_id
+        self.ratio_floor_ms = float(ratio_floor_ms)
         self.recorder = recorder or StepTimeRecorder()
         self.last_table: Optional[torch.Tensor] = None
         self._coordinates = layout_coordinates(rank)
@@ -266,8 +270,9 @@ class StepBreakdown:
         meter = handle.meter if handle is not None and handle.is_exporting else None
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
+        floor = getattr(getattr(handle, "config", None), "straggler_ratio_floor_ms", STRAGGLER_RATIO_FLOOR_MS)
         return cls(rank, world, meter, log_straggler, minmax_count=int(logger.straggler_minmax_count or 1),
-                   run_id=getattr(handle, "run_id", None))
+                   run_id=getattr(handle, "run_id", None), ratio_floor_ms=floor)
 
     def step_begin(self) -> None:
         self.recorder.step_begin()
@@ -327,5 +332,5 @@ class StepBreakdown:
                       if math.isfinite(float(row[_COL[key]]))}
             record_training_metrics(self.meter, attributes=attrs, **memory)
         if lead:
-            for stage, values in stage_stragglers(table).items():
+            for stage, values in stage_stragglers(table, self.ratio_floor_ms).items():
                 record_training_metrics(self.meter, attributes={"dl.pipeline_parallel.rank": stage}, **values)

@@ -31,6 +31,7 @@ __all__ = ["TelemetryConfig", "NemoLensConfig", "effective_sampling_strategy", "
 logger = logging.getLogger(__name__)
 
 EXPORTERS: Tuple[str, ...] = ("otlp", "console")
+DEFAULT_STRAGGLER_RATIO_FLOOR_MS = 50.0
 # MEGATRON_OTEL_METRICS_EXPORTER: empty = the EXPORTER's; "prometheus" = a pull endpoint on each exporting rank.
 METRICS_EXPORTERS: Tuple[str, ...] = ("", "otlp", "console", "prometheus")
 _TRUE = ("1", "true", "yes", "on")
@@ -101,6 +102,7 @@ _ENV_SPECS = (
     ("prometheus_port", ("PROMETHEUS_PORT",), _parse_int),
     ("run_id", ("RUN_ID",), lambda v, n: v.strip()),
     ("user_id", ("USER_ID",), lambda v, n: v.strip()),
+    ("straggler_ratio_floor_ms", ("STRAGGLER_RATIO_FLOOR_MS",), _parse_float),
 )
 # Every key read after MEGATRON_OTEL_ / NEMO_LENS_ (here and by other modules: EXTRA_KEYS).
 KNOWN_KEYS: Tuple[str, ...] = tuple(key for _, keys, _ in _ENV_SPECS for key in keys)
@@ -156,6 +158,9 @@ class TelemetryConfig:
     run_id: Optional[str] = None
     user_id: str = ""
     service_name: str = "megatron-lm"
+    # Below this compute time (ms per iteration, a stage's fastest rank) no stage straggler ratio is
+    # exported (jitter of a few ms on a stage that computes 13 ms read as a 2x straggler); the gap is.
+    straggler_ratio_floor_ms: float = DEFAULT_STRAGGLER_RATIO_FLOOR_MS
     span_group_cls: type = MegatronSpanGroup
     sources: Dict[str, str] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -274,6 +279,9 @@ class TelemetryConfig:
                 f"{self._source('metrics_exporter')}={self.metrics_exporter!r} is not a metrics exporter; "
                 f"valid choices: (empty: as {self._source('exporter')}), {', '.join(METRICS_EXPORTERS[1:])}"
             )
+        if not (isinstance(self.straggler_ratio_floor_ms, (int, float)) and 0 <= self.straggler_ratio_floor_ms < math.inf):
+            raise ValueError(f"{self._source('straggler_ratio_floor_ms')}={self.straggler_ratio_floor_ms!r} must be a "
+                             "number of milliseconds >= 0")
         if not 0 <= int(self.prometheus_port) <= 65535:
             raise ValueError(f"{self._source('prometheus_port')}={self.prometheus_port!r} is not a TCP port (0-65535)")
         if not isinstance(self.service_name, str) or not self.service_name.strip():
