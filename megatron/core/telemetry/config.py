@@ -304,7 +304,9 @@ class NemoLensConfig(TelemetryConfig):
     its ``prefix``/``fallback_prefix``/``span_group_cls`` (e.g. ``from_env("MEGATRON_OTEL",
     "NEMO_LENS", MegatronSpanGroup)``); the values are read, checked and named in errors exactly as
     ``TelemetryConfig.from_env`` does. Differences kept on purpose: ``resolved_span_groups`` is a
-    method (nemo-lens: a property) and the default service name is ``megatron-lm`` (nemo-lens: ``nemo``).
+    method (nemo-lens: a property), the default service name is ``megatron-lm`` (nemo-lens: ``nemo``),
+    and a config built directly resolves Megatron's span groups (``span_group_cls``, nemo-lens's
+    ``_span_group_cls``, defaults to ``MegatronSpanGroup``; ``from_env`` to the base ``SpanGroup``).
     """
 
     _ALIASES = {"export_strategy": "rank_strategy", "user": "user_id", "_span_group_cls": "span_group_cls"}
