@@ -325,3 +325,21 @@ def test_straggler_flags_reach_the_breakdown():
     breakdown.close()
     assert StepBreakdown.create(logger_config(), handle=None) is None  # neither flag nor telemetry: off
     assert step_timing.active_recorder() is None
+
+
+def test_ratio_floor_comes_from_the_telemetry_setting():
+    import types
+
+    from megatron.core.telemetry import TelemetryConfig
+
+    config = TelemetryConfig.from_env(environ={"MEGATRON_OTEL_ENABLED": "1",
+                                               "MEGATRON_OTEL_STRAGGLER_RATIO_FLOOR_MS": "5"}).validate()
+    handle = types.SimpleNamespace(config=config, is_exporting=False, meter=None, run_id=None)
+    logger = types.SimpleNamespace(log_straggler=False, straggler_minmax_count=1)
+    breakdown = StepBreakdown.create(logger, handle)
+    try:
+        assert breakdown.ratio_floor_ms == 5.0
+    finally:
+        breakdown.close()
+    with pytest.raises(ValueError, match="MEGATRON_OTEL_STRAGGLER_RATIO_FLOOR_MS=-1.0 must be a number of milliseconds"):
+        TelemetryConfig.from_env(environ={"MEGATRON_OTEL_STRAGGLER_RATIO_FLOOR_MS": "-1"}).validate()
