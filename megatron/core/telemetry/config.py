@@ -311,15 +311,15 @@ class NemoLensConfig(TelemetryConfig):
 
     _ALIASES = {"export_strategy": "rank_strategy", "user": "user_id", "_span_group_cls": "span_group_cls"}
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, **fields) -> None:
         for alias, field in self._ALIASES.items():
-            if alias in kwargs:
-                if field in kwargs:
+            if alias in fields:
+                if field in fields:
                     raise TypeError(f"NemoLensConfig: give {alias}= or {field}=, not both")
-                value = kwargs.pop(alias)
+                value = fields.pop(alias)
                 if not (field == "span_group_cls" and value is None):
-                    kwargs[field] = value
-        super().__init__(**kwargs)
+                    fields[field] = value
+        super().__init__(**fields)
 
     @property
     def export_strategy(self) -> str:
