@@ -120,3 +120,28 @@ def test_exit_shutdown_is_short_against_a_dead_collector(monkeypatch):
     handle.shutdown(timeout_ms=AT_EXIT_TIMEOUT_MS)
     elapsed = time.monotonic() - start
     assert elapsed < 1.5, f"shutdown took {elapsed:.2f} s against a dead collector"
+
+
+@pytest.mark.timeout(300)
+def test_training_with_a_malformed_endpoint_stops_in_one_line():
+    import os
+    import subprocess
+    import sys
+
+    from pretrain_utils import REPO
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MEGATRON_OTEL_", "NEMO_LENS_", "OTEL_"))}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_closed_port()), MEGATRON_OTEL_ENABLED="1",
+               OTEL_EXPORTER_OTLP_ENDPOINT="http://collector:43l7")
+    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+             "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "2",
+             "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
+             "--vocab-size", "128", "--distributed-backend", "gloo"]
+    proc = subprocess.run([sys.executable, "pretrain_gpt.py", *flags], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Traceback" not in out, out[-3000:]
+    lines = [line for line in out.splitlines() if "OTEL_EXPORTER_OTLP_ENDPOINT" in line]
+    assert len(lines) == 1 and "is not a valid OTLP endpoint: the port '43l7' is not a number" in lines[0], out[-3000:]
+    assert "building GPT model" not in out
