@@ -206,6 +206,7 @@ def test_lowest_exporting_rank_sends_the_rows_of_silent_ranks_and_the_straggler_
     straggler = {n: v for n, v, _ in lead.points if ".straggler." in n}
     assert straggler == {"megatron.training.straggler.slowest_compute_ms": 150.0,
                          "megatron.training.straggler.fastest_compute_ms": 100.0,
+                         "megatron.training.straggler.gap_ms": 50.0,
                          "megatron.training.straggler.ratio": 1.5,
                          "megatron.training.straggler.slowest_rank": 1,
                          "megatron.training.straggler.fastest_rank": 0}
@@ -224,9 +225,25 @@ def test_straggler_view_compares_ranks_of_one_pipeline_stage():
         if ".straggler." in name:
             view.setdefault(attrs["dl.pipeline_parallel.rank"], {})[name.rsplit(".", 1)[1]] = value
     assert view == {0: {"slowest_compute_ms": 110.0, "fastest_compute_ms": 100.0, "ratio": pytest.approx(1.1),
-                        "slowest_rank": 1, "fastest_rank": 0},
+                        "gap_ms": pytest.approx(10.0), "slowest_rank": 1, "fastest_rank": 0},
                     1: {"slowest_compute_ms": 330.0, "fastest_compute_ms": 300.0, "ratio": pytest.approx(1.1),
-                        "slowest_rank": 3, "fastest_rank": 2}}  # never 330 / 100 = 3.3 across stages
+                        "gap_ms": pytest.approx(30.0), "slowest_rank": 3, "fastest_rank": 2}}  # never 330 / 100 = 3.3
+    # A stage-level series names its stage and nothing else of the rank that sends it.
+    assert {tuple(attrs) for name, _, attrs in meter.points if ".straggler." in name} == {("dl.pipeline_parallel.rank",)}
+
+
+def test_no_straggler_ratio_below_the_compute_floor():
+    # A healthy PP=2 run where stage 0 computes ~13 ms: 27 vs 13 ms read as a 2.1x straggler before.
+    assert step_breakdown.STRAGGLER_RATIO_FLOOR_MS == 50.0
+    table = _table([13.0, 27.0, 300.0, 310.0], [1.0] * 4, exports=[1, 0, 0, 0], stages=[0, 0, 1, 1])
+    view = step_breakdown.stage_stragglers(table)
+    assert view[0]["straggler_ratio"] is None and view[0]["straggler_gap_ms"] == pytest.approx(14.0)
+    assert view[1]["straggler_ratio"] == pytest.approx(310.0 / 300.0) and view[1]["straggler_gap_ms"] == pytest.approx(10.0)
+    meter = _Meter()
+    StepBreakdown(0, 4, meter, False, recorder=StepTimeRecorder(use_cuda_events=False))._record(table)
+    ratios = {a["dl.pipeline_parallel.rank"]: v for n, v, a in meter.points if n == "megatron.training.straggler.ratio"}
+    assert ratios == {1: pytest.approx(310.0 / 300.0)}  # stage 0's ratio is not recorded at all
+    assert step_breakdown.stage_stragglers(table, ratio_floor_ms=10.0)[0]["straggler_ratio"] == pytest.approx(27 / 13)
 
 
 def test_relayed_rows_carry_their_own_ranks_coordinates():
@@ -308,3 +325,21 @@ def test_straggler_flags_reach_the_breakdown():
     breakdown.close()
     assert StepBreakdown.create(logger_config(), handle=None) is None  # neither flag nor telemetry: off
     assert step_timing.active_recorder() is None
+
+
+def test_ratio_floor_comes_from_the_telemetry_setting():
+    import types
+
+    from megatron.core.telemetry import TelemetryConfig
+
+    config = TelemetryConfig.from_env(environ={"MEGATRON_OTEL_ENABLED": "1",
+                                               "MEGATRON_OTEL_STRAGGLER_RATIO_FLOOR_MS": "5"}).validate()
+    handle = types.SimpleNamespace(config=config, is_exporting=False, meter=None, run_id=None)
+    logger = types.SimpleNamespace(log_straggler=False, straggler_minmax_count=1)
+    breakdown = StepBreakdown.create(logger, handle)
+    try:
+        assert breakdown.ratio_floor_ms == 5.0
+    finally:
+        breakdown.close()
+    with pytest.raises(ValueError, match="MEGATRON_OTEL_STRAGGLER_RATIO_FLOOR_MS=-1.0 must be a number of milliseconds"):
+        TelemetryConfig.from_env(environ={"MEGATRON_OTEL_STRAGGLER_RATIO_FLOOR_MS": "-1"}).validate()

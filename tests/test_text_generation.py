@@ -1,6 +1,7 @@
 """tools/run_text_generation.py and megatron.core.inference.sampling: greedy generation at TP=1 equals TP=2 and a
 step-by-step argmax of the model's own forward; top-k / top-p / temperature keep the right tokens."""
 import json
+import os
 
 import pytest
 import torch
@@ -147,6 +148,26 @@ def test_generation_is_the_same_at_tp1_and_tp2_and_greedy_equals_stepwise_argmax
     sampled_tp2 = _generate(2, checkpoints[2], tmp_path, *sampled)
     assert sampled_tp1["generated_ids"] == sampled_tp2["generated_ids"]
     assert sampled_tp1["generated_ids"] != tp1["generated_ids"], "sampling at temperature 1.5 drew the argmax"
+
+
+@pytest.mark.timeout(300)
+def test_generation_is_one_inference_span_with_genai_attributes(checkpoints, tmp_path):
+    """With telemetry on and nothing else set, the default span groups include ``inference``: the request
+    is one ``text_completion gpt`` span (Megatron-LM's name and GenAI attributes), and the prompt is not in it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MEGATRON_OTEL_", "NEMO_LENS_", "OTEL_"))}
+    env.update(MEGATRON_OTEL_ENABLED="1", MEGATRON_OTEL_EXPORTER="console", MEGATRON_OTEL_METRICS_ENABLED="0")
+    result = run_ranks(1, ["tools/run_text_generation.py", "--load", str(checkpoints[1]), "--use-checkpoint-args",
+                           "--prompt", PROMPT, "--max-new-tokens", "4", "--ignore-eod", "--top-k", "5",
+                           "--temperature", "0.5", "--seed", "3"], env=env, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    spans = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"name":')]
+    (span,) = [s for s in spans if s["name"] == "text_completion gpt"]
+    attrs = span["attributes"]
+    assert attrs["gen_ai.operation.name"] == "text_completion" and attrs["gen_ai.provider.name"] == "megatron"
+    assert (attrs["gen_ai.request.max_tokens"], attrs["gen_ai.request.top_k"], attrs["gen_ai.request.seed"]) == (4, 5, 3)
+    assert attrs["gen_ai.request.temperature"] == 0.5 and "gen_ai.request.top_p" not in attrs
+    assert (attrs["gen_ai.usage.input_tokens"], attrs["gen_ai.usage.output_tokens"]) == (7, 4)
+    assert PROMPT not in json.dumps(span)
 
 
 def test_continuation_keeps_the_space_a_sentencepiece_word_starts_with(shared_data):

@@ -15,6 +15,8 @@ stops after ``--max-new-tokens``, at the model's ``--max-position-embeddings`` (
 or at the tokenizer's end-of-document id (unless ``--ignore-eod``). Rank 0 prints the text after a line
 ``===== generated =====`` and, with ``--output-file``, writes a JSON object
 ``{"prompt", "prompt_ids", "generated_ids", "text"}`` (``text`` is the detokenized continuation only).
+With telemetry on (``MEGATRON_OTEL_ENABLED=1``) the generation is one ``text_completion gpt`` span of the
+``inference`` group (in the default groups), with the OpenTelemetry GenAI request and token-count attributes.
 """
 import argparse
 import json
@@ -31,6 +33,7 @@ from megatron.core import parallel_state  # noqa: E402
 from megatron.core.collective_device import get_collective_device  # noqa: E402
 from megatron.core.console import write_line  # noqa: E402
 from megatron.core.inference.sampling import sample_logits  # noqa: E402
+from megatron.core.telemetry import managed_span, safe_set_span_attributes  # noqa: E402
 from megatron.training.arguments import parse_args  # noqa: E402
 from megatron.training.checkpointing import (  # noqa: E402
     MODEL_SHAPE_ARGS,
@@ -208,6 +211,22 @@ def generate(model, prompt_ids, max_new_tokens, max_length, eod=None, greedy=Fal
     return generated
 
 
+def generation_span_attributes(args, prompt_tokens: int) -> dict:
+    """The ``text_completion gpt`` span's attributes (OpenTelemetry GenAI semantic conventions, as
+    Megatron-LM's server sets them): operation, provider, model, the sampling request and the prompt's
+    token count; ``top_k``/``top_p`` only when they restrict sampling (greedy: ``temperature`` omitted)."""
+    attrs = {"gen_ai.operation.name": "text_completion", "gen_ai.provider.name": "megatron",
+             "gen_ai.request.model": "gpt", "gen_ai.request.max_tokens": int(args.max_new_tokens),
+             "gen_ai.request.seed": int(args.seed), "gen_ai.usage.input_tokens": int(prompt_tokens)}
+    if not args.greedy:
+        attrs["gen_ai.request.temperature"] = float(args.temperature)
+        if args.top_k > 0:
+            attrs["gen_ai.request.top_k"] = int(args.top_k)
+        if args.top_p > 0.0:
+            attrs["gen_ai.request.top_p"] = float(args.top_p)
+    return attrs
+
+
 def main(argv=None) -> None:
     """Parse the flags, load the checkpoint and generate; rank 0 prints (and writes) the result."""
     args = parse_generation_args(argv)
@@ -237,13 +256,18 @@ def main(argv=None) -> None:
     generator = torch.Generator(device=get_device())
     generator.manual_seed(args.seed)
     max_length = args.max_position_embeddings or args.seq_length
-    try:
-        generated = generate(model, prompt_ids, args.max_new_tokens, max_length,
-                             eod=None if args.ignore_eod else getattr(tokenizer, "eod", None),
-                             greedy=args.greedy, top_k=args.top_k, top_p=args.top_p, temperature=args.temperature,
-                             vocab_size=tokenizer.vocab_size, generator=generator)
-    except ValueError as error:
-        raise UserInputError(f"--prompt: {error}", same_on_every_rank=True) from error
+    # One span per request in the ``inference`` group (on by default when telemetry is on), named and
+    # attributed as Megatron-LM's text-generation server does (OpenTelemetry GenAI conventions). The
+    # prompt and the text are not attributes: they are user content.
+    with managed_span("inference", "text_completion gpt", **generation_span_attributes(args, len(prompt_ids))) as span:
+        try:
+            generated = generate(model, prompt_ids, args.max_new_tokens, max_length,
+                                 eod=None if args.ignore_eod else getattr(tokenizer, "eod", None),
+                                 greedy=args.greedy, top_k=args.top_k, top_p=args.top_p, temperature=args.temperature,
+                                 vocab_size=tokenizer.vocab_size, generator=generator)
+        except ValueError as error:
+            raise UserInputError(f"--prompt: {error}", same_on_every_rank=True) from error
+        safe_set_span_attributes(span, {"gen_ai.usage.output_tokens": len(generated)})
 
     if args.rank == 0:
         text = continuation_text(tokenizer, prompt_ids, generated)

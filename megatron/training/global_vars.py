@@ -228,6 +228,8 @@ def destroy_global_variables():
     if _GLOBAL_WANDB_WRITER is not None:
         _GLOBAL_WANDB_WRITER.finish()
     if _GLOBAL_TELEMETRY is not None:
-        _GLOBAL_TELEMETRY.shutdown()
+        from megatron.core.telemetry.handle import AT_EXIT_TIMEOUT_MS
+
+        _GLOBAL_TELEMETRY.shutdown(timeout_ms=AT_EXIT_TIMEOUT_MS)
     _GLOBAL_ARGS = _GLOBAL_TOKENIZER = _GLOBAL_TENSORBOARD_WRITER = _GLOBAL_WANDB_WRITER = None
     _GLOBAL_TIMERS = _GLOBAL_TELEMETRY = _GLOBAL_CONFIG = None

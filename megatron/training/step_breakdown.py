@@ -15,8 +15,9 @@ table:
   endpoint), so a relayed row never carries its sender's place in the layout;
 - the straggler view per pipeline stage (the ranks of one stage do the same work; different stages
   do not, so comparing across stages measures the partition, not a straggler): slowest/fastest rank's
-  compute time (forward + backward compute) within the stage and their ratio, labelled
-  ``dl.pipeline_parallel.rank``; and memory per rank (``megatron.training.memory.{allocated,reserved,
+  compute time (forward + backward compute) within the stage, the gap between them and their ratio
+  (not below ``STRAGGLER_RATIO_FLOOR_MS`` of compute), labelled with ``dl.pipeline_parallel.rank`` only
+  (a stage-level series names no rank); and memory per rank (``megatron.training.memory.{allocated,reserved,
   peak}_gb`` on CUDA, ``rss_gb`` always); both sent by the lowest exporting rank;
 - with ``--log-straggler`` rank 0 prints Megatron's straggler line
   (``MnRtt/Rnk: 3453.08ms/8 | MxRtt/Rnk: ...``: round-trip = compute time, ``DRtt`` = data wait,
@@ -39,11 +40,13 @@ from megatron.core.collective_device import get_collective_device
 from megatron.core.console import write_line
 from megatron.core.step_timing import PARTS, StepTimeRecorder
 from megatron.core.telemetry import is_span_group_enabled, managed_span, record_training_metrics
+from megatron.core.telemetry.config import DEFAULT_STRAGGLER_RATIO_FLOOR_MS
 from megatron.core.telemetry.resources.identity import service_instance_id
 from megatron.core.telemetry.strategies import node_local_rank
 
 __all__ = ["StepBreakdown", "TimedDataIterator", "wrap_data_iterator", "memory_stats_gb", "straggler_line",
-           "straggler_rank_lines", "stage_stragglers", "row_attributes", "layout_coordinates", "COLUMNS"]
+           "straggler_rank_lines", "stage_stragglers", "row_attributes", "layout_coordinates", "COLUMNS",
+           "STRAGGLER_RATIO_FLOOR_MS"]
 
 # Row layout of the gathered table.
 COLUMNS = ("exports", *PARTS, "other", "total", "allocated_gb", "reserved_gb", "peak_gb", "rss_gb",
@@ -57,6 +60,10 @@ _COORDINATES = (("dl.tensor_parallel.rank", "tensor_parallel_rank"),
                 ("dl.pipeline_parallel.rank", "pipeline_parallel_rank"),
                 ("dl.data_parallel.rank", "data_parallel_rank"), ("dl.context_parallel.rank", "context_parallel_rank"),
                 ("dl.local_rank", "local_rank"))
+# Below this much compute per iteration (ms, the stage's fastest rank) the stage straggler ratio is not
+# reported: timing jitter of a few ms makes it noise (the gap in ms is reported always). The default of
+# MEGATRON_OTEL_STRAGGLER_RATIO_FLOOR_MS (TelemetryConfig.straggler_ratio_floor_ms).
+STRAGGLER_RATIO_FLOOR_MS = DEFAULT_STRAGGLER_RATIO_FLOOR_MS
 # torch >= 2.13 renamed the flat all-gather; keep working on older releases.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -206,9 +213,14 @@ def row_attributes(row: torch.Tensor, rank: int, run_id: Optional[str] = None) -
     return attrs
 
 
-def stage_stragglers(table: torch.Tensor) -> Dict[int, Dict[str, float]]:
+def stage_stragglers(table: torch.Tensor,
+                     ratio_floor_ms: float = STRAGGLER_RATIO_FLOOR_MS) -> Dict[int, Dict[str, float]]:
     """Per pipeline stage: the slowest and fastest rank by compute time (forward + backward compute,
-    ms) among the ranks of that stage, and their ratio (None when the fastest is 0)."""
+    ms per iteration) among the ranks of that stage, the gap between them (ms) and their ratio.
+
+    The ratio is None when the fastest rank computes less than ``ratio_floor_ms`` (a few ms of jitter
+    on a stage that computes 13 ms read as a 2x straggler in a healthy run): the gap still shows a
+    real straggler there (it is 0 with one rank per stage)."""
     compute = table[:, _COL["forward_compute"]] + table[:, _COL["backward_compute"]]
     stages = table[:, _COL["pipeline_parallel_rank"]].nan_to_num(0.0).long().tolist()
     out = {}
@@ -218,7 +230,8 @@ def stage_stragglers(table: torch.Tensor) -> Dict[int, Dict[str, float]]:
         fast = min(members, key=lambda r: (float(compute[r]), r))
         slowest, fastest = float(compute[slow]), float(compute[fast])
         out[stage] = {"straggler_slowest_compute_ms": slowest, "straggler_fastest_compute_ms": fastest,
-                      "straggler_ratio": slowest / fastest if fastest > 0 else None,
+                      "straggler_gap_ms": slowest - fastest,
+                      "straggler_ratio": slowest / fastest if fastest >= ratio_floor_ms and fastest > 0 else None,
                       "straggler_slowest_rank": slow, "straggler_fastest_rank": fast}
     return out
 
@@ -233,12 +246,14 @@ class StepBreakdown:
     """
 
     def __init__(self, rank: int, world_size: int, exporting_meter, log_straggler: bool,
-                 recorder: Optional[StepTimeRecorder] = None, minmax_count: int = 1, run_id: Optional[str] = None):
+                 recorder: Optional[StepTimeRecorder] = None, minmax_count: int = 1, run_id: Optional[str] = None,
+                 ratio_floor_ms: float = STRAGGLER_RATIO_FLOOR_MS):
         self.rank, self.world_size = rank, world_size
         self.meter = exporting_meter
         self.log_straggler = log_straggler
         self.minmax_count = minmax_count
         self.run_id = run_id
+        self.ratio_floor_ms = float(ratio_floor_ms)
         self.recorder = recorder or StepTimeRecorder()
         self.last_table: Optional[torch.Tensor] = None
         self._coordinates = layout_coordinates(rank)
@@ -255,8 +270,9 @@ class StepBreakdown:
         meter = handle.meter if handle is not None and handle.is_exporting else None
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
+        floor = getattr(getattr(handle, "config", None), "straggler_ratio_floor_ms", STRAGGLER_RATIO_FLOOR_MS)
         return cls(rank, world, meter, log_straggler, minmax_count=int(logger.straggler_minmax_count or 1),
-                   run_id=getattr(handle, "run_id", None))
+                   run_id=getattr(handle, "run_id", None), ratio_floor_ms=floor)
 
     def step_begin(self) -> None:
         self.recorder.step_begin()
@@ -316,5 +332,5 @@ class StepBreakdown:
                       if math.isfinite(float(row[_COL[key]]))}
             record_training_metrics(self.meter, attributes=attrs, **memory)
         if lead:
-            for stage, values in stage_stragglers(table).items():
+            for stage, values in stage_stragglers(table, self.ratio_floor_ms).items():
                 record_training_metrics(self.meter, attributes={"dl.pipeline_parallel.rank": stage}, **values)

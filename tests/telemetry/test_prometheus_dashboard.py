@@ -80,7 +80,9 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(prometheus_bi
                    MEGATRON_OTEL_METRICS_EXPORTER="prometheus", MEGATRON_OTEL_PROMETHEUS_HOST="127.0.0.1",
                    MEGATRON_OTEL_PROMETHEUS_PORT=str(metrics_port), MEGATRON_OTEL_RUN_ID=RUN_ID,
                    OTEL_SERVICE_NAME=SERVICE, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
-                   LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+                   LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                   # this tiny model computes a few ms per iteration: report the straggler ratio anyway
+                   MEGATRON_OTEL_STRAGGLER_RATIO_FLOOR_MS="0")
         # The run is held inside its final save (the checkpoint test hook) until Prometheus has scraped the
         # finished run's series a few times: a fast run can otherwise end between two scrapes.
         marker, release = tmp_path / "in_final_save", tmp_path / "release"
@@ -168,7 +170,9 @@ def test_stack_configs_are_consistent(prometheus_binary):
     assert pipelines["traces"]["receivers"] == ["otlp"] and pipelines["metrics"]["receivers"] == ["otlp"]
     assert {"otlp/jaeger", "otlp/tempo"} <= set(pipelines["traces"]["exporters"])
     assert pipelines["metrics"]["exporters"] == ["prometheus"]
-    assert collector["exporters"]["prometheus"]["resource_to_telemetry_conversion"]["enabled"] is True
+    # resource attributes become labels through transform/promote_resource (tests/telemetry/test_observability_stack.py)
+    assert collector["exporters"]["prometheus"]["resource_to_telemetry_conversion"]["enabled"] is False
+    assert "transform/promote_resource" in pipelines["metrics"]["processors"]
     compose = yaml.safe_load((REPO / "observability" / "compose.yaml").read_text())
     assert {"otel-collector", "jaeger", "tempo", "prometheus", "grafana"} <= set(compose["services"])
     _, variables = _dashboard_queries()

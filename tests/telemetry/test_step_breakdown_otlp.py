@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from megatron.training.step_breakdown import STRAGGLER_RATIO_FLOOR_MS
 from pretrain_utils import run_pretrain
 from telemetry_testutil import clean_telemetry  # noqa: F401
 from test_telemetry_otlp import _grpc_receiver, _value
@@ -77,7 +78,11 @@ def test_step_breakdown_and_straggler_metrics_reach_the_receiver(shared_data, sh
     slowest = value[(0, "megatron.training.straggler.slowest_compute_ms", None)]
     fastest = value[(0, "megatron.training.straggler.fastest_compute_ms", None)]
     assert slowest >= fastest > 0
-    assert value[(0, "megatron.training.straggler.ratio", None)] == pytest.approx(slowest / fastest)
+    assert value[(0, "megatron.training.straggler.gap_ms", None)] == pytest.approx(slowest - fastest)
+    if fastest >= STRAGGLER_RATIO_FLOOR_MS:
+        assert value[(0, "megatron.training.straggler.ratio", None)] == pytest.approx(slowest / fastest)
+    else:  # too little compute for a meaningful ratio: only the gap is reported
+        assert (0, "megatron.training.straggler.ratio", None) not in value
     computes = {r: value[(r, "megatron.training.step.forward_compute_ms", r)]
                 + value[(r, "megatron.training.step.backward_compute_ms", r)] for r in (0, 1)}
     assert sorted(computes.values()) == pytest.approx([fastest, slowest])
@@ -122,5 +127,8 @@ def test_pipeline_breakdown_puts_the_stage_waits_in_pp_comm(shared_data, shakesp
     assert stage0["pp_comm"] > stage0["other"], stage0
     # One straggler view per stage, each over that stage's one rank here (ratio 1), never stage 1 vs 0.
     by_stage, _, _ = _latest_gauges(received, by="dl.pipeline_parallel.rank")
-    assert {k[2]: v for k, v in by_stage.items() if k[1] == "megatron.training.straggler.ratio"} == {0: 1.0, 1: 1.0}
+    assert {k[2]: v for k, v in by_stage.items() if k[1] == "megatron.training.straggler.gap_ms"} == {0: 0.0, 1: 0.0}
+    fastest = {k[2]: v for k, v in by_stage.items() if k[1] == "megatron.training.straggler.fastest_compute_ms"}
+    assert {k[2]: v for k, v in by_stage.items() if k[1] == "megatron.training.straggler.ratio"} == {
+        stage: 1.0 for stage, ms in fastest.items() if ms >= STRAGGLER_RATIO_FLOOR_MS}
     assert {k[2]: v for k, v in by_stage.items() if k[1] == "megatron.training.straggler.slowest_rank"} == {0: 0, 1: 1}

@@ -31,7 +31,7 @@ def test_disabled_by_default_and_no_probe(monkeypatch):
 def test_bad_settings_fail_on_every_rank(monkeypatch):
     monkeypatch.setenv("MEGATRON_OTEL_SPAN_GROUPS", "nonsense")
     for rank in range(2):
-        with pytest.raises(ValueError, match="MEGATRON_OTEL_SPAN_GROUPS: unknown span group"):
+        with pytest.raises(ValueError, match="MEGATRON_OTEL_SPAN_GROUPS: Unknown span group"):
             argument_utils.setup_telemetry_from_args(_args(otel_enabled=True), rank=rank, world_size=2)
     with pytest.raises(ValueError, match="--otel-span-groups"):
         argument_utils.setup_telemetry_from_args(_args(otel_span_groups="x"), rank=0, world_size=2)

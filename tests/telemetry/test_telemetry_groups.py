@@ -37,8 +37,8 @@ def test_unknown_names_fail_with_choices():
     with pytest.raises(ValueError) as err:
         SpanGroup.resolve("default,microbatch", source="NEMO_LENS_SPAN_GROUPS")
     msg = str(err.value)
-    assert msg.startswith("NEMO_LENS_SPAN_GROUPS: unknown span group or preset 'microbatch'")
-    assert "valid choices: all, default, full, per_step, profiling, checkpoint, evaluate" in msg
+    assert msg.startswith("NEMO_LENS_SPAN_GROUPS: Unknown span group or preset: 'microbatch'")
+    assert "Valid options: all, default, full, per_step, profiling, checkpoint, evaluate" in msg
     with pytest.raises(ValueError, match="expected a comma-separated string"):
         MegatronSpanGroup.resolve(["step"])
     assert MegatronSpanGroup.resolve(None) == frozenset()

@@ -14,7 +14,7 @@ from telemetry_testutil import clean_telemetry, finished, setup_in_memory  # noq
 
 def test_double_init_guard_shutdown_idempotent_and_reinit():
     handle, spans, _ = setup_in_memory()
-    with pytest.raises(RuntimeError, match="already called"):
+    with pytest.raises(RuntimeError, match="already been initialised"):
         setup_in_memory()
     disabled = tel.setup_telemetry(tel.TelemetryConfig(enabled=False), 0, 1)  # a disabled call is allowed
     assert not disabled.is_exporting and state.live_handle() is handle

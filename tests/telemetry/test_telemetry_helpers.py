@@ -77,7 +77,7 @@ def test_non_exporting_rank_creates_no_span_objects(monkeypatch):
         assert span is tel.fallbacks.NOOP_SPAN
     assert tel.record_training_metrics(handle.meter, loss=1.0) == 1  # no-op meter accepts it
     assert created == [] and detected == []
-    with pytest.raises(RuntimeError, match="already called"):
+    with pytest.raises(RuntimeError, match="already been initialised"):
         tel.setup_telemetry(tel.TelemetryConfig(enabled=True), rank=0, world_size=4)
 
 

@@ -4,7 +4,7 @@ Importable without the OpenTelemetry packages: only ``providers`` imports the SD
 rank that exports. Layers, each importing only earlier ones: ``groups``/``span_groups``, ``otlp_env``,
 ``strategies``, ``providers``, ``sampling``, ``config``, ``resources``, ``handle``; instrumented code uses ``helpers``.
 """
-from .config import TelemetryConfig, otlp_protocol, parse_bool
+from .config import NemoLensConfig, TelemetryConfig, otlp_protocol, parse_bool
 from .distributed import (
     broadcast_trace_context,
     create_linked_span,
@@ -18,10 +18,12 @@ from .handle import TelemetryHandle, get_active_handle, setup_telemetry
 from .helpers import (
     is_span_group_enabled,
     managed_span,
+    redact_value,
     safe_set_span_attributes,
     sanitize_attributes,
     span_cm,
     trace_fn,
+    trace_region,
 )
 from .logging_bridge import setup_logging_bridge, teardown_logging_bridge
 from .propagation import extract_context, inject_context
@@ -40,9 +42,10 @@ from .strategies import (
 from .training_metrics import TRAINING_INSTRUMENTS, record_training_metrics
 
 __all__ = [
-    "TelemetryConfig", "parse_bool", "otlp_protocol", "SpanGroup", "MegatronSpanGroup",
+    "TelemetryConfig", "NemoLensConfig", "parse_bool", "otlp_protocol", "SpanGroup", "MegatronSpanGroup",
     "setup_telemetry", "TelemetryHandle", "get_active_handle",
-    "managed_span", "span_cm", "trace_fn", "safe_set_span_attributes", "sanitize_attributes",
+    "managed_span", "span_cm", "trace_fn", "trace_region", "safe_set_span_attributes", "sanitize_attributes",
+    "redact_value",
     "is_span_group_enabled", "get_enabled_groups", "set_enabled_groups",
     "inject_context", "extract_context", "broadcast_trace_context", "create_linked_span",
     "iteration_trace_context", "iteration_span_ids", "iteration_sampled", "iteration_step_span",

@@ -89,7 +89,7 @@ class SpanGroup:
                 enabled.add(token)
             else:
                 raise ValueError(
-                    f"{source}: unknown span group or preset {raw.strip()!r}; valid choices: "
+                    f"{source}: Unknown span group or preset: {raw.strip()!r}. Valid options: "
                     + ", ".join(cls.valid_names())
                 )
         return frozenset(enabled)

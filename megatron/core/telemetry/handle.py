@@ -16,7 +16,9 @@ __all__ = ["TelemetryHandle", "setup_telemetry", "get_active_handle", "TRACER_NA
 
 logger = logging.getLogger(__name__)
 TRACER_NAME = "megatron"
-AT_EXIT_TIMEOUT_MS = 5000
+# The shutdown budget at the end of training and at interpreter exit: a live collector takes the last
+# batch in milliseconds; a dead one must not hold the job's exit (it added ~5 s with 5000 here).
+AT_EXIT_TIMEOUT_MS = 2000
 _SETUP_LOCK = threading.Lock()
 _ATEXIT_REGISTERED = False
 
@@ -183,7 +185,7 @@ def setup_telemetry(
         live = _state.live_handle()
         if live is not None and not live.is_shutdown:
             raise RuntimeError(
-                "setup_telemetry() was already called in this process and its handle is live; "
+                "setup_telemetry() has already been initialised for this process and its handle is live; "
                 "call handle.shutdown() before setting telemetry up again"
             )
         groups = config.resolved_span_groups()

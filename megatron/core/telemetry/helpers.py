@@ -1,4 +1,4 @@
-"""Span helpers for instrumented code: gated ``managed_span``, ``span_cm``, ``trace_fn``, attribute filtering."""
+"""Span helpers for instrumented code: gated ``managed_span``, ``span_cm``, ``trace_fn``, ``trace_region``, attribute filtering."""
 from __future__ import annotations
 
 import contextlib
@@ -9,8 +9,8 @@ from typing import Any, Callable, Dict, FrozenSet, Iterable, Mapping, Optional
 from . import state as _state
 from .global_providers import context_and_trace_api, default_tracer
 
-__all__ = ["managed_span", "span_cm", "trace_fn", "safe_set_span_attributes", "sanitize_attributes",
-           "is_span_group_enabled", "REDACTED", "DEFAULT_REDACT_KEYS"]
+__all__ = ["managed_span", "span_cm", "trace_fn", "trace_region", "safe_set_span_attributes", "sanitize_attributes",
+           "redact_value", "is_span_group_enabled", "REDACTED", "DEFAULT_REDACT_KEYS", "TRACE_REGION_GROUP"]
 
 REDACTED = "[REDACTED]"
 _SECRET_WORDS = frozenset({
@@ -52,6 +52,19 @@ DEFAULT_REDACT_KEYS: FrozenSet[str] = frozenset({"prompt", "text", "input_text",
 
 def _is_redacted(key: str, redact_keys: FrozenSet[str]) -> bool:
     return key in redact_keys or key.rsplit(".", 1)[-1] in redact_keys or _is_secret_key(key)
+
+
+def redact_value(key: str, value: Any, redact_keys: Optional[Iterable[str]] = None) -> Any:
+    """nemo-lens's ``helpers.redact_value``: ``"[REDACTED]"`` when ``key`` is to be redacted, else ``value``.
+
+    ``key`` is redacted when it is in ``redact_keys`` (default ``DEFAULT_REDACT_KEYS``), when its last
+    dotted part is (``gen_ai.prompt`` for ``prompt``), and, whatever ``redact_keys`` holds, when it
+    looks like a secret (``*token``, ``password``, ``api_key``, ``authorization``, ...): the same rule
+    as ``sanitize_attributes``, wider than nemo-lens's exact-key match (docs/observability.md).
+    ``value`` is returned unchanged otherwise, whatever its type.
+    """
+    redact = DEFAULT_REDACT_KEYS if redact_keys is None else frozenset(redact_keys)
+    return REDACTED if isinstance(key, str) and _is_redacted(key, redact) else value
 
 
 def sanitize_attributes(attributes: Optional[Mapping[str, Any]],
@@ -201,3 +214,60 @@ def trace_fn(group: str, name: Optional[str] = None, tracer=None) -> Callable[[C
         return wrapper
 
     return decorate
+
+
+TRACE_REGION_GROUP = "trace_region"
+
+
+class _TraceRegion:
+    """What ``trace_region`` returns: a context manager and a decorator. The group is looked up on
+    each entry (and each call of a decorated function), so a region defined at import time, before
+    telemetry is set up, emits spans once its group is on."""
+
+    __slots__ = ("_name", "_group", "_attrs", "_live")
+
+    def __init__(self, name: str, group: str, attrs: Mapping[str, Any]):
+        self._name, self._group, self._attrs = name, group, attrs
+        self._live = None  # the entered live spans, innermost last (a region object may be re-entered)
+
+    def __enter__(self):
+        if self._group not in _state.ENABLED_GROUPS:
+            return None
+        cm = _LiveSpanCM(self._name, None, None, self._attrs)
+        span = cm.__enter__()
+        if self._live is None:
+            self._live = []
+        self._live.append(cm)
+        return span
+
+    def __exit__(self, exc_type, exc, tb):
+        if not self._live:
+            return False  # entered while the group was off
+        return self._live.pop().__exit__(exc_type, exc, tb)
+
+    def __call__(self, fn: Callable) -> Callable:
+        name, group, attrs = self._name, self._group, self._attrs
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if group not in _state.ENABLED_GROUPS:
+                return fn(*args, **kwargs)
+            with _LiveSpanCM(name, None, None, attrs):
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+
+def trace_region(name: str, group: str = TRACE_REGION_GROUP, **attrs: Any) -> _TraceRegion:
+    """A span around your own code, in the ``trace_region`` group (or ``group``): use it as
+    ``with trace_region("myapp.tokenize", batch=3) as span:`` (``span`` is ``None`` when the group is
+    off) or as a decorator, ``@trace_region("myapp.eval_hook")``.
+
+    Off (telemetry disabled, rank not exporting, or the group not selected, as by default: turn it on
+    with ``MEGATRON_OTEL_SPAN_GROUPS=default,trace_region``) it costs one small object and one
+    frozenset lookup, and no span is created. On, the span is a child of the current span (e.g.
+    ``megatron.train_step``), carries ``attrs`` (filtered as ``safe_set_span_attributes`` does), and
+    records an exception escaping the block before re-raising it. Inside a ``torch.compile``d region
+    use ``managed_span``, whose off path is a ``nullcontext`` the compiler traces through.
+    """
+    return _TraceRegion(name, group, attrs)

@@ -4,8 +4,10 @@ from __future__ import annotations
 import os
 import re
 from typing import Mapping, Optional, Tuple
+from urllib.parse import urlsplit
 
-__all__ = ["OTLP_PROTOCOLS", "OTLP_HEADER_VARIABLES", "otlp_protocol", "otlp_headers_problem", "check_otlp_headers"]
+__all__ = ["OTLP_PROTOCOLS", "OTLP_HEADER_VARIABLES", "OTLP_ENDPOINT_VARIABLES", "otlp_protocol",
+           "otlp_headers_problem", "check_otlp_headers", "otlp_endpoint_problem", "check_otlp_endpoints"]
 
 OTLP_PROTOCOLS: Tuple[str, ...] = ("grpc", "http/protobuf")
 
@@ -86,3 +88,62 @@ def check_otlp_headers(environ: Optional[Mapping[str, str]] = None) -> None:
             raise ValueError(f"{name} is malformed: {problem}; write comma-separated name=value pairs with "
                              "characters such as quotes or semicolons percent-encoded, e.g. x-api-key=abc%3Bdef "
                              "(the value is not shown: it may hold a credential)")
+
+
+OTLP_ENDPOINT_VARIABLES: Tuple[str, ...] = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                                            "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT")
+_HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)$")
+
+
+def otlp_endpoint_problem(value: str, protocol: str = "grpc") -> Optional[str]:
+    """What is wrong with an OTLP endpoint URL, or ``None`` when the exporter can use it.
+
+    A URL needs the scheme ``http`` or ``https``, a host, and a port (if any) in 1-65535, and no
+    blank inside. Over gRPC the Python SDK also takes a bare ``host:port`` (it dials the channel
+    target as given), so that is accepted there; the HTTP exporter needs the full URL.
+    """
+    text = value.strip()
+    if any(c.isspace() for c in text):
+        return "it holds a blank"
+    if "://" not in text:
+        if protocol == "grpc" and _HOST.match(text.rsplit(":", 1)[0] if ":" in text else text):
+            port = text.rsplit(":", 1)[1] if ":" in text and not text.endswith("]") else None
+            if port is None or (port.isdigit() and 1 <= int(port) <= 65535):
+                return None
+            return f"the port {port!r} is not a number in 1-65535"
+        return "it has no scheme (expected http:// or https://)"
+    parts = urlsplit(text)
+    if parts.scheme.lower() not in ("http", "https"):
+        return f"the scheme {parts.scheme!r} is not http or https"
+    host = parts.hostname
+    if not host or not _HOST.match(f"[{host}]" if ":" in host else host):
+        return "it names no host"
+    try:
+        port = parts.port  # ValueError for a non-number or one out of range
+    except ValueError:
+        return f"the port {parts.netloc.rsplit(':', 1)[-1]!r} is not a number in 1-65535"
+    if port == 0:
+        return "the port 0 is not in 1-65535"
+    return None
+
+
+def check_otlp_endpoints(environ: Optional[Mapping[str, str]] = None) -> None:
+    """Check every set ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``_TRACES_`` / ``_METRICS_`` / ``_LOGS_ENDPOINT``
+    against the protocol its signal uses (``otlp_protocol``).
+
+    Raises ``ValueError`` naming the variable, the value (user and password, if any, hidden) and what
+    is wrong, so that a typo stops the run at start-up instead of every export failing.
+    """
+    env = os.environ if environ is None else environ
+    for name in OTLP_ENDPOINT_VARIABLES:
+        value = env.get(name) or ""
+        if not value.strip():
+            continue
+        signal = name[len("OTEL_EXPORTER_OTLP_"):-len("_ENDPOINT")].lower() or "traces"
+        signals = ("traces", "metrics", "logs") if name == "OTEL_EXPORTER_OTLP_ENDPOINT" else (signal,)
+        for sig in signals:
+            problem = otlp_endpoint_problem(value, otlp_protocol(sig, env))
+            if problem is not None:
+                shown = re.sub(r"//[^/@]*@", "//***@", value.strip())
+                raise ValueError(f"{name}={shown!r} is not a valid OTLP endpoint: {problem}; "
+                                 "write e.g. http://collector:4317 (grpc) or http://collector:4318 (http/protobuf)")

@@ -134,6 +134,8 @@ class _RateLimitFilter(logging.Filter):
         if record.levelno < logging.WARNING:
             return True
         now = time.monotonic()
+        if record.name.startswith("opentelemetry.exporter"):
+            _note_export_failure(now)
         last = self._last.get(record.name)
         if last is not None and now - last < self.interval_s:
             self._suppressed[record.name] = self._suppressed.get(record.name, 0) + 1
@@ -146,6 +148,23 @@ class _RateLimitFilter(logging.Filter):
 
 
 _RATE_LIMIT = _RateLimitFilter()
+# When an OTLP exporter last reported a failed export (its WARNING records: connection refused, timeout,
+# unavailable), monotonic seconds; None if never. Shutdown then waits only briefly for the collector.
+_LAST_EXPORT_FAILURE: Optional[float] = None
+EXPORT_FAILURE_MEMORY_S = 30.0
+# What shutdown still waits for a flush after a recent export failure, before aborting the exporters.
+FAILED_COLLECTOR_WAIT_S = 0.25
+
+
+def _note_export_failure(now: float) -> None:
+    global _LAST_EXPORT_FAILURE
+    _LAST_EXPORT_FAILURE = now
+
+
+def recent_export_failure(within_s: float = EXPORT_FAILURE_MEMORY_S) -> bool:
+    """Whether an OTLP exporter of this process reported a failed export in the last ``within_s`` seconds."""
+    last = _LAST_EXPORT_FAILURE
+    return last is not None and time.monotonic() - last < within_s
 
 
 def _rate_limit_export_logs() -> None:
@@ -372,8 +391,9 @@ def _abort(exporter) -> None:
 def shutdown_providers(providers: Providers, timeout_ms: int) -> bool:
     """End open spans (marked truncated), flush and shut down every provider, and return within
     ``timeout_ms`` even when the collector is unreachable or slow: the work runs on a daemon thread;
-    at 80 % of the budget the exporters are aborted (channels closed, retries stopped) and whatever
-    is left is abandoned. Returns whether everything finished in time. Never raises."""
+    at 80 % of the budget (after ``FAILED_COLLECTOR_WAIT_S`` when an exporter reported a failed
+    export in the last ``EXPORT_FAILURE_MEMORY_S``) the exporters are aborted (channels closed,
+    retries stopped) and whatever is left is abandoned. Returns whether everything finished in time. Never raises."""
     deadline = time.monotonic() + max(0, timeout_ms) / 1000.0
     if providers.span_tracker is not None:
         providers.span_tracker.end_open_spans()
@@ -396,6 +416,10 @@ def shutdown_providers(providers: Providers, timeout_ms: int) -> bool:
 
     threading.Thread(target=work, name="megatron-otel-shutdown", daemon=True).start()
     soft = max(0.0, (deadline - time.monotonic()) * 0.8)
+    if recent_export_failure():
+        # The collector failed an export moments ago: give the final flush a brief chance, then abort
+        # (an unreachable collector would otherwise hold the exit for most of the budget).
+        soft = min(soft, FAILED_COLLECTOR_WAIT_S)
     if not done.wait(soft):
         for exporter in providers.exporters:
             _abort(exporter)

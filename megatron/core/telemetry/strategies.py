@@ -87,7 +87,7 @@ _LOCK = threading.Lock()
 
 def _normalise(name: str) -> str:
     if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"rank strategy name must be a non-empty string, got {name!r}")
+        raise ValueError(f"Strategy name must be a non-empty string, got {name!r}.")
     return name.strip().lower()
 
 
@@ -104,8 +104,8 @@ def register_rank_strategy(name: str, fn: RankStrategyFn, *, allow_override: boo
         raise TypeError(f"rank strategy {name!r}: fn must be callable, got {type(fn).__name__}")
     with _LOCK:
         if key in _REGISTRY and not allow_override:
-            kind = "a built-in" if key in BUILTIN_RANK_STRATEGIES else "already registered"
-            raise ValueError(f"rank strategy {key!r} is {kind}; pass allow_override=True to replace it")
+            kind = " (a built-in)" if key in BUILTIN_RANK_STRATEGIES else ""
+            raise ValueError(f"Strategy {key!r} is already registered{kind}. Pass allow_override=True to replace it.")
         _REGISTRY[key] = fn
 
 
@@ -122,11 +122,11 @@ def unregister_rank_strategy(name: str) -> bool:
     with _LOCK:
         if key in _BUILTIN_FNS:
             if _REGISTRY.get(key) is _BUILTIN_FNS[key]:
-                raise ValueError(f"rank strategy {key!r} is built in and cannot be unregistered")
+                raise ValueError(f"Cannot unregister built-in strategy {key!r}.")
             _REGISTRY[key] = _BUILTIN_FNS[key]
             return True
         if key not in _REGISTRY:
-            raise ValueError(f"rank strategy {key!r} is not registered; registered: {', '.join(_REGISTRY)}")
+            raise ValueError(f"Strategy {key!r} is not registered. Registered strategies: {', '.join(_REGISTRY)}.")
         del _REGISTRY[key]
         return True
 
