@@ -9,7 +9,13 @@ Layouts: EP=2; EP=2 x TP=2 with --sequence-parallel; EP=2 x PP=2; EP=2 with --us
 with both token dispatchers (allgather, alltoall), dropless. On a subset: a capacity factor (EP=2 and EP=2 x PP=2
 with alltoall, EP=2 with the distributed optimizer and allgather, with --moe-pad-expert-input-to-capacity once),
 a shared expert (EP=2 x TP=2, alltoall) and sigmoid routing with the aux-loss-free expert bias (EP=2, both
-dispatchers).
+dispatchers). Beyond the issue's list, one dispatcher each: expert TP 1 under TP=2 (SP) with the distributed
+optimizer (the expert-data-parallel group differs from the dense one) and EP=2 x CP=2.
+
+Context parallelism follows Megatron core_v0.14: each CP rank's aux loss is its part of the whole (the token
+counts are summed over TP x CP) while the gradients are averaged over DP x CP, so under CP the aux loss trains
+with 1/CP of its coefficient (the same holds for the z-loss). EP=2 x CP=2 is therefore compared with one process
+run at --moe-aux-loss-coeff 1e-2 / 2; the logged load_balancing_loss (the loss without its coefficient) is equal.
 
 Not compared with one process, by design (Megatron's semantics): a capacity factor under sequence parallelism,
 where each TP rank routes only its sequence shard and the capacity is computed per shard (``get_capacity`` on the
@@ -42,13 +48,24 @@ LAYOUTS = {  # name: (ranks, flags, flags of the one-process reference)
                        "--sequence-parallel"], PAD_TP2),
     "ep2-pp2": (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], []),
     "ep2-distopt": (2, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"], []),
+    # Expert TP 1 under TP 2: the experts' data-parallel group (2 ranks, the EP peers' TP ranks) is not the dense one.
+    "ep2-tp2-etp1-distopt": (4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                 "--sequence-parallel", "--expert-tensor-parallel-size", "1",
+                                 "--use-distributed-optimizer"], PAD_TP2),
+    # Megatron's CP semantics: each CP rank's aux loss is its part of the whole (tokens_per_expert summed over
+    # TP x CP) and the gradients are averaged over DP x CP, so the aux loss trains with 1/CP of its coefficient:
+    # the one-process run to compare with has --moe-aux-loss-coeff 1e-2 / 2.
+    "ep2-cp2": (4, ["--expert-model-parallel-size", "2", "--context-parallel-size", "2"],
+                ["--moe-aux-loss-coeff", "5e-3"]),
 }
 CAPACITY = ["--moe-expert-capacity-factor", "1.0"]
 SHARED = ["--moe-shared-expert-intermediate-size", "48"]
 SIGMOID_BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
                 "--moe-router-bias-update-rate", "1e-2"]
 # (layout, dispatcher, variant flags): every layout with both dispatchers dropless, then the variants.
-CASES = [(layout, dispatcher, ()) for layout in LAYOUTS for dispatcher in ("allgather", "alltoall")] + [
+CASES = [(layout, dispatcher, ()) for layout in list(LAYOUTS)[:4] for dispatcher in ("allgather", "alltoall")] + [
+    ("ep2-tp2-etp1-distopt", "allgather", ()),
+    ("ep2-cp2", "alltoall", ()),
     ("ep2", "alltoall", tuple(CAPACITY)),
     ("ep2-pp2", "alltoall", tuple(CAPACITY)),
     ("ep2-distopt", "allgather", (*CAPACITY, "--moe-pad-expert-input-to-capacity")),
@@ -79,6 +96,8 @@ def references(tmp_path_factory):
 
 
 def _assert_same_numbers(run, reference, what):
+    """lm loss and the logged load_balancing_loss (the loss without its coefficient) within 1e-5, grad norm 1e-5
+    relative, at every iteration."""
     assert sorted(run["lm loss"]) == list(range(1, ITERS + 1)), what
     for step in range(1, ITERS + 1):
         assert abs(run["lm loss"][step] - reference["lm loss"][step]) <= 1e-5, f"{what}: lm loss at {step}"
