@@ -99,3 +99,41 @@ def test_expert_grads_reduce_over_expert_dp_and_count_once_in_the_norm(average_i
     for norm, expected in results:
         assert norm == pytest.approx(expected, rel=1e-6)
     assert len({round(norm, 9) for norm, _ in results}) == 1
+
+
+class _BiasedRouters(torch.nn.Module):
+    """Two routers' expert-bias buffers (what finalize_model_grads finds by attribute), E = 4."""
+
+    def __init__(self, counts):
+        super().__init__()
+        from megatron.core.model_parallel_config import ModelParallelConfig
+
+        self.config = ModelParallelConfig()
+        self.config.moe_router_enable_expert_bias = True
+        self.config.moe_router_bias_update_rate = 0.25
+        self.routers = torch.nn.ModuleList([torch.nn.Module(), torch.nn.Module()])
+        for router, layer_counts in zip(self.routers, counts):
+            router.register_buffer("local_tokens_per_expert", torch.tensor(layer_counts, dtype=torch.float32),
+                                   persistent=False)
+            router.register_buffer("expert_bias", torch.full((4,), 1.0))
+
+
+def _bias_worker(rank, world):
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+
+    ps.initialize_model_parallel()
+    # Per rank and layer; summed over the 2 data-parallel ranks: layer 0 [4, 8, 6, 6], layer 1 [5, 5, 5, 5].
+    counts = [[[1, 6, 3, 2], [5, 0, 2, 3]], [[3, 2, 3, 4], [0, 5, 3, 2]]][rank]
+    model = _BiasedRouters(counts)
+    finalize_model_grads([model])
+    ps.destroy_model_parallel()
+    return ([router.expert_bias.tolist() for router in model.routers],
+            [router.local_tokens_per_expert.tolist() for router in model.routers])
+
+
+def test_expert_bias_updates_once_per_step_from_the_counts_of_all_data_parallel_ranks():
+    """bias += sign(mean(count) - count) * rate with the counts summed over TP x DP x CP; counts zeroed."""
+    for biases, counts in run_distributed(_bias_worker, 2):
+        assert biases == [[1.25, 0.75, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]]
+        assert counts == [[0.0] * 4, [0.0] * 4]
