@@ -10,7 +10,8 @@ with both token dispatchers (allgather, alltoall), dropless. On a subset: a capa
 with alltoall, EP=2 with the distributed optimizer and allgather, with --moe-pad-expert-input-to-capacity once),
 a shared expert (EP=2 x TP=2, alltoall) and sigmoid routing with the aux-loss-free expert bias (EP=2, both
 dispatchers). Beyond the issue's list, one dispatcher each: expert TP 1 under TP=2 (SP) with the distributed
-optimizer (the expert-data-parallel group differs from the dense one) and EP=2 x CP=2.
+optimizer (the expert-data-parallel group differs from the dense one), EP=2 x CP=2, and EP=2 with the
+distributed optimizer overlapping a bucketed grad reduce-scatter and param all-gather.
 
 Context parallelism follows Megatron core_v0.14: each CP rank's aux loss is its part of the whole (the token
 counts are summed over TP x CP) while the gradients are averaged over DP x CP, so under CP the aux loss trains
@@ -48,6 +49,9 @@ LAYOUTS = {  # name: (ranks, flags, flags of the one-process reference)
                        "--sequence-parallel"], PAD_TP2),
     "ep2-pp2": (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], []),
     "ep2-distopt": (2, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"], []),
+    # Overlapped, bucketed grad reduce-scatter and param all-gather (several buckets in each buffer).
+    "ep2-distopt-overlap": (2, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
+                                "--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "2000"], []),
     # Expert TP 1 under TP 2: the experts' data-parallel group (2 ranks, the EP peers' TP ranks) is not the dense one.
     "ep2-tp2-etp1-distopt": (4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
                                  "--sequence-parallel", "--expert-tensor-parallel-size", "1",
@@ -66,6 +70,7 @@ SIGMOID_BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-e
 CASES = [(layout, dispatcher, ()) for layout in list(LAYOUTS)[:4] for dispatcher in ("allgather", "alltoall")] + [
     ("ep2-tp2-etp1-distopt", "allgather", ()),
     ("ep2-cp2", "alltoall", ()),
+    ("ep2-distopt-overlap", "alltoall", ()),
     ("ep2", "alltoall", tuple(CAPACITY)),
     ("ep2-pp2", "alltoall", tuple(CAPACITY)),
     ("ep2-distopt", "allgather", (*CAPACITY, "--moe-pad-expert-input-to-capacity")),
