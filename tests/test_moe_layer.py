@@ -20,7 +20,7 @@ from dist_utils import run_distributed
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ModelCommProcessGroups
 from megatron.core.transformer.moe import routing_stats
-from megatron.core.transformer.moe.experts import grouped_matmul
+from megatron.core.transformer.moe.experts import _grouped_mm_applies, grouped_matmul
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_moe_layer_wise_logging_tracker
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -106,7 +106,7 @@ def _case_worker(rank, world, case):
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel()
     ref = _layer(_config(**kw))
-    ref_init = {k: v for k, v in _expert_tensors(ref, False).items()}
+    ref_init = _expert_tensors(ref, False)
     ref_router_init = ref.router.weight.detach().clone()
     ref_out, ref_dx, ref_aux = [], [], []
     for d in range(dp):
@@ -205,6 +205,12 @@ CASES = {
         moe_token_dispatcher_type="allgather", gated_linear_unit=True, moe_shared_expert_intermediate_size=8)),
     "ep2_tp2_sp_alltoall": dict(world=4, tp=2, ep=2, sp=True, kw=dict(
         moe_token_dispatcher_type="alltoall", gated_linear_unit=True)),
+    "ep2_tp2_sp_alltoall_grouped_pad": dict(world=4, tp=2, ep=2, sp=True, kw=dict(
+        moe_token_dispatcher_type="alltoall", gated_linear_unit=True, moe_grouped_gemm=True,
+        moe_pad_expert_input_to_capacity=True, moe_token_drop_policy="position", **_DROP)),
+    "ep2_tp2_sp_allgather_sigmoid_z": dict(world=4, tp=2, ep=2, sp=True, kw=dict(
+        moe_token_dispatcher_type="allgather", moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True, moe_z_loss_coeff=1e-2)),
     "ep2_tp2_sp_alltoall_drop": dict(world=4, tp=2, ep=2, sp=True, kw=dict(
         moe_token_dispatcher_type="alltoall", **_DROP)),
     "ep2_etp1_tp2_sp_alltoall": dict(world=4, tp=2, ep=2, etp=1, sp=True, kw=dict(
@@ -250,6 +256,11 @@ def test_transformer_layer_builds_moe_where_config_says():
     assert out.shape == (S, B, H)
 
 
+def test_moe_layer_refuses_expert_sizes_its_groups_do_not_have():
+    with pytest.raises(ValueError, match="expert_model_parallel_size=2 but the expert-parallel group has 1"):
+        MoELayer(_config(expert_model_parallel_size=2), 1, ModelCommProcessGroups())
+
+
 def test_moe_layer_refuses_tp_without_sequence_parallel_in_training(monkeypatch):
     layer = _layer(_config())
     monkeypatch.setattr(layer, "attn_tp_group", object())
@@ -260,28 +271,50 @@ def test_moe_layer_refuses_tp_without_sequence_parallel_in_training(monkeypatch)
     layer(torch.randn(S, B, H, dtype=torch.float64))  # inference is allowed
 
 
-def test_grouped_matmul_loop_matches_per_expert_matmuls_and_grouped_mm_when_available():
+def test_grouped_matmul_loop_matches_per_expert_matmuls_and_grouped_mm_where_it_applies():
     torch.manual_seed(0)
     counts = [3, 0, 5, 8]
     x = torch.randn(sum(counts), 16, dtype=torch.float64)
     w = torch.randn(4, 16, 8, dtype=torch.float64)
     want = torch.cat([x[sum(counts[:i]):sum(counts[:i + 1])] @ w[i] for i in range(4)])
     assert torch.equal(grouped_matmul(x, w, counts, use_grouped_mm=False), want)
-    if torch.cuda.is_available() and hasattr(F, "grouped_mm") and torch.cuda.get_device_capability()[0] >= 9:
-        xb, wb = x.cuda().bfloat16(), w.cuda().bfloat16()
-        got = grouped_matmul(xb, wb, counts, use_grouped_mm=True).float()
-        loop = grouped_matmul(xb, wb, counts, use_grouped_mm=False).float()
-        torch.testing.assert_close(got, loop, rtol=1.6e-2, atol=1e-2)
+    assert not _grouped_mm_applies(x, w)  # no grouped GEMM in fp64: the loop serves
+    cases = [("cpu", torch.float32, 1e-5)]
+    if torch.cuda.is_available():
+        cases.append(("cuda", torch.bfloat16, 2e-2))
+    ran = []
+    for device, dtype, tol in cases:
+        xd = x.to(device, dtype).requires_grad_(True)
+        wd = w.to(device, dtype).requires_grad_(True)
+        if not _grouped_mm_applies(xd, wd):
+            continue  # this torch has no grouped GEMM for the device/dtype
+        ran.append(device)
+        grads = []
+        for use in (True, False):
+            xd.grad = wd.grad = None
+            out = grouped_matmul(xd, wd, counts, use_grouped_mm=use)
+            out.sum().backward()  # a stride-0 gradient, which the grouped GEMM's backward needs contiguous
+            grads.append((out.detach().float(), xd.grad.float(), wd.grad.float()))
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    if hasattr(F, "grouped_mm"):
+        assert ran, "torch has grouped_mm but it ran nowhere"
 
 
 def test_sequential_and_grouped_mlp_agree_with_same_seed():
-    x = torch.randn(S, B, H, dtype=torch.float64)
-    outs = []
-    for grouped in (False, True):
-        layer = _layer(_config(moe_grouped_gemm=grouped, gated_linear_unit=True, activation_func=F.silu))
-        outs.append(_run(layer, x, torch.ones(S, B, H, dtype=torch.float64)))
-    assert (outs[0][0] - outs[1][0]).abs().max() <= TOL
-    assert (outs[0][1] - outs[1][1]).abs().max() <= TOL
+    # fp64: GroupedMLP loops; fp32: GroupedMLP runs torch's grouped GEMM where this torch has one on CPU.
+    for dtype, tol in ((torch.float64, TOL), (torch.float32, 1e-5)):
+        x = torch.randn(S, B, H, dtype=dtype)
+        outs, grads = [], []
+        for grouped in (False, True):
+            layer = _layer(_config(moe_grouped_gemm=grouped, gated_linear_unit=True, activation_func=F.silu,
+                                   params_dtype=dtype))
+            outs.append(_run(layer, x, torch.ones(S, B, H, dtype=dtype)))
+            grads.append(_expert_tensors(layer, True))
+        for a, b in zip(outs[0], outs[1]):
+            assert (a - b).abs().max() <= tol
+        for key in grads[0]:
+            assert (grads[0][key] - grads[1][key]).abs().max() <= tol, key
 
 
 def test_aux_loss_backward_uses_the_class_scale():
@@ -297,3 +330,51 @@ def test_aux_loss_backward_uses_the_class_scale():
     finally:
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     assert grads[0] > 0 and grads[1] == 0
+
+
+def _gpt_moe_step(recompute):
+    from megatron.core.models.gpt import GPTModel
+
+    kw = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}
+    config = _config(moe_layer_freq=[1, 1], **kw)
+    torch.manual_seed(3)
+    model = GPTModel(config, vocab_size=32, max_sequence_length=S).train()
+    tokens = torch.randint(0, 32, (B, S))
+    position_ids = torch.arange(S).unsqueeze(0).expand(B, -1)
+    recorder = routing_stats.install()
+    try:
+        get_moe_layer_wise_logging_tracker().clear()
+        loss = model(tokens, position_ids, None, labels=tokens)
+        loss.sum().backward()
+    finally:
+        routing_stats.uninstall()
+    tracked = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"].clone()
+    return recorder.take(), tracked, model.decoder.layers[0].mlp.router.weight.grad.clone()
+
+
+def test_gpt_model_with_moe_records_and_logs_each_layer_once_even_with_full_recompute():
+    stats, tracked, grad = _gpt_moe_step(recompute=False)
+    assert sorted(stats) == [1, 2] and all(sum(counts) == S * B * 2 for counts, _ in stats.values())
+    assert (tracked > 0).all()
+    # Full recompute runs each layer twice (no-grad forward, replay in backward): still one record and one loss.
+    stats_rc, tracked_rc, grad_rc = _gpt_moe_step(recompute=True)
+    assert stats_rc == stats
+    assert torch.equal(tracked_rc, tracked)
+    torch.testing.assert_close(grad_rc, grad, rtol=0, atol=1e-12)
+
+
+def test_expert_parallel_overrides_build_another_ranks_experts_with_the_same_weights():
+    # Converters build the model of EP rank 1 of 2 in one process (parallel_state's set_* overrides).
+    full = _expert_tensors(_layer(_config()), False)
+    parallel_state.set_expert_model_parallel_world_size(2)
+    parallel_state.set_expert_model_parallel_rank(1)
+    try:
+        for grouped in (False, True):
+            layer = _layer(_config(expert_model_parallel_size=2, moe_grouped_gemm=grouped))
+            assert layer.local_expert_indices == [2, 3]
+            shard = _expert_tensors(layer, False)
+            assert sorted(shard) == [(2, "fc1"), (2, "fc2"), (3, "fc1"), (3, "fc2")]
+            assert all(torch.equal(shard[key], full[key]) for key in shard)
+    finally:
+        parallel_state.set_expert_model_parallel_world_size(None)
+        parallel_state.set_expert_model_parallel_rank(None)

@@ -9,7 +9,7 @@ TP=k starts from the weights of TP=1; Megatron-LM draws expert shards from a per
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +20,7 @@ from megatron.core.tensor_parallel.layers import _param_device  # where the laye
 from megatron.core.tensor_parallel.utils import divide
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.moe.collectives import group_rank, group_size
+from megatron.core.transformer.moe.collectives import expert_parallel_size_rank, group_rank, group_size
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 __all__ = ["SequentialMLP", "GroupedMLP", "grouped_matmul"]
@@ -52,7 +52,7 @@ class SequentialMLP(MegatronModule):
         super().__init__(config)
         self.num_local_experts = num_local_experts
         ep_group, self.tp_group = _expert_groups(config, model_comm_pgs)
-        ep_rank = group_rank(ep_group)
+        ep_rank = expert_parallel_size_rank(ep_group)[1]
         first = ep_rank * num_local_experts
         ffn = config.moe_ffn_hidden_size
         fc1_rows = 2 * ffn if config.gated_linear_unit else ffn
@@ -81,26 +81,62 @@ class SequentialMLP(MegatronModule):
         return torch.cat(outputs, dim=0), None
 
 
+_GROUPED_MM_WORKS: Dict[Tuple[str, torch.dtype, int, int, int], bool] = {}
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient (the grouped GEMM's backward refuses the
+    stride-0 gradient of e.g. ``out.sum()``)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
 def _grouped_mm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """torch's grouped GEMM (``torch.nn.functional.grouped_mm``) runs bf16 on CUDA with 16-byte aligned dims."""
+    """Whether ``torch.nn.functional.grouped_mm`` exists and runs forward and backward for this device,
+    dtype and weight shape (bf16 on CUDA SM >= 8.0 with 16-byte aligned dims; some CPU builds take bf16/fp32).
+
+    Probed once per (device type, dtype, groups, K, N) on small random operands; any error means no.
+    """
     fn = getattr(F, "grouped_mm", None)
-    return (fn is not None and x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
-            and x.size(-1) % 8 == 0 and w.size(-1) % 8 == 0)
+    if fn is None:
+        return False
+    groups, k, n = w.shape
+    key = (x.device.type, x.dtype, groups, k, n)
+    if key not in _GROUPED_MM_WORKS:
+        try:
+            with torch.enable_grad():
+                # Constant operands: the probe must not consume the RNG (dropout masks, resumes).
+                a = torch.ones(groups + 1, k, dtype=x.dtype, device=x.device, requires_grad=True)
+                b = torch.ones(groups, k, n, dtype=w.dtype, device=w.device, requires_grad=True)
+                offs = torch.arange(1, groups + 1, dtype=torch.int32, device=x.device)
+                offs[-1] = groups + 1
+                fn(a, b, offs=offs).backward(torch.ones(groups + 1, n, dtype=x.dtype, device=x.device))
+            _GROUPED_MM_WORKS[key] = True
+        except (RuntimeError, NotImplementedError, ValueError, TypeError):
+            _GROUPED_MM_WORKS[key] = False
+    return _GROUPED_MM_WORKS[key]
 
 
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: List[int],
                    use_grouped_mm: Optional[bool] = None) -> torch.Tensor:
     """Row block i of x [N, K] (``tokens_per_expert[i]`` rows) times w[i] [K, M] -> [N, M].
 
-    One ``torch.nn.functional.grouped_mm`` call where it applies (CUDA, bf16), else a loop of matmuls
-    with the same result (up to the GEMM's summation order). ``use_grouped_mm`` forces a path (tests).
+    One ``torch.nn.functional.grouped_mm`` call where it exists and applies (``_grouped_mm_applies``),
+    else a loop of matmuls with the same result (up to the GEMM's summation order).
+    ``use_grouped_mm`` forces a path (tests; False: the loop).
     """
     if use_grouped_mm is None:
         use_grouped_mm = _grouped_mm_applies(x, w)
     if use_grouped_mm:
         offs = torch.cumsum(torch.tensor(tokens_per_expert, device=x.device, dtype=torch.int32), dim=0,
                             dtype=torch.int32)
-        return F.grouped_mm(x, w, offs=offs)
+        return _ContiguousGrad.apply(F.grouped_mm(x, w, offs=offs))
     chunks = torch.split(x, tokens_per_expert)
     return torch.cat([chunk @ w[i] for i, chunk in enumerate(chunks)], dim=0)
 
@@ -122,7 +158,7 @@ class GroupedMLP(MegatronModule):
         self.num_local_experts = num_local_experts
         ep_group, self.tp_group = _expert_groups(config, model_comm_pgs)
         tp_size, tp_rank = group_size(self.tp_group), group_rank(self.tp_group)
-        ep_rank = group_rank(ep_group)
+        ep_rank = expert_parallel_size_rank(ep_group)[1]
         ffn = config.moe_ffn_hidden_size
         glu = config.gated_linear_unit
         self.ffn_per_partition = divide(ffn, tp_size)

@@ -39,9 +39,11 @@ class TopKRouter(MegatronModule):
     forward(x [s, b, h] or [tokens, h]; tokens local to this rank: s/CP, further /TP under SP)
     -> (probs [tokens, E] (0 off the map), routing_map [tokens, E] bool). Steps: logits in
     ``moe_router_dtype``; input jitter and z-loss (training); top-k by the score function
-    (``moe_utils.topk_routing_with_score_function``); capacity dropping; aux / seq-aux loss attached to
+    (``moe_utils.topk_routing_with_score_function``); capacity dropping, on this rank's tokens only
+(under sequence parallelism each SP shard drops on its own, as in Megatron); aux / seq-aux loss attached to
     the probs with ``MoEAuxLossAutoScaler`` (training, under grad); expert-bias counts; one
-    ``routing_stats.record_routing`` call (counts before dropping, dropped pairs; no host sync).
+    ``routing_stats.record_routing`` call (counts before dropping, dropped pairs; no host sync; not in the
+    no-grad first pass of activation recompute, whose replay records instead).
     """
 
     def __init__(self, config: TransformerConfig, model_comm_pgs: Optional[ModelCommProcessGroups] = None) -> None:
@@ -81,9 +83,11 @@ class TopKRouter(MegatronModule):
 
     # -- helpers -------------------------------------------------------------------------------
     def _maintain_float32_expert_bias(self) -> None:
-        # Float16Module casts buffers to bf16/fp16; the bias update needs fp32.
-        if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
-            self.expert_bias.data = self.expert_bias.data.to(torch.float32)
+        # Float16Module casts buffers to bf16/fp16; the bias update needs fp32 (and the token counts
+        # must stay exact: bf16 counts stop at 256).
+        for buffer in (self.expert_bias, self.local_tokens_per_expert):
+            if buffer is not None and buffer.dtype != torch.float32:
+                buffer.data = buffer.data.to(torch.float32)
 
     def get_aux_loss_coeff(self, aux_loss_type: str) -> float:
         """Coefficient of ``aux_loss_type`` (``moe_aux_loss_coeff``, or its entry when the types are a list); 0 if unused."""
@@ -107,14 +111,17 @@ class TopKRouter(MegatronModule):
         return router_gating_linear(x, self.weight, router_dtype)
 
     def apply_input_jitter(self, x: torch.Tensor) -> torch.Tensor:
-        """Multiply x by U(1-eps, 1+eps) noise in training (``moe_input_jitter_eps``; Fedus et al. 2021)."""
+        """Multiply x by U(1-eps, 1+eps) noise (``moe_input_jitter_eps``; Fedus et al. 2021, Switch Transformer).
+
+        As in Megatron core_v0.14 the noise is drawn whenever eps is set (eval too) in the default float
+        dtype, so a bf16 input is promoted by it.
+        """
         eps = self.config.moe_input_jitter_eps
-        if eps is None or not self.training:
+        if eps is None:
             return x
         if self.input_jitter is None:
-            low = torch.tensor(1.0 - eps, dtype=x.dtype, device=x.device)
-            high = torch.tensor(1.0 + eps, dtype=x.dtype, device=x.device)
-            self.input_jitter = torch.distributions.uniform.Uniform(low, high).rsample
+            self.input_jitter = torch.distributions.uniform.Uniform(
+                torch.tensor(1.0 - eps, device=x.device), torch.tensor(1.0 + eps, device=x.device)).rsample
         return x * self.input_jitter(x.shape)
 
     def _attach(self, activation: torch.Tensor, coeff: float, loss: torch.Tensor, name: str,
@@ -197,7 +204,9 @@ class TopKRouter(MegatronModule):
         if self.enable_expert_bias and torch.is_grad_enabled():
             with torch.no_grad():
                 self.local_tokens_per_expert += routing_map.sum(dim=0)
-        if self.layer_number is not None:
+        # Skip the no-grad first pass of a recomputed training forward (full activation recompute):
+        # the recomputation in backward records it, once, as it attaches the losses once.
+        if self.layer_number is not None and (torch.is_grad_enabled() or not self.training):
             routing_stats.record_routing(self.layer_number, tokens_before_dropping, dropped)
         return probs, routing_map
 
