@@ -10,8 +10,9 @@ with both token dispatchers (allgather, alltoall), dropless. On a subset: a capa
 with alltoall, EP=2 with the distributed optimizer and allgather, with --moe-pad-expert-input-to-capacity once),
 a shared expert (EP=2 x TP=2, alltoall) and sigmoid routing with the aux-loss-free expert bias (EP=2, both
 dispatchers). Beyond the issue's list, one dispatcher each: expert TP 1 under TP=2 (SP) with the distributed
-optimizer (the expert-data-parallel group differs from the dense one), EP=2 x CP=2, and EP=2 with the
-distributed optimizer overlapping a bucketed grad reduce-scatter and param all-gather.
+optimizer (the expert-data-parallel group differs from the dense one), EP=2 x CP=2, EP=2 with the
+distributed optimizer overlapping a bucketed grad reduce-scatter and param all-gather, and EP=2 x PP=2 with
+--moe-layer-freq [0,1] (a pipeline stage without expert parameters).
 
 Context parallelism follows Megatron core_v0.14: each CP rank's aux loss is its part of the whole (the token
 counts are summed over TP x CP) while the gradients are averaged over DP x CP, so under CP the aux loss trains
