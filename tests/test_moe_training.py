@@ -6,13 +6,13 @@ on gloo ranks; compared with the same model on one process: ``lm loss`` within 1
 relative and the logged ``load_balancing_loss`` within 1e-5 (all from TensorBoard, float32 as written).
 
 Layouts: EP=2; EP=2 x TP=2 with --sequence-parallel; EP=2 x PP=2; EP=2 with --use-distributed-optimizer; each
-with both token dispatchers (allgather, alltoall), dropless. On a subset: a capacity factor (EP=2 and EP=2 x PP=2
-with alltoall, EP=2 with the distributed optimizer and allgather, with --moe-pad-expert-input-to-capacity once),
+with both token dispatchers (allgather, alltoall), dropless. On a subset: a capacity factor (EP=2 with alltoall; EP=2
+with the distributed optimizer and allgather, with --moe-pad-expert-input-to-capacity),
 a shared expert (EP=2 x TP=2, alltoall) and sigmoid routing with the aux-loss-free expert bias (EP=2, both
 dispatchers). Beyond the issue's list, one dispatcher each: expert TP 1 under TP=2 (SP) with the distributed
 optimizer (the expert-data-parallel group differs from the dense one), EP=2 x CP=2, EP=2 with the
 distributed optimizer overlapping a bucketed grad reduce-scatter and param all-gather, and EP=2 x PP=2 with
---moe-layer-freq [0,1] (a pipeline stage without expert parameters).
+--moe-layer-freq [0,1] (a pipeline stage without expert parameters); and FSDP2 (EP=1, which FSDP2 requires).
 
 Context parallelism follows Megatron core_v0.14: each CP rank's aux loss is its part of the whole (the token
 counts are summed over TP x CP) while the gradients are averaged over DP x CP, so under CP the aux loss trains
@@ -53,6 +53,8 @@ LAYOUTS = {  # name: (ranks, flags, flags of the one-process reference)
     # Overlapped, bucketed grad reduce-scatter and param all-gather (several buckets in each buffer).
     "ep2-distopt-overlap": (2, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
                                 "--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "2000"], []),
+    "fsdp2": (2, ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion", "--untie-embeddings-and-output-weights"],
+              ["--untie-embeddings-and-output-weights"]),
     # Expert TP 1 under TP 2: the experts' data-parallel group (2 ranks, the EP peers' TP ranks) is not the dense one.
     "ep2-tp2-etp1-distopt": (4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
                                  "--sequence-parallel", "--expert-tensor-parallel-size", "1",
@@ -72,8 +74,8 @@ CASES = [(layout, dispatcher, ()) for layout in list(LAYOUTS)[:4] for dispatcher
     ("ep2-tp2-etp1-distopt", "allgather", ()),
     ("ep2-cp2", "alltoall", ()),
     ("ep2-distopt-overlap", "alltoall", ()),
+    ("fsdp2", "alltoall", ()),
     ("ep2", "alltoall", tuple(CAPACITY)),
-    ("ep2-pp2", "alltoall", tuple(CAPACITY)),
     ("ep2-pp2", "allgather", ("--moe-layer-freq", "[0,1]")),  # the first stage has no MoE layer
     ("ep2-distopt", "allgather", (*CAPACITY, "--moe-pad-expert-input-to-capacity")),
     ("ep2-tp2-sp", "alltoall", tuple(SHARED)),
