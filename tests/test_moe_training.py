@@ -12,7 +12,8 @@ a shared expert (EP=2 x TP=2, alltoall) and sigmoid routing with the aux-loss-fr
 dispatchers). Beyond the issue's list, one dispatcher each: expert TP 1 under TP=2 (SP) with the distributed
 optimizer (the expert-data-parallel group differs from the dense one), EP=2 x CP=2, EP=2 with the
 distributed optimizer overlapping a bucketed grad reduce-scatter and param all-gather, and EP=2 x PP=2 with
---moe-layer-freq [0,1] (a pipeline stage without expert parameters); and FSDP2 (EP=1, which FSDP2 requires).
+--moe-layer-freq [0,1] (a pipeline stage without expert parameters), EP=2 with --calculate-per-token-loss (the
+aux-loss scale without 1/num_microbatches), and FSDP2 (EP=1, which FSDP2 requires).
 
 Context parallelism follows Megatron core_v0.14: each CP rank's aux loss is its part of the whole (the token
 counts are summed over TP x CP) while the gradients are averaged over DP x CP, so under CP the aux loss trains
@@ -75,6 +76,7 @@ CASES = [(layout, dispatcher, ()) for layout in list(LAYOUTS)[:4] for dispatcher
     ("ep2-cp2", "alltoall", ()),
     ("ep2-distopt-overlap", "alltoall", ()),
     ("fsdp2", "alltoall", ()),
+    ("ep2", "alltoall", ("--calculate-per-token-loss",)),
     ("ep2", "alltoall", tuple(CAPACITY)),
     ("ep2-pp2", "allgather", ("--moe-layer-freq", "[0,1]")),  # the first stage has no MoE layer
     ("ep2-distopt", "allgather", (*CAPACITY, "--moe-pad-expert-input-to-capacity")),
