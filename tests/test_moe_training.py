@@ -9,8 +9,8 @@ Layouts: EP=2; EP=2 x TP=2 with --sequence-parallel; EP=2 x PP=2; EP=2 with --us
 with both token dispatchers (allgather, alltoall), dropless. On a subset: a capacity factor (EP=2 with alltoall; EP=2
 with the distributed optimizer and allgather, with --moe-pad-expert-input-to-capacity),
 a shared expert (EP=2 x TP=2, alltoall) and sigmoid routing with the aux-loss-free expert bias (EP=2, both
-dispatchers). Beyond the issue's list, one dispatcher each: expert TP 1 under TP=2 (SP) with the distributed
-optimizer (the expert-data-parallel group differs from the dense one), EP=2 x CP=2, EP=2 with the
+dispatchers). Beyond the issue's list, one dispatcher each: expert TP 1 under TP=2 (SP), with and without the
+distributed optimizer (the expert-data-parallel group differs from the dense one), EP=2 x CP=2, EP=2 with the
 distributed optimizer overlapping a bucketed grad reduce-scatter and param all-gather, and EP=2 x PP=2 with
 --moe-layer-freq [0,1] (a pipeline stage without expert parameters), EP=2 with --calculate-per-token-loss (the
 aux-loss scale without 1/num_microbatches), and FSDP2 (EP=1, which FSDP2 requires).
@@ -63,6 +63,8 @@ LAYOUTS = {  # name: (ranks, flags, flags of the one-process reference)
     # Megatron's CP semantics: each CP rank's aux loss is its part of the whole (tokens_per_expert summed over
     # TP x CP) and the gradients are averaged over DP x CP, so the aux loss trains with 1/CP of its coefficient:
     # the one-process run to compare with has --moe-aux-loss-coeff 1e-2 / 2.
+    "ep2-tp2-etp1": (4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                         "--sequence-parallel", "--expert-tensor-parallel-size", "1"], PAD_TP2),
     "ep2-cp2": (4, ["--expert-model-parallel-size", "2", "--context-parallel-size", "2"],
                 ["--moe-aux-loss-coeff", "5e-3"]),
 }
@@ -73,6 +75,7 @@ SIGMOID_BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-e
 # (layout, dispatcher, variant flags): every layout with both dispatchers dropless, then the variants.
 CASES = [(layout, dispatcher, ()) for layout in list(LAYOUTS)[:4] for dispatcher in ("allgather", "alltoall")] + [
     ("ep2-tp2-etp1-distopt", "allgather", ()),
+    ("ep2-tp2-etp1", "alltoall", ()),
     ("ep2-cp2", "alltoall", ()),
     ("ep2-distopt-overlap", "alltoall", ()),
     ("fsdp2", "alltoall", ()),
