@@ -7,8 +7,8 @@ main grads; after ``finish_grad_sync``:
 - expert grads are the sum over the 2 expert-data-parallel ranks divided by 4 (Megatron's 1/(DP x CP)), also with
   ``average_in_collective`` (pre-scale expert_dp/dp, then the average);
 - the distributed optimizer shards the expert buffer over the expert-data-parallel group;
-- the grad norm counts every distinct grad element once: the dense ones once, each expert-parallel rank's
-  experts once (not once per data-parallel rank, and not only this rank's).
+- the grad norm (and the zero count) counts every distinct grad element once: the dense ones once, each
+  expert-parallel rank's experts once (not once per data-parallel rank, and not only this rank's).
 """
 import math
 
@@ -87,6 +87,8 @@ def _worker(rank, world, average_in_collective, distributed_optimizer):
         expected_sq += float((sum(_grad_values(r)[1] for r in group) / world).pow(2).sum())
     assert len(set(layouts)) == 2 and len(ep) == 2
     norm = optimizer.get_grad_norm()
+    # One zero per distinct expert grad (index 0 of arange * (rank + 1)); the dense mean has none.
+    assert optimizer.count_zeros() == len(set(layouts))
     ps.destroy_model_parallel()
     return norm, math.sqrt(expected_sq)
 
