@@ -13,7 +13,8 @@ dispatchers). Beyond the issue's list, one dispatcher each: expert TP 1 under TP
 distributed optimizer (the expert-data-parallel group differs from the dense one), EP=2 x CP=2, EP=2 with the
 distributed optimizer overlapping a bucketed grad reduce-scatter and param all-gather, and EP=2 x PP=2 with
 --moe-layer-freq [0,1] (a pipeline stage without expert parameters), EP=2 with --calculate-per-token-loss (the
-aux-loss scale without 1/num_microbatches), and FSDP2 (EP=1, which FSDP2 requires).
+aux-loss scale without 1/num_microbatches), EP=2 x TP=2 (SP) with the per-sequence aux loss (seq_aux_loss), and
+FSDP2 (EP=1, which FSDP2 requires).
 
 Context parallelism follows Megatron core_v0.14: each CP rank's aux loss is its part of the whole (the token
 counts are summed over TP x CP) while the gradients are averaged over DP x CP, so under CP the aux loss trains
@@ -80,6 +81,7 @@ CASES = [(layout, dispatcher, ()) for layout in list(LAYOUTS)[:4] for dispatcher
     ("ep2-distopt-overlap", "alltoall", ()),
     ("fsdp2", "alltoall", ()),
     ("ep2", "alltoall", ("--calculate-per-token-loss",)),
+    ("ep2-tp2-sp", "allgather", ("--moe-router-load-balancing-type", "seq_aux_loss")),
     ("ep2", "alltoall", tuple(CAPACITY)),
     ("ep2-pp2", "allgather", ("--moe-layer-freq", "[0,1]")),  # the first stage has no MoE layer
     ("ep2-distopt", "allgather", (*CAPACITY, "--moe-pad-expert-input-to-capacity")),
@@ -93,7 +95,8 @@ def _train(nproc, flags, tmp_path, name):
     tb = tmp_path / f"tb_{name}"
     result = run_ranks(nproc, [*MODEL, *TRAIN, *flags, "--tensorboard-dir", tb], timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return {tag: tensorboard_scalars(tb, tag) for tag in TAGS}, result.stdout
+    tags = [tag.replace("load_balancing", "seq_load_balancing") if "seq_aux_loss" in flags else tag for tag in TAGS]
+    return {tag: tensorboard_scalars(tb, tag) for tag in tags}, result.stdout
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +120,8 @@ def _assert_same_numbers(run, reference, what):
         assert abs(run["lm loss"][step] - reference["lm loss"][step]) <= 1e-5, f"{what}: lm loss at {step}"
         assert run["grad-norm"][step] == pytest.approx(reference["grad-norm"][step], rel=1e-5), \
             f"{what}: grad norm at {step}"
-        assert abs(run["load_balancing_loss"][step] - reference["load_balancing_loss"][step]) <= 1e-5, \
-            f"{what}: load_balancing_loss at {step}"
+        for tag in set(reference) - {"lm loss", "grad-norm"}:  # the logged (seq_)load_balancing_loss
+            assert abs(run[tag][step] - reference[tag][step]) <= 1e-5, f"{what}: {tag} at {step}"
 
 
 @pytest.mark.parametrize("layout,dispatcher,variant", CASES,
