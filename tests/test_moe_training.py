@@ -173,3 +173,12 @@ def test_per_layer_logging_and_z_loss_reach_tensorboard(tmp_path):
     assert sorted(tensorboard_scalars(tb, "z_loss")) == list(range(1, ITERS + 1))
     assert len(re.findall(r"\| lm loss: [0-9.]+E[+-]\d+ \| z_loss: [0-9.]+E[+-]\d+ \| "
                           r"load_balancing_loss: [0-9.]+E[+-]\d+ \| loss scale:", stdout)) == ITERS
+
+
+def test_aux_loss_with_coefficient_zero_is_left_out_of_the_line(tmp_path):
+    """Megatron's default --moe-aux-loss-coeff 0: TensorBoard gets load_balancing_loss 0 (track_moe_metrics zero-fills
+    the tracked names), the line leaves it out (Megatron prints a loss only when its average is above 0)."""
+    run, stdout = _train(1, ["--moe-aux-loss-coeff", "0"], tmp_path, "coeff0")
+    assert set(run["load_balancing_loss"].values()) == {0.0}
+    lines = [line for line in stdout.splitlines() if "| lm loss: " in line]
+    assert len(lines) == ITERS and not any("load_balancing_loss" in line for line in lines)
