@@ -24,6 +24,11 @@ TRAINING_INSTRUMENTS: Dict[str, Tuple[str, str, str, str]] = {
     "memory_allocated_gb": ("megatron.training.memory_allocated_gb", "gauge", "GB", "Peak allocated device memory"),
     "validation_loss": ("megatron.validation.loss", "gauge", "1", "Validation loss"),
     "validation_ppl": ("megatron.validation.ppl", "gauge", "1", "Validation perplexity"),
+    # Troubleshooting (megatron/training/troubleshooting.py): reports printed, as counters.
+    "hang_reports": ("megatron.training.hang_reports", "counter", "reports",
+                     "Hang reports printed (a rank's heartbeat stopped for --hang-report-seconds)"),
+    "slow_steps": ("megatron.training.slow_steps", "counter", "steps",
+                   "Steps slower than --slow-step-factor times the running median"),
 }
 # Beyond the spec's table: progress and liveness, where each rank's step time goes, the straggler
 # view and memory per rank. Gauges, recorded at each --log-interval; per-rank ones carry ``dl.rank`` (and the
