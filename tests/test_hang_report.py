@@ -1,0 +1,227 @@
+"""Troubleshooting built in (issue 32, items 1-2): hang report, start-up watch, slow-step lines, on 2 gloo ranks.
+
+The end-to-end tests run tests/hang_pretrain.py (pretrain_gpt.py with test-only data-fetch and
+checkpoint hooks) as independent processes with torchrun's environment and wait for marker files and
+log lines, never for a fixed time; every process they start is stopped in a ``finally``.
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dist_utils import free_port
+from pretrain_utils import REPO, _pretrain_argv
+
+from megatron.core.hang_monitor import blocked_in, monitor_interval, write_stacks
+from megatron.core.progress import PROGRESS, in_section, phase_label
+from megatron.training.step_breakdown import COLUMNS
+from megatron.training.troubleshooting import SlowStepDetector, explain_slow_interval, slow_step_line
+
+_SMALL = ["--micro-batch-size", "2", "--split", "100,0,0", "--eval-iters", "0"]
+
+
+class _Ranks:
+    """``nproc`` ranks (or only those in ``ranks``) of tests/hang_pretrain.py, each its own process with
+    torchrun's variables, output to a file per rank."""
+
+    def __init__(self, nproc, flags, shared_data, data_prefix, tmp_path, env=None, ranks=None, port=None):
+        argv = [sys.executable, *_pretrain_argv(flags, shared_data, data_prefix, tmp_path)]
+        argv[1] = str(REPO / "tests" / "hang_pretrain.py")
+        self.port = port or free_port()
+        self.procs, self.paths = {}, {}
+        for rank in (range(nproc) if ranks is None else ranks):
+            rank_env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port),
+                            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                            LOCAL_WORLD_SIZE=str(nproc), PYTHONPATH=str(REPO), **(env or {}))
+            self.paths[rank] = tmp_path / f"rank{rank}_{self.port}.log"
+            with open(self.paths[rank], "w") as log:  # a file: no rank blocks on a full pipe
+                self.procs[rank] = subprocess.Popen(argv, cwd=tmp_path, env=rank_env, stdout=log,
+                                                    stderr=subprocess.STDOUT)
+
+    def output(self, rank) -> str:
+        return self.paths[rank].read_text(errors="replace")
+
+    def wait_until(self, condition, what, timeout):
+        """Poll ``condition()`` until true; a rank that ends first or the deadline fails the test."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            ended = {r: p.returncode for r, p in self.procs.items() if p.poll() is not None}
+            assert not ended, f"ranks ended (statuses {ended}) before {what}\n{self.tail()}"
+            assert time.monotonic() < deadline, f"no {what} within {timeout} s\n{self.tail()}"
+            time.sleep(0.1)
+
+    def tail(self) -> str:
+        return "\n".join(f"--- rank {r}\n{self.output(r)[-2500:]}" for r in self.procs)
+
+    def finish(self, timeout=120):
+        statuses = {r: p.wait(timeout=timeout) for r, p in self.procs.items()}
+        return statuses
+
+    def kill(self):
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()  # SIGKILL ends a stopped process too
+                proc.wait()
+
+
+@pytest.mark.timeout(180)
+def test_sigstop_of_rank_1_is_named_by_rank_0_within_30_s(shared_data, shakespeare_prefix, tmp_path):
+    """Rank 1 stops itself (SIGSTOP) while fetching data for iteration 3: with --hang-report-seconds 10,
+    rank 0 prints one ``hang report:`` block naming rank 1, its pid, iteration 3 and phase data, what rank
+    0 is blocked in, and a stack file; after SIGCONT the run ends normally on both ranks."""
+    marker = tmp_path / "stopped"
+    job = _Ranks(2, _SMALL + ["--train-iters", "5", "--hang-report-seconds", "10"], shared_data, shakespeare_prefix,
+                 tmp_path, env={"MEGATRON_TEST_STOP_AT": "3:1", "MEGATRON_TEST_HOOK_MARKER": str(marker)})
+    try:
+        job.wait_until(marker.exists, "SIGSTOP of rank 1", timeout=120)
+        stopped = time.monotonic()
+        job.wait_until(lambda: "hang report:" in job.output(0), "hang report on rank 0", timeout=30)
+        took = time.monotonic() - stopped
+        os.kill(job.procs[1].pid, signal.SIGCONT)
+        statuses = job.finish()
+    finally:
+        job.kill()
+    out0, out1 = job.output(0), job.output(1)
+    assert statuses == {0: 0, 1: 0}, job.tail()
+    assert took < 30
+    assert out0.count("hang report:") == 1 and "hang report:" not in out1, job.tail()
+    block = out0[out0.index("hang report:"):].split("\n")
+    assert block[0].startswith("hang report: 1 rank(s) stopped reporting for 10 s or more") and block[0].endswith(": 1")
+    pid1 = job.procs[1].pid
+    assert re.fullmatch(rf"  rank 1 \(node \S+, pid {pid1}\): last seen \d+ s ago in iteration 3, phase data",
+                        block[1]), block[1]
+    # Rank 0 went on to its gradient all-reduce and waits there for rank 1.
+    assert re.match(r"  waiting: rank 0 \(node \S+, pid \d+\) has not moved for \d+ s in iteration 3, phase backward, "
+                    r"blocked in all_reduce on group data parallel \(ranks 0, 1\)", block[2]), block[2]
+    stack_file = block[3].split(": ", 1)[1]
+    assert block[3].startswith("  Python stacks of every thread of rank 0: ")
+    assert os.path.dirname(stack_file) == str(tmp_path)  # no --save or --tensorboard-dir: the working directory
+    stacks = open(stack_file).read()
+    assert "--- thread MainThread" in stacks and "--- thread megatron-hang-monitor" in stacks
+    assert "in start_grad_sync" in stacks
+
+
+@pytest.mark.timeout(180)
+def test_slow_save_evaluation_and_data_fetch_give_no_hang_report_and_one_slow_step_line(
+        shared_data, shakespeare_prefix, tmp_path):
+    """--hang-report-seconds 1 while rank 1 is slow but alive: 3 s in an evaluation's data fetch, 3 s
+    inside its checkpoint save, 2 s in the data fetch of iteration 8; rank 0 waits for it each time.
+    No hang report; rank 0 prints the slow-step line naming data wait on rank 1 for iteration 8."""
+    flags = ["--micro-batch-size", "2", "--split", "98,2,0", "--train-iters", "10", "--eval-interval", "5",
+             "--eval-iters", "1", "--save", str(tmp_path / "ckpt"), "--save-interval", "10",
+             "--hang-report-seconds", "1", "--log-straggler"]
+    job = _Ranks(2, flags, shared_data, shakespeare_prefix, tmp_path,
+                 env={"MEGATRON_TEST_SLOW_DATA": "8:1:2", "MEGATRON_TEST_SLOW_EVAL": "1:3",
+                      "MEGATRON_TEST_SLEEP_IN_SAVE": "3", "MEGATRON_TEST_HOOK_RANK": "1"})
+    try:
+        statuses = job.finish(timeout=150)
+    finally:
+        job.kill()
+    out0, out1 = job.output(0), job.output(1)
+    assert statuses == {0: 0, 1: 0}, job.tail()
+    assert "hang report" not in out0 + out1, job.tail()
+    assert "successfully saved checkpoint from iteration      10" in out0
+    lines = [line for line in out0.splitlines() if line.startswith("iteration 8 took")]
+    assert len(lines) == 1, job.tail()
+    match = re.fullmatch(r"iteration 8 took ([0-9.]+)x the median: data wait \+([0-9.]+) s on rank 1", lines[0])
+    assert match, lines[0]
+    assert float(match.group(1)) > 3.0 and 1.8 <= float(match.group(2)) <= 3.5
+    assert "took" not in out1.replace("elapsed", "")  # the line is rank 0's
+
+
+@pytest.mark.timeout(120)
+def test_start_up_wait_names_the_address_and_the_ranks_not_joined(shared_data, shakespeare_prefix, tmp_path):
+    """Rank 0 alone of a 2-rank world (rank 1 never starts) and, on another port, rank 1 alone (no rank 0,
+    so no store): after --hang-report-seconds 2 each says where it waits and what is missing."""
+    flags = _SMALL + ["--train-iters", "3", "--hang-report-seconds", "2"]
+    alone0 = _Ranks(2, flags, shared_data, shakespeare_prefix, tmp_path, ranks=[0])
+    alone1 = _Ranks(2, flags, shared_data, shakespeare_prefix, tmp_path, ranks=[1])
+    try:
+        alone0.wait_until(lambda: "hang report:" in alone0.output(0), "start-up report of rank 0", timeout=90)
+        alone1.wait_until(lambda: "hang report:" in alone1.output(1), "start-up report of rank 1", timeout=90)
+    finally:
+        alone0.kill()
+        alone1.kill()
+    line0 = next(line for line in alone0.output(0).splitlines() if line.startswith("hang report:"))
+    assert re.fullmatch(rf"hang report: rank 0 \(node \S+, pid \d+\) has waited \d+ s to initialise the process group "
+                        rf"\(gloo, world size 2\) at 127\.0\.0\.1:{alone0.port}; ranks not joined yet: 1 \(1 of 2\)",
+                        line0), line0
+    line1 = next(line for line in alone1.output(1).splitlines() if line.startswith("hang report:"))
+    assert f"at 127.0.0.1:{alone1.port}; no c10d store answers there: rank 0" in line1, line1
+
+
+# ---------------------------------------------------------------------------------------------------
+# In-process: the parts
+# ---------------------------------------------------------------------------------------------------
+
+def test_phase_labels_and_sections():
+    assert phase_label("train", "backward") == "backward"
+    assert phase_label("evaluation", "forward") == "evaluation (forward)"
+    assert phase_label("checkpoint", None) == "checkpoint"
+    saved = (PROGRESS.section, PROGRESS.phase)
+    with in_section("checkpoint"):
+        assert (PROGRESS.section, PROGRESS.phase) == ("checkpoint", None)
+    assert (PROGRESS.section, PROGRESS.phase) == saved
+    assert monitor_interval(10) == 2.0 and monitor_interval(600) == 10.0 and monitor_interval(0.5) == 0.2
+
+
+def test_blocked_in_names_the_collective_and_the_caller(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    # A frame chain as a blocked call leaves it: our code -> distributed_c10d.all_reduce(group=...).
+    def fake_collective(group):
+        return sys._getframe()
+
+    code = fake_collective.__code__.replace(co_filename=distributed_c10d.__file__, co_name="all_reduce")
+    frame = type(fake_collective)(code, {"sys": sys})(group=None)
+    info = blocked_in(frame)
+    assert info["collective"] == "all_reduce" and info["group"] == "world"
+    assert info["where"].endswith("in test_blocked_in_names_the_collective_and_the_caller")
+    assert blocked_in(sys._getframe())["collective"] is None
+    path = write_stacks(str(tmp_path / "stacks.txt"), header="hdr")
+    text = open(path).read()
+    assert text.startswith("hdr\n--- thread ") and "test_blocked_in_names_the_collective_and_the_caller" in text
+    del dist
+
+
+def test_slow_step_detector_waits_for_warm_up_and_judges_against_the_median():
+    detector = SlowStepDetector(3.0, rank=1)  # rank 1 prints nothing
+    for iteration, seconds in enumerate([5.0, 4.0, 1.0, 1.1, 0.9, 1.0, 1.0, 3.5, 2.9], start=1):
+        detector.step(iteration, seconds)
+    # Iterations 1-2 are warm-up (never judged, never in the median); 8 is 3.5x the median 1.0, 9 is not.
+    lines = detector.report(None, 1, 9)
+    assert lines == ["iteration 8 took 3.5x the median: +2.50 s (--log-straggler or telemetry metrics name the "
+                     "part of the step and the rank)"]
+    assert detector.report(None, 10, 10) == []
+
+
+def _table(values):
+    table = torch.zeros(len(values), len(COLUMNS), dtype=torch.float64)
+    for rank, parts in enumerate(values):
+        for part, ms in parts.items():
+            table[rank, COLUMNS.index(part)] = ms
+    return table
+
+
+def test_the_part_that_grew_is_the_slow_ranks_own_not_the_waiting_ranks_communication():
+    base = _table([{"forward_compute": 30, "data_wait": 1, "grad_sync": 5},
+                   {"forward_compute": 30, "data_wait": 1, "grad_sync": 5}])
+    slow = _table([{"forward_compute": 30, "data_wait": 1, "grad_sync": 2105},  # rank 0 waited for rank 1
+                   {"forward_compute": 30, "data_wait": 2101, "grad_sync": 5}])
+    assert explain_slow_interval(slow, base, 1, 2.1) == ("data_wait", 1, pytest.approx(2.1))
+    # No baseline yet: each part against its median over the ranks.
+    part, rank, _ = explain_slow_interval(slow, None, 1, 2.1)
+    assert (part, rank) == ("data_wait", 1)
+    # Over a 10-iteration interval the averaged breakdown is scaled back to the interval's excess.
+    averaged = base.clone()
+    averaged[1, COLUMNS.index("data_wait")] += 210.0
+    assert explain_slow_interval(averaged, base, 10, 2.1) == ("data_wait", 1, pytest.approx(2.1))
+    assert slow_step_line(812, 3.4, "data_wait", 2.1, 5) == "iteration 812 took 3.4x the median: data wait +2.10 s on rank 5"
+    assert slow_step_line(812, 3.4, "data_wait", 2.1, 5, (801, 900), 2).endswith(
+        "(breakdown over iterations 801-900, 2 slow steps)")
