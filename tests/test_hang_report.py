@@ -4,6 +4,7 @@ The end-to-end tests run tests/hang_pretrain.py (pretrain_gpt.py with test-only 
 checkpoint hooks) as independent processes with torchrun's environment and wait for marker files and
 log lines, never for a fixed time; every process they start is stopped in a ``finally``.
 """
+import json
 import os
 import re
 import signal
@@ -23,6 +24,29 @@ from megatron.training.step_breakdown import COLUMNS
 from megatron.training.troubleshooting import SlowStepDetector, explain_slow_interval, slow_step_line
 
 _SMALL = ["--micro-batch-size", "2", "--split", "100,0,0", "--eval-iters", "0"]
+# Console telemetry on every rank: the span events and counters are checked in the output.
+_TELEMETRY = {"MEGATRON_OTEL_ENABLED": "1", "MEGATRON_OTEL_EXPORTER": "console",
+              "MEGATRON_OTEL_RANK_STRATEGY": "all_ranks"}
+
+
+def _spans(output, name):
+    """The console exporter's spans called ``name`` (one JSON object per line)."""
+    prefix = '{"name":"' + name + '"'
+    return [json.loads(line) for line in output.splitlines() if line.startswith(prefix)]
+
+
+def _counter(output, name):
+    """The last exported value of the counter ``name`` in ``output`` (console metrics), or None."""
+    value = None
+    for line in output.splitlines():
+        if not line.startswith('{"resource_metrics"'):
+            continue
+        for resource in json.loads(line)["resource_metrics"]:
+            for scope in resource["scope_metrics"]:
+                for metric in scope["metrics"]:
+                    if metric["name"] == name:
+                        value = sum(point["value"] for point in metric["data"]["data_points"])
+    return value
 
 
 class _Ranks:
@@ -76,7 +100,7 @@ def test_sigstop_of_rank_1_is_named_by_rank_0_within_30_s(shared_data, shakespea
     0 is blocked in, and a stack file; after SIGCONT the run ends normally on both ranks."""
     marker = tmp_path / "stopped"
     job = _Ranks(2, _SMALL + ["--train-iters", "5", "--hang-report-seconds", "10"], shared_data, shakespeare_prefix,
-                 tmp_path, env={"MEGATRON_TEST_STOP_AT": "3:1", "MEGATRON_TEST_HOOK_MARKER": str(marker)})
+                 tmp_path, env={"MEGATRON_TEST_STOP_AT": "3:1", "MEGATRON_TEST_HOOK_MARKER": str(marker), **_TELEMETRY})
     try:
         job.wait_until(marker.exists, "SIGSTOP of rank 1", timeout=120)
         stopped = time.monotonic()
@@ -104,6 +128,15 @@ def test_sigstop_of_rank_1_is_named_by_rank_0_within_30_s(shared_data, shakespea
     stacks = open(stack_file).read()
     assert "--- thread MainThread" in stacks and "--- thread megatron-hang-monitor" in stacks
     assert "in start_grad_sync" in stacks
+    # The same as a span event and a counter (rank 0 exports under all_ranks; rank 1 reported nothing).
+    spans = _spans(out0, "megatron.hang_report")
+    assert len(spans) == 1 and not _spans(out1, "megatron.hang_report")
+    event = spans[0]["events"][0]
+    assert event["name"] == "megatron.hang_report"
+    attributes = event["attributes"]
+    assert attributes["megatron.hang.stalled_ranks"] == [1] and attributes["megatron.hang.phase"] == "data"
+    assert attributes["megatron.iteration"] == 3 and attributes["megatron.hang.seconds"] >= 10
+    assert _counter(out0, "megatron.training.hang_reports") == 1 and _counter(out1, "megatron.training.hang_reports") == 0
 
 
 @pytest.mark.timeout(180)
@@ -117,7 +150,7 @@ def test_slow_save_evaluation_and_data_fetch_give_no_hang_report_and_one_slow_st
              "--hang-report-seconds", "1", "--log-straggler"]
     job = _Ranks(2, flags, shared_data, shakespeare_prefix, tmp_path,
                  env={"MEGATRON_TEST_SLOW_DATA": "8:1:2", "MEGATRON_TEST_SLOW_EVAL": "1:3",
-                      "MEGATRON_TEST_SLEEP_IN_SAVE": "3", "MEGATRON_TEST_HOOK_RANK": "1"})
+                      "MEGATRON_TEST_SLEEP_IN_SAVE": "3", "MEGATRON_TEST_HOOK_RANK": "1", **_TELEMETRY})
     try:
         statuses = job.finish(timeout=150)
     finally:
@@ -131,7 +164,16 @@ def test_slow_save_evaluation_and_data_fetch_give_no_hang_report_and_one_slow_st
     match = re.fullmatch(r"iteration 8 took ([0-9.]+)x the median: data wait \+([0-9.]+) s on rank 1", lines[0])
     assert match, lines[0]
     assert float(match.group(1)) > 3.0 and 1.8 <= float(match.group(2)) <= 3.5
-    assert "took" not in out1.replace("elapsed", "")  # the line is rank 0's
+    assert not [line for line in out1.splitlines() if " took " in line and line.startswith("iteration")]
+    # The span event goes out once, from the lowest exporting rank (rank 0 under all_ranks).
+    events = [span["events"][0]["attributes"] for span in _spans(out0, "megatron.slow_step")]
+    assert not _spans(out1, "megatron.slow_step")
+    event = next(e for e in events if e["megatron.iteration"] == 8)
+    assert (event["megatron.slow_step.part"], event["megatron.slow_step.rank"]) == ("data_wait", 1)
+    assert event["megatron.slow_step.ratio"] == pytest.approx(float(match.group(1)), rel=0.05)
+    assert event["megatron.slow_step.delta_ms"] == pytest.approx(float(match.group(2)) * 1000, abs=10)
+    assert _counter(out0, "megatron.training.slow_steps") == len(events)
+    assert _counter(out0, "megatron.training.hang_reports") == 0
 
 
 @pytest.mark.timeout(120)
@@ -225,3 +267,53 @@ def test_the_part_that_grew_is_the_slow_ranks_own_not_the_waiting_ranks_communic
     assert slow_step_line(812, 3.4, "data_wait", 2.1, 5) == "iteration 812 took 3.4x the median: data wait +2.10 s on rank 5"
     assert slow_step_line(812, 3.4, "data_wait", 2.1, 5, (801, 900), 2).endswith(
         "(breakdown over iterations 801-900, 2 slow steps)")
+
+
+def test_monitor_reports_a_peer_that_stops_beating_once_and_not_one_that_keeps_beating(tmp_path):
+    """In-process, on a HashStore: while this (main) thread sleeps, i.e. waits, a peer whose beat counter
+    keeps changing is never reported; once its beats stop, exactly one report names it with the phase of
+    its last beat, and ``on_report`` receives it."""
+    import json
+    import threading
+
+    import torch.distributed as dist
+
+    from megatron.core.hang_monitor import HangMonitor, store_prefix
+
+    store = dist.HashStore()
+    peer = dist.PrefixStore(store_prefix() + "beat/", store)
+    beating = threading.Event()
+    beating.set()
+    finished = threading.Event()
+
+    def beat():
+        n = 0
+        while not finished.is_set():
+            if beating.is_set():
+                n += 1
+                peer.set("1", json.dumps({"n": n, "t": time.time(), "it": 7, "ph": "checkpoint", "host": "nodeB",
+                                          "pid": 4242}))
+            time.sleep(0.05)
+
+    writer = threading.Thread(target=beat, daemon=True)
+    writer.start()
+    reports = []
+    monitor = HangMonitor(0, 2, 0.6, report_dir=str(tmp_path), store=store, on_report=reports.append,
+                          interval=0.1).start()
+    try:
+        time.sleep(1.5)  # a long save on the peer: it beats, this rank waits
+        assert reports == [] and monitor.beats > 5
+        beating.clear()  # the peer's process stops
+        deadline = time.monotonic() + 5.0
+        while not reports and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # still one report while the stall lasts
+    finally:
+        monitor.stop()
+        finished.set()
+    assert len(reports) == 1, [r.text for r in reports]
+    report = reports[0]
+    assert report.stalled_ranks == [1] and report.phase == "checkpoint" and report.seconds >= 0.5
+    assert "  rank 1 (node nodeB, pid 4242): last seen" in report.text and "in iteration 7, phase checkpoint" in report.text
+    assert os.path.exists(report.stack_file) and os.path.dirname(report.stack_file) == str(tmp_path)
+    assert json.loads(dist.PrefixStore(store_prefix() + "beat/", store).get("0"))["pid"] == os.getpid()
