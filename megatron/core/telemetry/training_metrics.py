@@ -24,11 +24,6 @@ TRAINING_INSTRUMENTS: Dict[str, Tuple[str, str, str, str]] = {
     "memory_allocated_gb": ("megatron.training.memory_allocated_gb", "gauge", "GB", "Peak allocated device memory"),
     "validation_loss": ("megatron.validation.loss", "gauge", "1", "Validation loss"),
     "validation_ppl": ("megatron.validation.ppl", "gauge", "1", "Validation perplexity"),
-    # Troubleshooting (megatron/training/troubleshooting.py): reports printed, as counters.
-    "hang_reports": ("megatron.training.hang_reports", "counter", "reports",
-                     "Hang reports printed (a rank's heartbeat stopped for --hang-report-seconds)"),
-    "slow_steps": ("megatron.training.slow_steps", "counter", "steps",
-                   "Steps slower than --slow-step-factor times the running median"),
 }
 # Beyond the spec's table: progress and liveness, where each rank's step time goes, the straggler
 # view and memory per rank. Gauges, recorded at each --log-interval; per-rank ones carry ``dl.rank`` (and the
@@ -53,6 +48,11 @@ PROGRESS_INSTRUMENTS: Dict[str, Tuple[str, str, str, str]] = {
     "rank_memory_reserved_gb": ("megatron.training.memory.reserved_gb", "gauge", "GB", "Reserved device memory"),
     "rank_memory_peak_gb": ("megatron.training.memory.peak_gb", "gauge", "GB", "Peak allocated device memory"),
     "rank_memory_rss_gb": ("megatron.training.memory.rss_gb", "gauge", "GB", "Resident host memory"),
+    # Troubleshooting (megatron/training/troubleshooting.py): reports printed, as counters.
+    "hang_reports": ("megatron.training.hang_reports", "counter", "reports",
+                     "Hang reports printed (a rank's heartbeat stopped for --hang-report-seconds)"),
+    "slow_steps": ("megatron.training.slow_steps", "counter", "steps",
+                   "Steps slower than --slow-step-factor times the running median"),
 }
 _ALL_INSTRUMENTS = {**TRAINING_INSTRUMENTS, **PROGRESS_INSTRUMENTS}
 HEARTBEAT_INSTRUMENT = ("megatron.training.last_step_timestamp", "s", "Unix time at which the last iteration finished")
