@@ -317,3 +317,41 @@ def test_monitor_reports_a_peer_that_stops_beating_once_and_not_one_that_keeps_b
     assert "  rank 1 (node nodeB, pid 4242): last seen" in report.text and "in iteration 7, phase checkpoint" in report.text
     assert os.path.exists(report.stack_file) and os.path.dirname(report.stack_file) == str(tmp_path)
     assert json.loads(dist.PrefixStore(store_prefix() + "beat/", store).get("0"))["pid"] == os.getpid()
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_store_host_is_reported_with_the_store_address(tmp_path):
+    """The store's host process (rank 0's, under env://) is stopped: the heartbeat thread's store call
+    blocks; the store watch reports within about N seconds, naming the address and rank 0."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from megatron.core.hang_monitor import HangMonitor
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c",
+                               "import sys, time, torch.distributed as d\n"
+                               f"s = d.TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False)\n"
+                               "print('up', flush=True)\ntime.sleep(120)\n"], stdout=subprocess.PIPE, text=True)
+    monitor = None
+    try:
+        assert server.stdout.readline().strip() == "up"
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                               timeout=datetime.timedelta(seconds=30))
+        monitor = HangMonitor(1, 2, 1.0, report_dir=str(tmp_path), store=client, interval=0.2).start()
+        os.kill(server.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        while not monitor.reports and time.monotonic() - stopped < 20:
+            time.sleep(0.05)
+        took = time.monotonic() - stopped
+    finally:
+        server.kill()  # SIGKILL ends a stopped process; the blocked store call then fails
+        server.wait()
+        if monitor is not None:
+            monitor.stop()
+    assert len(monitor.reports) == 1 and took < 5
+    text = monitor.reports[0].text
+    assert text.startswith("hang report: 1 rank(s) stopped reporting for 1 s or more (--hang-report-seconds): 0")
+    assert f"the c10d store at 127.0.0.1:{port} has not answered for" in text and "rank 0's process serves it" in text
+    assert monitor.reports[0].stalled_ranks == [0]

@@ -252,8 +252,12 @@ class HangMonitor:
         self._observing = False
         self._seen: Dict[int, dict] = {}
         self._last_change: Dict[int, float] = {}
-        self._reported = False
+        self._reported = self._store_reported = False
         self._store_ok = time.monotonic()
+        self._io_since = None
+        self._state = None
+        self._watchdog = None
+        self._lock, self._report_lock = threading.Lock(), threading.Lock()
         self._error_logged = False
         self.reports: List[HangReport] = []
 
@@ -289,14 +293,25 @@ class HangMonitor:
         self._tick()
         self._thread = threading.Thread(target=self._run, name="megatron-hang-monitor", daemon=True)
         self._thread.start()
+        # A store call to a stopped host blocks (TCPStore's client retries past its timeout): a second
+        # thread watches how long the heartbeat thread's store call has been in flight.
+        self._watchdog = threading.Thread(target=self._watch_store, name="megatron-hang-store-watch", daemon=True)
+        self._watchdog.start()
         return self
 
     def stop(self) -> None:
         """Stop the thread (returns within about one store timeout)."""
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=self.interval + 5.0)
-        self._thread = None
+        for thread in (self._thread, self._watchdog):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=self.interval + 5.0)
+        self._thread = self._watchdog = None
+
+    def _watch_store(self):
+        while not self._stop.wait(self.interval):
+            since = self._io_since
+            if since is not None and time.monotonic() - since >= self.seconds:
+                self._store_failed(time.monotonic(), None)
 
     def _run(self):
         while not self._stop.wait(self.interval):
@@ -328,21 +343,24 @@ class HangMonitor:
         self._beat += 1
         state, signature = self._sample()
         self._state = state
+        self._io_since = now
         try:
             if self._store is None:
                 self._connect()
             self._store.set(str(self.rank), json.dumps(state))
-            self._store_ok = now
             self._published += 1
+            if signature is None or signature != self._signature:
+                self._signature, self._waiting_since = signature, now
+                self._observing, self._reported = False, False
+            else:
+                self._observe(now)
+            self._store_ok = time.monotonic()
+            self._store_reported = False
         except Exception as error:
             self._store = None  # reconnect next time
-            self._store_failed(now, error)
-            return
-        if signature is None or signature != self._signature:
-            self._signature, self._waiting_since = signature, now
-            self._observing, self._reported = False, False
-            return
-        self._observe(now)
+            self._store_failed(time.monotonic(), error)
+        finally:
+            self._io_since = None
 
     def _observe(self, now):
         peers = [r for r in range(self.world_size) if r != self.rank]
@@ -367,21 +385,26 @@ class HangMonitor:
             self._report(stalled, now)
 
     def _store_failed(self, now, error):
-        if now - self._store_ok < self.seconds or self._reported:
-            return
-        self._reported = True
+        """The store has not answered (``error``: the call's exception; None: a call still in flight)."""
+        with self._lock:
+            if now - self._store_ok < self.seconds or self._store_reported:
+                return
+            self._store_reported = True
         where = f"{self._address[0]}:{self._address[1]}" if self._address else "the job's store"
         host = (f"rank {self.store_host_rank}'s process serves it" if self.store_host_rank is not None
                 else "torchrun's agent serves it")
         stalled = [self.store_host_rank] if self.store_host_rank is not None and self.store_host_rank != self.rank \
             else []
-        note = (f"the c10d store at {where} has not answered for {now - self._store_ok:.0f} s ({host}; "
-                f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''})")
+        cause = "a call still waits" if error is None else \
+            f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+        note = f"the c10d store at {where} has not answered for {now - self._store_ok:.0f} s ({host}; {cause})"
         self._report(stalled, now, note=note)
 
     # -- report ---------------------------------------------------------------------------------
     def _describe(self, rank: int, now_wall: float) -> str:
         beat = self._seen.get(rank)
+        if beat is None and rank == self.store_host_rank and self._store_reported:
+            return f"  rank {rank}: its heartbeat could not be read (the store its process serves does not answer)"
         if beat is None:
             return f"  rank {rank}: no heartbeat seen (it never started, or stopped before its first beat)"
         text = (f"  rank {rank} (node {beat['host']}, pid {beat['pid']}): last seen {max(now_wall - beat['t'], 0):.0f} s "
@@ -391,6 +414,10 @@ class HangMonitor:
         return text
 
     def _report(self, stalled: List[int], now: float, note: Optional[str] = None) -> None:
+        with self._report_lock:  # the heartbeat thread and the store watch may both report
+            self._report_locked(stalled, now, note)
+
+    def _report_locked(self, stalled: List[int], now: float, note: Optional[str]) -> None:
         now_wall = time.time()
         state = self._state
         waited = now - (self._waiting_since if self._waiting_since is not None else now)
