@@ -333,9 +333,10 @@ class HangMonitor:
             signature = (id(frame), frame.f_lasti, iteration, section, phase)
         else:
             signature = None
-        nccl = _nccl_unfinished()
-        if nccl:
-            state["nccl"] = nccl
+        if signature is not None and signature == self._signature:  # waiting: what NCCL has not finished
+            nccl = _nccl_unfinished()
+            if nccl:
+                state["nccl"] = nccl
         return state, signature
 
     def _tick(self):
