@@ -4,8 +4,8 @@ How it works (``--hang-report-seconds N``; ``HangMonitor``):
 
 - every rank runs one daemon thread that, every ``interval`` seconds (N/5, between 0.2 and 10 s), writes
   its heartbeat to the job's c10d store (the default process group's store; for a ``TCPStore`` the
-  thread opens its own client connection to it, with a short timeout, so a stopped store host cannot
-  block the training's own store calls): a beat counter, the wall time, the iteration, section and
+  thread opens its own client connection to it, so a call of its own that hangs never holds the
+  connection the training's store calls use): a beat counter, the wall time, the iteration, section and
   phase the training loop published (``megatron/core/progress.py``: attribute writes on the hot path,
   no store I/O there), and what the main thread is blocked in, read from its Python stack at beat time
   (the innermost ``torch.distributed`` collective and the process group it was given, named after
@@ -23,7 +23,9 @@ How it works (``--hang-report-seconds N``; ``HangMonitor``):
   emits the ``megatron.hang_report`` span event and counts ``megatron.training.hang_reports``). The next
   report comes only after the rank made progress again;
 - when the store itself stops answering for N seconds (its host, rank 0 under a plain ``env://``
-  launch, is stopped), the report says so and names the host rank.
+  launch, is stopped), the report says so and names the host rank. A call to a stopped host blocks
+  (TCPStore's client retries past its timeout), so a second thread, the store watch, times the
+  heartbeat thread's call in flight.
 
 ``StartupWatch`` covers the start: while ``init_process_group`` has not returned after N seconds, the rank
 says which address and port it waits on and, through keys each rank writes to the same store as soon
@@ -275,7 +277,7 @@ class HangMonitor:
             store = distributed_c10d._get_default_store()
         base = _base_store(store)
         if isinstance(base, dist.TCPStore):
-            # Own connection with a short timeout: a stopped store host must not block the training's calls.
+            # Own connection: a call of ours that hangs must not hold the one the training's store calls use.
             self._address = (base.host, base.port)
             store = _open_client(base.host, base.port, max(min(self.seconds / 2.0, 30.0), 1.0))
         self._store = dist.PrefixStore(store_prefix() + "beat/", store)
