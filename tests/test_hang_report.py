@@ -279,6 +279,10 @@ def test_the_part_that_grew_is_the_slow_ranks_own_not_the_waiting_ranks_communic
     averaged = base.clone()
     averaged[1, COLUMNS.index("data_wait")] += 210.0
     assert explain_slow_interval(averaged, base, 10, 2.1) == ("data_wait", 1, pytest.approx(2.1))
+    # One rank, no earlier interval: nothing to compare with, so no part is named.
+    assert explain_slow_interval(slow[1:], None, 1, 2.1) == (None, None, 2.1)
+    assert slow_step_line(8, 4.0, None, 2.1, None) == "iteration 8 took 4.0x the median: +2.10 s (no part of the step " \
+        "breakdown grew)"
     assert slow_step_line(812, 3.4, "data_wait", 2.1, 5) == "iteration 812 took 3.4x the median: data wait +2.10 s on rank 5"
     assert slow_step_line(812, 3.4, "data_wait", 2.1, 5, (801, 900), 2).endswith(
         "(breakdown over iterations 801-900, 2 slow steps)")

@@ -94,12 +94,13 @@ def active_hang_monitor() -> Optional[HangMonitor]:
 def slow_step_line(iteration: int, ratio: float, part: Optional[str], delta_s: float, rank: Optional[int],
                    interval: Optional[Tuple[int, int]] = None, slow_steps: int = 1, hint: bool = False) -> str:
     """``iteration 812 took 3.4x the median: data wait +2.10 s on rank 5``; with an ``interval`` of several
-    iterations, ``... over iterations 801-900 ...``; without a part, the step's own excess and a hint."""
+    iterations, ``... over iterations 801-900 ...``; without a part, the step's own excess and, with
+    ``hint`` (no breakdown gathered), which flags name the part."""
     text = f"iteration {iteration} took {ratio:.1f}x the median"
     if part is None:
         text += f": +{delta_s:.2f} s"
-        if hint:
-            text += " (--log-straggler or telemetry metrics name the part of the step and the rank)"
+        text += (" (--log-straggler or telemetry metrics name the part of the step and the rank)" if hint
+                 else " (no part of the step breakdown grew)")
         return text
     text += f": {part.replace('_', ' ')} {'+' if delta_s >= 0 else ''}{delta_s:.2f} s on rank {rank}"
     if interval is not None and interval[1] > interval[0]:
@@ -109,8 +110,9 @@ def slow_step_line(iteration: int, ratio: float, part: Optional[str], delta_s: f
 
 
 def explain_slow_interval(table: torch.Tensor, baseline: Optional[torch.Tensor], steps: int,
-                          step_excess_s: float) -> Tuple[str, int, float]:
-    """Which part of which rank grew: ``(part, rank, delta seconds)``.
+                          step_excess_s: float) -> Tuple[Optional[str], Optional[int], float]:
+    """Which part of which rank grew: ``(part, rank, delta seconds)``; ``(None, None, step_excess_s)`` when
+    no part grew.
 
     ``table``: the gathered ``[world, len(COLUMNS)]`` breakdown (ms per iteration, averaged over the
     interval's ``steps`` iterations); ``baseline``: the same shape, each rank's typical values (median of
@@ -132,7 +134,9 @@ def explain_slow_interval(table: torch.Tensor, baseline: Optional[torch.Tensor],
     if delta < 0.25 * step_excess_s:
         other = excess(_WAITING_PARTS)
         if other[2] > delta:
-            return other
+            part, rank, delta = other
+    if delta <= 0:  # nothing grew (one rank and no earlier interval to compare with)
+        return None, None, step_excess_s
     return part, rank, delta
 
 
@@ -177,7 +181,7 @@ class SlowStepDetector:
             lines = []
             for iteration, seconds, median in pending:
                 lines.append(self._publish(iteration, seconds / median, None, seconds - median, None, None, 1,
-                                           lead=True))
+                                           lead=True, hint=True))
             return lines
         if not pending:
             if self._seen > self.warmup:  # the warm-up steps' breakdown is no baseline
@@ -193,8 +197,8 @@ class SlowStepDetector:
         return [self._publish(iteration, seconds / median, part, delta, rank, (first_iteration, last_iteration),
                               len(pending), lead)]
 
-    def _publish(self, iteration, ratio, part, delta_s, rank, interval, count, lead) -> str:
-        line = slow_step_line(iteration, ratio, part, delta_s, rank, interval, count, hint=part is None)
+    def _publish(self, iteration, ratio, part, delta_s, rank, interval, count, lead, hint=False) -> str:
+        line = slow_step_line(iteration, ratio, part, delta_s, rank, interval, count, hint=hint)
         self.lines.append(line)
         if self.rank == 0:
             write_line(line)
