@@ -319,6 +319,7 @@ def test_monitor_reports_a_peer_that_stops_beating_once_and_not_one_that_keeps_b
     reports = []
     monitor = HangMonitor(0, 2, 0.6, report_dir=str(tmp_path), store=store, on_report=reports.append,
                           interval=0.1).start()
+    PROGRESS.comm = ("p2p recv_forward with rank 1", None)  # as p2p_communication publishes its wait
     try:
         time.sleep(1.5)  # a long save on the peer: it beats, this rank waits
         assert reports == [] and monitor.beats > 5
@@ -328,9 +329,11 @@ def test_monitor_reports_a_peer_that_stops_beating_once_and_not_one_that_keeps_b
             time.sleep(0.05)
         time.sleep(0.5)  # still one report while the stall lasts
     finally:
+        PROGRESS.comm = None
         monitor.stop()
         finished.set()
     assert len(reports) == 1, [r.text for r in reports]
+    assert "blocked in p2p recv_forward with rank 1 on group world" in reports[0].text
     report = reports[0]
     assert report.stalled_ranks == [1] and report.phase == "checkpoint" and report.seconds >= 0.5
     assert "  rank 1 (node nodeB, pid 4242): last seen" in report.text and "in iteration 7, phase checkpoint" in report.text

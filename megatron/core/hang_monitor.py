@@ -332,6 +332,9 @@ class HangMonitor:
                  "host": self._host, "pid": self._pid}
         if frame is not None:
             state.update(blocked_in(frame))
+            comm = PROGRESS.comm  # an asynchronous collective's wait (no torch.distributed frame on the stack)
+            if state["collective"] is None and comm is not None:
+                state["collective"], state["group"] = comm[0], _group_label(comm[1])
             signature = (id(frame), frame.f_lasti, iteration, section, phase)
         else:
             signature = None

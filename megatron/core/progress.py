@@ -8,21 +8,25 @@ reader may see a value one write old; the heartbeat is a diagnosis, not a synchr
 - ``iteration``: the training iteration in progress (1-based, as the log line counts; 0 before the first);
 - ``section``: ``startup``, ``train``, ``evaluation`` or ``checkpoint``;
 - ``phase``: inside a step (and inside an evaluation's forward passes): ``data``, ``forward``,
-  ``backward``, ``optimizer`` (None outside).
+  ``backward``, ``optimizer`` (None outside);
+- ``comm``: ``(what, process group)`` while waiting for an asynchronous collective whose wait is not a
+  ``torch.distributed`` call on the stack (a ``Work.wait()``: pipeline p2p, overlapped grad reduce and
+  param gather), else None. A synchronous collective needs none: the monitor reads it from the stack.
 """
 
 __all__ = ["PROGRESS", "RankProgress", "in_section", "phase_label"]
 
 
 class RankProgress:
-    """The three fields above; one instance per process (``PROGRESS``)."""
+    """The four fields above; one instance per process (``PROGRESS``)."""
 
-    __slots__ = ("iteration", "section", "phase")
+    __slots__ = ("iteration", "section", "phase", "comm")
 
     def __init__(self):
         self.iteration = 0
         self.section = "startup"
         self.phase = None
+        self.comm = None
 
 
 PROGRESS = RankProgress()
