@@ -9,7 +9,7 @@ How it works (``--hang-report-seconds N``; ``HangMonitor``):
   phase the training loop published (``megatron/core/progress.py``: attribute writes on the hot path,
   no store I/O there), and what the main thread is blocked in, read from its Python stack at beat time
   (the innermost ``torch.distributed`` collective and the process group it was given, named after
-  ``parallel_state``'s groups; on NCCL also the flight recorder's unfinished collectives, when
+  ``parallel_state``'s groups; for the wait of an asynchronous collective, ``PROGRESS.comm``; on NCCL also the flight recorder's unfinished collectives, when
   ``TORCH_NCCL_TRACE_BUFFER_SIZE`` is set);
 - a rank whose main thread has not moved (same frame, same instruction, same iteration and phase) for
   one interval is *waiting*; only a waiting rank reads the other ranks' heartbeats (so a healthy job
