@@ -288,6 +288,7 @@ def test_the_part_that_grew_is_the_slow_ranks_own_not_the_waiting_ranks_communic
         "(breakdown over iterations 801-900, 2 slow steps)")
 
 
+@pytest.mark.timeout(60)
 def test_monitor_reports_a_peer_that_stops_beating_once_and_not_one_that_keeps_beating(tmp_path):
     """In-process, on a HashStore: while this (main) thread sleeps, i.e. waits, a peer whose beat counter
     keeps changing is never reported; once its beats stop, exactly one report names it with the phase of
