@@ -227,6 +227,22 @@ def test_phase_labels_and_sections():
     assert monitor_interval(10) == 2.0 and monitor_interval(600) == 10.0 and monitor_interval(0.5) == 0.2
 
 
+def test_flight_recorder_entries_not_completed_are_listed():
+    """The NCCL path's formatting, on entries in the flight recorder's format (as torch 2.13 pickles them;
+    the NCCL dump itself needs CUDA and is not run here)."""
+    from megatron.core.hang_monitor import flight_recorder_lines
+
+    entries = [{"profiling_name": "nccl:all_reduce", "process_group": ("3", "undefined"), "collective_seq_id": 7,
+                "state": "completed"},
+               {"profiling_name": "nccl:reduce_scatter", "process_group": ("3", "DATA_PARALLEL"),
+                "collective_seq_id": 8, "state": "started"},
+               {"profiling_name": "nccl:all_gather", "process_group": ("5", "undefined"), "collective_seq_id": 2,
+                "state": "scheduled"}]
+    assert flight_recorder_lines(entries) == ["nccl:reduce_scatter on group DATA_PARALLEL (3) (seq 8, started)",
+                                              "nccl:all_gather on group 5 (seq 2, scheduled)"]
+    assert flight_recorder_lines(entries, limit=1) == ["nccl:all_gather on group 5 (seq 2, scheduled)"]
+
+
 def test_blocked_in_names_the_collective_and_the_caller(tmp_path):
     import torch.distributed as dist
     from torch.distributed import distributed_c10d

@@ -52,7 +52,7 @@ from megatron.core.console import write_line
 from megatron.core.progress import PROGRESS, phase_label
 
 __all__ = ["HangMonitor", "StartupWatch", "HangReport", "blocked_in", "write_stacks", "monitor_interval",
-           "store_prefix"]
+           "store_prefix", "flight_recorder_lines"]
 
 _C10D_FILES = None
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -145,13 +145,44 @@ def blocked_in(frame) -> Dict[str, Optional[str]]:
     return {"collective": collective, "group": _group_label(group) if collective else None, "where": where}
 
 
+def _pg_label_by_name(name: str) -> str:
+    """Our label of the process group c10d calls ``name`` (the flight recorder records names), else the name."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        for group, pg_name in distributed_c10d._world.pg_names.items():
+            if pg_name == name:
+                return _group_label(group)
+    except Exception:
+        pass
+    return name
+
+
+def flight_recorder_lines(entries, limit: int = 8) -> List[str]:
+    """``name on group G (seq N, state)`` for the flight-recorder ``entries`` (dicts with ``profiling_name``,
+    ``process_group`` = (name, description), ``collective_seq_id``, ``state``) that have not completed,
+    the last ``limit`` of them."""
+    out = []
+    for entry in entries:
+        if entry.get("state") == "completed":
+            continue
+        name, desc = (tuple(entry.get("process_group") or ("?", "undefined")) + ("undefined",))[:2]
+        group = _pg_label_by_name(str(name)) if desc in (None, "", "undefined") else f"{desc} ({name})"
+        out.append(f"{entry.get('profiling_name', '?')} on group {group} "
+                   f"(seq {entry.get('collective_seq_id', '?')}, {entry.get('state', '?')})")
+    return out[-limit:]
+
+
 def _nccl_unfinished() -> List[str]:
-    """The NCCL flight recorder's collectives that have not completed (``TORCH_NCCL_TRACE_BUFFER_SIZE``
-    > 0), as ``name on group (seq N, state)``; [] without CUDA, NCCL or a trace buffer."""
+    """The NCCL flight recorder's collectives that have not completed (``TORCH_NCCL_TRACE_BUFFER_SIZE`` or
+    ``TORCH_FR_BUFFER_SIZE`` > 0), see :func:`flight_recorder_lines`; [] without CUDA, NCCL or a trace
+    buffer. (gloo records too, but leaves every entry ``scheduled``: no use for finding the unfinished.)"""
     if not (torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"):
         return []
-    dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
-    if dump is None or int(os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0") or 0) <= 0:
+    c10d = torch._C._distributed_c10d
+    dump = getattr(c10d, "_dump_nccl_trace", None) or getattr(c10d, "_dump_fr_trace", None)
+    sizes = (os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", ""), os.environ.get("TORCH_FR_BUFFER_SIZE", ""))
+    if dump is None or not any(size.strip().isdigit() and int(size) > 0 for size in sizes):
         return []
     try:
         # The flight recorder's own pickle of this process's records (not data from elsewhere).
@@ -159,14 +190,7 @@ def _nccl_unfinished() -> List[str]:
             "entries", [])
     except Exception:
         return []
-    out = []
-    for entry in entries[-8:]:
-        if entry.get("state") == "completed":
-            continue
-        pg = entry.get("process_group") or ("", "")
-        out.append(f"{entry.get('profiling_name', '?')} on group {pg[1] or pg[0]} "
-                   f"(seq {entry.get('collective_seq_id', '?')}, {entry.get('state', '?')})")
-    return out
+    return flight_recorder_lines(entries)
 
 
 def write_stacks(path: str, header: str = "") -> str:
