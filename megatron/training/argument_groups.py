@@ -461,6 +461,16 @@ def _add_logging_args(parser):
                             "(CUDA only).")
     group.add_argument("--memory-snapshot-path", type=str, default="snapshot.pickle",
                        help="Where to dump the memory history pickle.")
+    # Troubleshooting (docs/observability.md, "Troubleshooting"): hang report and slow-step lines.
+    group.add_argument("--hang-report-seconds", type=float, default=600,
+                       help="Print a 'hang report:' block (stalled ranks, where each waiting rank is blocked, a "
+                            "file with its Python stacks) when a rank's heartbeat in the c10d store has not "
+                            "advanced for this many seconds; also at start-up, when the process group has not "
+                            "formed after this long. 0 turns it off.")
+    group.add_argument("--slow-step-factor", type=float, default=3.0,
+                       help="Log one line for a step slower than this factor times the running median step time, "
+                            "naming the part of the step that grew and the rank (with the per-rank breakdown: "
+                            "--log-straggler or telemetry metrics). 0 turns it off.")
     return parser
 
 

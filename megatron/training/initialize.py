@@ -13,12 +13,14 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.console import write_line
+from megatron.core.hang_monitor import StartupWatch
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed, set_model_init_seed
 from megatron.training.argument_utils import pretrain_cfg_container_from_args
 from megatron.training.argument_groups import logging_level
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.global_vars import get_args, set_global_variables, set_telemetry
 from megatron.training.training_log import CONSOLE_PRINTED
+from megatron.training.troubleshooting import start_hang_monitor
 from megatron.training.user_errors import UserInputError
 from megatron.training.utils import print_rank_0
 
@@ -149,10 +151,12 @@ def _set_deterministic_mode(deterministic_mode: bool, distributed_backend: str) 
     torch.use_deterministic_algorithms(True)
 
 
-def _initialize_distributed(model, dist_config):
+def _initialize_distributed(model, dist_config, hang_report_seconds=0):
     """Join the default process group (NCCL on GPU, gloo on CPU) and build the model-parallel groups.
 
-    ``model``: the TransformerConfig (the parallel sizes); ``dist_config``: the DistributedInitConfig.
+    ``model``: the TransformerConfig (the parallel sizes); ``dist_config``: the DistributedInitConfig;
+    ``hang_report_seconds`` (``--hang-report-seconds``): after that long without the process group, say
+    which address and port this rank waits on and which ranks have not joined (``StartupWatch``).
     """
     _set_cuda_device_max_connections(model.tensor_model_parallel_size)
     backend, local_rank = dist_config.distributed_backend, dist_config.local_rank
@@ -176,7 +180,9 @@ def _initialize_distributed(model, dist_config):
         )
         if torch.cuda.is_available() and backend == "nccl":
             init_options["device_id"] = torch.device(f"cuda:{local_rank}")
-        dist.init_process_group(**init_options)
+        with StartupWatch(dist_config.rank, dist_config.world_size, hang_report_seconds,
+                          os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), backend):
+            dist.init_process_group(**init_options)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=model.tensor_model_parallel_size,
@@ -244,8 +250,9 @@ def initialize_megatron(extra_args_provider=None, args_defaults=None, ignore_unk
         # A missing --vocab-file/--tokenizer-model: the messages name them.
         raise UserInputError(str(error)) from error
     _set_deterministic_mode(cfg.model.deterministic_mode, cfg.dist.distributed_backend)
-    _initialize_distributed(cfg.model, cfg.dist)
+    _initialize_distributed(cfg.model, cfg.dist, cfg.logger.hang_report_seconds)
     set_telemetry(args)  # after the process group: its run id and launch uuid are agreed over it
+    start_hang_monitor(cfg)  # --hang-report-seconds: heartbeats in the store from now on
     _set_random_seed(cfg.rng.seed, cfg.rng.data_parallel_random_init)
     if torch.cuda.is_available() and cfg.model.bf16:
         torch.backends.cuda.matmul.allow_tf32 = True

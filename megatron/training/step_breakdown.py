@@ -35,7 +35,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state, step_timing
+from megatron.core import parallel_state, progress, step_timing
 from megatron.core.collective_device import get_collective_device
 from megatron.core.console import write_line
 from megatron.core.step_timing import PARTS, StepTimeRecorder
@@ -117,11 +117,16 @@ class TimedDataIterator:
         return self
 
     def __next__(self):
-        with step_timing.section("data_wait"):
-            if not is_span_group_enabled("data_loading"):
-                return next(self.iterator)
-            with managed_span("data_loading", "megatron.data_loading"):
-                return next(self.iterator)
+        state = progress.PROGRESS  # the hang report's phase: "data" while the batch is fetched
+        phase, state.phase = state.phase, "data"
+        try:
+            with step_timing.section("data_wait"):
+                if not is_span_group_enabled("data_loading"):
+                    return next(self.iterator)
+                with managed_span("data_loading", "megatron.data_loading"):
+                    return next(self.iterator)
+        finally:
+            state.phase = phase
 
 
 def wrap_data_iterator(iterator):

@@ -28,6 +28,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer.weight_decay import no_weight_decay_cond
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.progress import PROGRESS, in_section
 from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
 from megatron.core.utils import get_model_config
 from megatron.training import argument_utils
@@ -57,6 +58,7 @@ from megatron.training.profiling import RunProfiler, start_memory_history
 from megatron.training.moe_metrics import MoERoutingReport
 from megatron.training.step_breakdown import StepBreakdown, wrap_data_iterator
 from megatron.training.training_state import TrainingState
+from megatron.training.troubleshooting import SlowStepDetector, stop_hang_monitor
 from megatron.training.user_errors import UserInputError, one_line
 from megatron.training.training_log import (
     LogAccumulator,
@@ -411,6 +413,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     if train_cfg.empty_unused_memory_level >= 1 and torch.cuda.is_available():
         torch.cuda.empty_cache()  # trade speed for headroom against fragmentation
 
+    PROGRESS.phase = "optimizer"
     with telemetry.span("optimizer", "megatron.optimizer_step") as span:
         timers("optimizer", log_level=1).start()
         # An --async-save in progress must have copied the parameters before the step changes them.
@@ -447,7 +450,8 @@ def evaluate(forward_step_func, data_iterator, model, verbose=False, train_state
     num_microbatches = eval_global_batch_size // (validation_cfg.eval_micro_batch_size * cfg.dist.data_parallel_size)
     totals = {}
     forget_broadcast_batch_shape()  # --eval-micro-batch-size may differ from training's
-    with torch.no_grad(), telemetry.span("evaluate", "megatron.evaluate", eval_iters=eval_iters):
+    with torch.no_grad(), telemetry.span("evaluate", "megatron.evaluate", eval_iters=eval_iters), \
+            in_section("evaluation"):
         for step in range(eval_iters):
             if verbose:
                 print_rank_0(f"Evaluating iter {step + 1}/{eval_iters}")
@@ -552,7 +556,7 @@ def _save(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_
     """``save_checkpoint`` timed and in a span; then the operator message naming where it went
     (``checkpoint_cfg.save``, or the non-persistent folder)."""
     timers = get_timers()
-    with telemetry.span("checkpoint", "megatron.save_checkpoint", iteration=iteration):
+    with telemetry.span("checkpoint", "megatron.save_checkpoint", iteration=iteration), in_section("checkpoint"):
         timers("save-checkpoint", log_level=0).start(barrier=True)
         with checkpoint_save_errors_as_user_errors():
             save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops_so_far, train_state=train_state,
@@ -655,6 +659,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     moe_report = MoERoutingReport.create(cfg.model, get_telemetry())
     train_data_iterator = wrap_data_iterator(train_data_iterator)
     telemetry.prepare_metrics()
+    slow_steps = SlowStepDetector(logger_cfg.slow_step_factor, get_rank()) if logger_cfg.slow_step_factor else None
     world_size, data_parallel_size, seq_length = cfg.dist.world_size, cfg.dist.data_parallel_size, cfg.data.seq_length
 
     print_rank_0("training ...")
@@ -673,6 +678,8 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
                 profiler.begin_iteration(iteration)
             if breakdown is not None:
                 breakdown.step_begin()
+            PROGRESS.iteration, PROGRESS.section, PROGRESS.phase = iteration + 1, "train", None
+            step_started = time.perf_counter()
             with telemetry.step_span(iteration + 1, first=(iteration == start_iteration)) as step_span:
                 loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
                     forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler
@@ -681,6 +688,8 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
                                          **(profiler.span_attributes(iteration + 1) if profiler is not None else {}))
             if breakdown is not None:
                 breakdown.step_end()
+            if slow_steps is not None:
+                slow_steps.step(iteration + 1, time.perf_counter() - step_started)
             telemetry.note_step_finished()
             iteration += 1
             batch_size = train_cfg.micro_batch_size * data_parallel_size * num_microbatches
@@ -701,6 +710,9 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
                 breakdown.report(flops / world_size)
             if is_log_iteration and moe_report is not None:  # collective: every rank, same iterations
                 moe_report.report()
+            if is_log_iteration and slow_steps is not None:  # the slow steps of the interval, explained
+                slow_steps.report(breakdown.last_table if breakdown is not None else None, last_log_iteration + 1,
+                                  iteration)
             training_log(
                 acc, loss_dict, learning_rate, optimizer.get_loss_scale(),
                 iteration, grad_norm, params_norm, num_zeros, skipped_iter, now - last_log_time,
@@ -792,6 +804,7 @@ def _shutdown():
 
     step_timing.uninstall()  # the step-breakdown recorder of train(), if any
     routing_stats.uninstall()  # the MoE routing recorder of train(), if any
+    stop_hang_monitor()  # before the store goes away with the process group
 
     writer = get_tensorboard_writer()
     if writer is not None:

@@ -101,9 +101,11 @@ def test_meter_taking_values_only_gets_every_value_without_attributes(caplog):
         assert tel.record_training_metrics(meter, loss=2.0, step_duration_ms=10.0, skipped_iters=2,
                                            iteration=7, attributes={}) == 4
         training_metrics.initialize_counters(meter)
-    assert sorted(meter.calls) == [("megatron.training.iteration", 7.0), ("megatron.training.loss", 2.0),
+    # initialize_counters: every counter at 0 (the skipped iterations, the hang reports, the slow steps).
+    assert sorted(meter.calls) == [("megatron.training.hang_reports", 0), ("megatron.training.iteration", 7.0),
+                                   ("megatron.training.loss", 2.0),
                                    ("megatron.training.skipped_iters", 0), ("megatron.training.skipped_iters", 2),
-                                   ("megatron.training.step_duration_ms", 10.0)]
+                                   ("megatron.training.slow_steps", 0), ("megatron.training.step_duration_ms", 10.0)]
     assert not caplog.records  # nothing dropped, nothing to warn about
     # Attributes, when there are some, are still passed (such a meter then refuses them: logged once).
     with caplog.at_level(logging.WARNING):

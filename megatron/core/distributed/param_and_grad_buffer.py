@@ -6,6 +6,8 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.core import progress
+
 from .distributed_data_parallel_config import DistributedDataParallelConfig
 
 logger = logging.getLogger(__name__)
@@ -199,8 +201,10 @@ class _ParamAndGradBucketGroup:
                 )
             self.start_grad_sync()
         if self.grad_reduce_handle is not None:
+            progress.PROGRESS.comm = ("grad reduce (overlapped)", self.intra_distributed_optimizer_instance_group)
             for handle in self.grad_reduce_handle:
                 handle.wait()
+            progress.PROGRESS.comm = None
             self.grad_reduce_handle = None
             self._after_grad_collective()
         # A later microbatch cycle may launch again only after zero_grad_buffer(); keep launched=True.
@@ -268,8 +272,10 @@ class _ParamAndGradBucketGroup:
             _collective("all_gather_into_tensor")(bucket.grad_data, local.clone(), group=group)
 
     def _wait_param_gather(self):
+        progress.PROGRESS.comm = ("param all-gather (overlapped)", self.intra_distributed_optimizer_instance_group)
         for handle in self.param_gather_handle:
             handle.wait()
+        progress.PROGRESS.comm = None
         self.param_gather_handle = None
         self.params_stale = False
 

@@ -22,7 +22,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state, step_timing
+from megatron.core import parallel_state, progress, step_timing
 from megatron.core.collective_device import get_collective_device
 from megatron.core.telemetry import is_span_group_enabled, managed_span
 
@@ -163,8 +163,10 @@ def _communicate(*, tensor_send_next: Optional[torch.Tensor], tensor_send_prev: 
     # stage that waits for its neighbour, most of it is that wait.
     with step_timing.section("pp_comm"), spans:
         try:
+            progress.PROGRESS.comm = ("p2p " + ", ".join(f"{d} with rank {p}" for d, p in directions), group)
             for request in dist.batch_isend_irecv(ops):
                 request.wait()
+            progress.PROGRESS.comm = None
         except RuntimeError as exc:
             names = ", ".join(f"{d} with rank {p}" for d, p in directions)
             raise PipelinePeerError(

@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterator, List, Optional, Union
 
 import torch
 
-from megatron.core import parallel_state
+from megatron.core import parallel_state, progress
 from megatron.core.pipeline_parallel import p2p_communication as p2p
 from megatron.core.telemetry import create_linked_span, managed_span
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
@@ -71,6 +71,7 @@ def forward_step(forward_step_func: Callable, data_iterator: Optional[Iterator],
     Raises:
         ValueError: ``loss_func`` returns neither 2 nor 3 values.
     """
+    progress.PROGRESS.phase = "forward"  # for the hang report: an attribute store
     timer = _start_timer(config, "forward-compute")
     if is_first_microbatch and hasattr(model, "set_is_first_microbatch"):
         model.set_is_first_microbatch()
@@ -141,6 +142,7 @@ def backward_step(input_tensor: Optional[Union[torch.Tensor, List]], output_tens
     On the last stage (``output_tensor_grad`` None) the loss is first passed through
     ``config.grad_scale_func`` (the loss scaler) when it is set.
     """
+    progress.PROGRESS.phase = "backward"
     timer = _start_timer(config, "backward-compute")
     unwrap_input_tensor_grad = not isinstance(input_tensor, list)
     input_tensors = [input_tensor] if unwrap_input_tensor_grad else input_tensor

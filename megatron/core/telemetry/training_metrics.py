@@ -51,6 +51,11 @@ PROGRESS_INSTRUMENTS: Dict[str, Tuple[str, str, str, str]] = {
     "rank_memory_reserved_gb": ("megatron.training.memory.reserved_gb", "gauge", "GB", "Reserved device memory"),
     "rank_memory_peak_gb": ("megatron.training.memory.peak_gb", "gauge", "GB", "Peak allocated device memory"),
     "rank_memory_rss_gb": ("megatron.training.memory.rss_gb", "gauge", "GB", "Resident host memory"),
+    # Troubleshooting (megatron/training/troubleshooting.py): reports printed, as counters.
+    "hang_reports": ("megatron.training.hang_reports", "counter", "reports",
+                     "Hang reports printed (a rank's heartbeat stopped for --hang-report-seconds)"),
+    "slow_steps": ("megatron.training.slow_steps", "counter", "steps",
+                   "Steps slower than --slow-step-factor times the running median"),
 }
 # Mixture of experts, per MoE layer (attribute ``megatron.moe.layer``, the 1-based global layer number) and, for
 # the token counts, per expert (``megatron.moe.expert``, the global expert index). Counts cover the log interval

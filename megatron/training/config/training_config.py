@@ -173,10 +173,19 @@ class LoggerConfig:
     wandb_exp_name: str = ""
     wandb_save_dir: str = ""
     logging_level: Optional[int] = None
+    # Troubleshooting (docs/observability.md): heartbeat threshold of the hang report (s, 0 = off) and the
+    # factor over the running median step time that makes a step "slow" (0 = off).
+    hang_report_seconds: float = 600
+    slow_step_factor: float = 3.0
 
     def validate(self, save: Optional[str] = None) -> None:
         """``--wandb-*``: the package must be importable and the run named; the other two need
-        --wandb-project; files need a directory (``save``: the checkpoint directory). ValueError naming them."""
+        --wandb-project; files need a directory (``save``: the checkpoint directory). ``--hang-report-seconds``
+        must be >= 0 and ``--slow-step-factor`` 0 or > 1. ValueError naming them."""
+        _require(self.hang_report_seconds >= 0,
+                 f"--hang-report-seconds must be >= 0 (0 turns the hang report off), got {self.hang_report_seconds:g}")
+        _require(self.slow_step_factor == 0 or self.slow_step_factor > 1,
+                 f"--slow-step-factor must be > 1 (or 0 to turn slow-step lines off), got {self.slow_step_factor:g}")
         if not self.wandb_project:
             for flag, value in (("--wandb-exp-name", self.wandb_exp_name), ("--wandb-save-dir", self.wandb_save_dir)):
                 _require(not value, f"{flag} needs --wandb-project (without it nothing is logged to Weights & Biases)")
