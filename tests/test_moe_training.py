@@ -83,6 +83,7 @@ CASES = [(layout, dispatcher, ()) for layout in list(LAYOUTS)[:4] for dispatcher
     ("ep2", "alltoall", ("--calculate-per-token-loss",)),
     ("ep2-tp2-sp", "allgather", ("--moe-router-load-balancing-type", "seq_aux_loss")),
     ("ep2", "alltoall", tuple(CAPACITY)),
+    ("ep2-pp2", "alltoall", tuple(CAPACITY)),
     ("ep2-pp2", "allgather", ("--moe-layer-freq", "[0,1]")),  # the first stage has no MoE layer
     ("ep2-distopt", "allgather", (*CAPACITY, "--moe-pad-expert-input-to-capacity")),
     ("ep2-tp2-sp", "alltoall", tuple(SHARED)),
