@@ -16,6 +16,8 @@ from torch.nn.parameter import Parameter
 
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.parallel_state import (
+    get_expert_tensor_parallel_rank,
+    get_expert_tensor_parallel_world_size,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
 )
@@ -167,13 +169,26 @@ def _param_device(config: ModelParallelConfig) -> Optional[torch.device]:
 def _initialize_partitioned_weight(weight: torch.Tensor, config: ModelParallelConfig, init_method: Callable,
                                    full_size: Tuple[int, int], per_partition_size: int, partition_dim: int,
                                    stride: int = 1, is_expert: bool = False,
-                                   keep_master_weight_for_test: bool = False) -> Optional[torch.Tensor]:
+                                   keep_master_weight_for_test: bool = False,
+                                   expert_tp: Optional[Tuple[int, int]] = None) -> Optional[torch.Tensor]:
     """Mark ``weight`` as split along ``partition_dim`` and, unless ``config.perform_initialization``
     is off, fill it: the CPU master-weight path without CUDA or with ``use_cpu_initialization``,
-    else the GPU path. Returns the full master when ``keep_master_weight_for_test`` (CPU path only)."""
+    else the GPU path. Returns the full master when ``keep_master_weight_for_test`` (CPU path only).
+
+    ``expert_tp`` = (expert-TP rank, expert-TP size) for a MoE expert's weight: its shard is cut from
+    the expert's full fp32 master like a dense weight (on the GPU too), by the expert-TP rank, so an
+    expert starts from the same weights at any expert-parallel / expert-TP size (the MoE layer draws
+    the masters of the other ranks' experts in the same order; ``moe/experts.py``)."""
     if not config.perform_initialization:
         set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
         return None
+    if expert_tp is not None:
+        device = torch.device("cpu") if _use_cpu_init(config) else weight.device
+        master = _initialize_affine_weight_from_master(
+            weight, full_size[0], full_size[1], per_partition_size, partition_dim, init_method, stride,
+            device=device, rank=expert_tp[0], world_size=expert_tp[1],
+        )
+        return master.to(config.params_dtype) if keep_master_weight_for_test else None
     if _use_cpu_init(config):
         return _initialize_affine_weight_cpu(
             weight, full_size[0], full_size[1], per_partition_size, partition_dim, init_method, stride=stride,
@@ -182,6 +197,13 @@ def _initialize_partitioned_weight(weight: torch.Tensor, config: ModelParallelCo
     _initialize_affine_weight_gpu(weight, init_method, partition_dim=partition_dim, stride=stride,
                                   is_expert=is_expert, full_size=full_size, per_partition_size=per_partition_size)
     return None
+
+
+def _expert_tp_size_rank(tp_group) -> Tuple[int, int]:
+    """(size, rank) of the expert-TP group: ``tp_group`` when given, else parallel_state's."""
+    if tp_group is not None:
+        return torch.distributed.get_world_size(tp_group), torch.distributed.get_rank(tp_group)
+    return get_expert_tensor_parallel_world_size(), get_expert_tensor_parallel_rank()
 
 
 _warned_max_connections = False
@@ -358,6 +380,7 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
         skip_weight_param_allocation: bool = False,
         is_expert: bool = False,
         disable_grad_reduce: bool = False,
+        tp_group=None,
     ):
         super().__init__()
         self.input_size = input_size
@@ -367,11 +390,22 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
         self.is_expert = is_expert
         self.disable_grad_reduce = disable_grad_reduce
         self.config = config
-        world_size = get_tensor_model_parallel_world_size()
+        expert_tp = None
+        if is_expert:
+            # A MoE expert is split over the expert-TP group (``tp_group``, else parallel_state's), and
+            # its token dispatcher does every collective (Megatron's explicit_expert_comm): no
+            # sequence-parallel gather and no dgrad all-reduce here.
+            world_size, expert_rank = _expert_tp_size_rank(tp_group)
+            expert_tp = (expert_rank, world_size)
+            self.sequence_parallel = False
+            self.allreduce_dgrad = False
+        else:
+            world_size = get_tensor_model_parallel_world_size()
+            self.sequence_parallel = config.sequence_parallel and world_size > 1
+            self.allreduce_dgrad = world_size > 1 and not self.sequence_parallel and not disable_grad_reduce
+        self.tp_world_size = world_size
         self.output_size_per_partition = divide(output_size, world_size)
-        self.sequence_parallel = config.sequence_parallel and world_size > 1
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
-        self.allreduce_dgrad = world_size > 1 and not self.sequence_parallel and not disable_grad_reduce
         self.master_weight = None
         _prepare_cuda_backward(config, self.allreduce_dgrad or self.sequence_parallel)
 
@@ -381,6 +415,7 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
             self.master_weight = _initialize_partitioned_weight(
                 self.weight, config, init_method, (output_size, input_size), self.output_size_per_partition, 0,
                 stride=stride, is_expert=is_expert, keep_master_weight_for_test=keep_master_weight_for_test,
+                expert_tp=expert_tp,
             )
             setattr(self.weight, "allreduce", not is_expert)
         else:
@@ -418,6 +453,8 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
         )
 
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather and self.is_expert:
+            raise RuntimeError("gather_output is not supported for expert layers (the token dispatcher gathers)")
         if gather:
             if self.sequence_parallel:
                 raise RuntimeError("gather_output is not supported together with sequence_parallel")
@@ -429,7 +466,7 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.input_size}, out_features={self.output_size}, "
-                f"bias={self.bias is not None}, TP={get_tensor_model_parallel_world_size()}, "
+                f"bias={self.bias is not None}, TP={self.tp_world_size}, "
                 f"gather_output={self.gather_output}")
 
 
@@ -458,6 +495,7 @@ class RowParallelLinear(_ExtraStateMixin, torch.nn.Module):
         stride: int = 1,
         keep_master_weight_for_test: bool = False,
         is_expert: bool = False,
+        tp_group=None,
     ):
         super().__init__()
         self.input_size = input_size
@@ -466,9 +504,19 @@ class RowParallelLinear(_ExtraStateMixin, torch.nn.Module):
         self.skip_bias_add = skip_bias_add
         self.is_expert = is_expert
         self.config = config
-        world_size = get_tensor_model_parallel_world_size()
+        expert_tp = None
+        if is_expert:
+            # Expert-TP split; the output's partial sums are reduced by the token dispatcher.
+            world_size, expert_rank = _expert_tp_size_rank(tp_group)
+            expert_tp = (expert_rank, world_size)
+            if not input_is_parallel:
+                raise RuntimeError("expert RowParallelLinear needs input_is_parallel=True")
+            self.sequence_parallel = False
+        else:
+            world_size = get_tensor_model_parallel_world_size()
+            self.sequence_parallel = config.sequence_parallel and world_size > 1
+        self.tp_world_size = world_size
         self.input_size_per_partition = divide(input_size, world_size)
-        self.sequence_parallel = config.sequence_parallel and world_size > 1
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         if self.sequence_parallel and not input_is_parallel:
             raise RuntimeError("To enable `sequence_parallel`, `input_is_parallel` must be `True`")
@@ -480,6 +528,7 @@ class RowParallelLinear(_ExtraStateMixin, torch.nn.Module):
         self.master_weight = _initialize_partitioned_weight(
             self.weight, config, init_method, (output_size, input_size), self.input_size_per_partition, 1,
             stride=stride, is_expert=is_expert, keep_master_weight_for_test=keep_master_weight_for_test,
+            expert_tp=expert_tp,
         )
         setattr(self.weight, "allreduce", not is_expert)
 
@@ -504,7 +553,9 @@ class RowParallelLinear(_ExtraStateMixin, torch.nn.Module):
         output_parallel = linear_with_grad_accumulation_and_async_allreduce(
             input_parallel, self.weight, None, self.gradient_accumulation_fusion, False, False
         )
-        if self.sequence_parallel:
+        if self.is_expert:
+            output_ = output_parallel  # partial over expert TP: the token dispatcher reduces it
+        elif self.sequence_parallel:
             output_ = reduce_scatter_to_sequence_parallel_region(output_parallel)
         else:
             output_ = reduce_from_tensor_model_parallel_region(output_parallel)
@@ -515,7 +566,7 @@ class RowParallelLinear(_ExtraStateMixin, torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.input_size}, out_features={self.output_size}, "
-                f"bias={self.bias is not None}, TP={get_tensor_model_parallel_world_size()}, "
+                f"bias={self.bias is not None}, TP={self.tp_world_size}, "
                 f"input_is_parallel={self.input_is_parallel}")
 
 

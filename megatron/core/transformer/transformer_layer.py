@@ -10,6 +10,7 @@ from megatron.core.telemetry import managed_span
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -20,7 +21,8 @@ class TransformerLayer(MegatronModule):
 
     ``x = x + Dropout(Proj(Attn(LN1(x))))``; ``x = x + Dropout(FC2(act(FC1(LN2(x)))))``. With
     ``apply_residual_connection_post_layernorm`` the residual is the norm output. ``layer_number``
-    is global and 1-based. forward(hidden [s, b, h], attention_mask [b, 1, s, s] bool or None,
+    is global and 1-based; ``mlp`` is a ``MoELayer`` where ``config.is_moe_layer(layer_number)``, else an
+    ``MLP``. forward(hidden [s, b, h], attention_mask [b, 1, s, s] bool or None,
     rotary_pos_emb [s, 1, 1, d] or None) -> (hidden [s, b, h], context).
     """
 
@@ -32,7 +34,10 @@ class TransformerLayer(MegatronModule):
         self.input_layernorm = build_norm(config)
         self.self_attention = SelfAttention(config, layer_number=layer_number, model_comm_pgs=model_comm_pgs)
         self.pre_mlp_layernorm = build_norm(config)
-        self.mlp = MLP(config)
+        if config.is_moe_layer(layer_number):
+            self.mlp = MoELayer(config, layer_number=layer_number, model_comm_pgs=model_comm_pgs)
+        else:
+            self.mlp = MLP(config)
         # --bias-dropout-fusion (Megatron's default): residual + dropout(x + bias) in one kernel.
         self.bias_dropout_add = get_bias_dropout_add(config.bias_dropout_fusion)
 
