@@ -28,8 +28,6 @@ COVERED_ELSEWHERE = {
 # Flags accepted for Megatron-LM command lines but refused (with a message naming them) when given a
 # value that cannot act in this version.
 REFUSED = {
-    "--num-experts": ["--num-experts", "8"],
-    "--expert-model-parallel-size": ["--expert-model-parallel-size", "2"],
     "--no-position-embedding": ["--no-position-embedding"],
     "--exit-signal-handler-for-training": ["--exit-signal-handler-for-training"],
     "--head-lr-mult": ["--head-lr-mult", "2.0"],

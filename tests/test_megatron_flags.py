@@ -50,10 +50,11 @@ def test_megatron_only_flag_gets_one_line_with_the_reason(capsys):
 
 
 def test_several_megatron_only_flags_one_line_naming_them(capsys):
-    lines, status = _refused([*SMALL, "--moe-router-topk", "2", "--use-megatron-fsdp", "--fp8-param-gather"], capsys)
+    lines, status = _refused([*SMALL, "--moe-enable-deepep", "--use-megatron-fsdp", "--fp8-param-gather"], capsys)
     assert status == 2 and len(lines) == 1
-    assert lines[0] == ("error: --moe-router-topk is a Megatron-LM flag that this project does not support: mixture of "
-                        "experts is not available yet (also unsupported: --use-megatron-fsdp, --fp8-param-gather)")
+    assert lines[0] == ("error: --moe-enable-deepep is a Megatron-LM flag that this project does not support: DeepEP and "
+                        "the flex token dispatcher are not available (use --moe-token-dispatcher-type allgather or "
+                        "alltoall) (also unsupported: --use-megatron-fsdp, --fp8-param-gather)")
 
 
 def test_megatron_only_flag_with_equals_and_no_neighbour_suggestion(capsys):
@@ -65,7 +66,7 @@ def test_megatron_only_flag_with_equals_and_no_neighbour_suggestion(capsys):
 
 def test_no_refusal_reason_names_a_flag_this_project_has():
     """A flag that lands here (FSDP2, --cp-comm-type) must leave the list of refusal reasons, which would
-    otherwise describe it as missing (``--num-experts`` is parsed and refused by validate_args, naming MoE)."""
+    otherwise describe it as missing."""
     import fnmatch
 
     from megatron.training.arguments import _MegatronArgumentParser, add_megatron_arguments
@@ -74,7 +75,7 @@ def test_no_refusal_reason_names_a_flag_this_project_has():
     ours = {option for action in add_megatron_arguments(_MegatronArgumentParser())._actions
             for option in action.option_strings}
     assert [pattern for pattern, _ in UNSUPPORTED_REASONS
-            if any(fnmatch.fnmatch(option, pattern) for option in ours)] == ["--num-experts"]
+            if any(fnmatch.fnmatch(option, pattern) for option in ours)] == []
 
 
 def test_megatron_only_flag_printed_by_rank_0_only(capsys, monkeypatch):

@@ -33,6 +33,7 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser = add_tokenizer_args(parser)
     parser = _add_logging_args(parser)
     parser = _add_opentelemetry_args(parser)
+    parser = _add_moe_args(parser)
     return parser
 
 
@@ -89,7 +90,6 @@ def _add_network_size_args(parser):
     group.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                        help="Separate output-layer weight instead of reusing the word embedding.")
     group.add_argument("--qk-layernorm", action="store_true", help="Normalize queries and keys per head.")
-    group.add_argument("--num-experts", type=int, default=None, help="Number of MoE experts (not available).")
     return parser
 
 
@@ -342,7 +342,6 @@ def _add_distributed_args(parser):
     group.add_argument("--cp-comm-type", nargs="+", type=str, default=["p2p"],
                        help="How context-parallel attention exchanges K/V: p2p (ring), all_gather or a2a "
                             "(Ulysses); one value for every layer, or one per layer.")
-    group.add_argument("--expert-model-parallel-size", type=int, default=1, help="Expert-parallel size.")
     group.add_argument("--distributed-backend", type=str, choices=["nccl", "gloo"],
                        default="nccl" if torch.cuda.is_available() else "gloo",
                        help="torch.distributed backend (default nccl with CUDA, else gloo).")
@@ -474,4 +473,189 @@ def _add_opentelemetry_args(parser):
                        help="OTel service name (default OTEL_SERVICE_NAME, else megatron-lm).")
     group.add_argument("--otel-span-groups", type=str, default=None,
                        help="Span-group spec (overrides MEGATRON_OTEL_SPAN_GROUPS).")
+    return parser
+
+
+# ---------------------------------------------------------------------------------------------------
+# Mixture of experts (Megatron-LM core_v0.14 ``_add_moe_args``: names, dests, defaults, choices)
+# ---------------------------------------------------------------------------------------------------
+
+MOE_TOKEN_DISPATCHER_TYPES = ["allgather", "alltoall", "flex"]
+MOE_LOAD_BALANCING_TYPES = ["aux_loss", "seq_aux_loss", "sinkhorn", "none"]
+# Longest --moe-layer-freq pattern accepted (a layer count; keeps "[1]*10**9"-like input from eating memory).
+_MOE_PATTERN_MAX_LEN = 100_000
+
+
+def moe_freq_type(value):
+    """``--moe-layer-freq`` value -> an int N (MoE every N-th layer) or a 0/1 list (one entry per layer).
+
+    Accepts Megatron-LM's forms: an int, an int as a string, or a list expression made of non-negative integers,
+    ``[...]`` lists, ``+`` (concatenation or addition), ``*`` (repetition or product) and parentheses, e.g.
+    ``"([1]*3+[0]*1)*3"``. Megatron evaluates the expression with Python's ``eval`` after a character check; it
+    is parsed here by a small recursive-descent parser (no code is run). Raises argparse.ArgumentTypeError.
+    """
+    if isinstance(value, int):
+        return value
+    text = str(value).strip()
+    if "[" not in text:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is neither an integer nor a list pattern such as "
+                                             "'([1]*3+[0]*1)*3'") from None
+    try:
+        result = _MoePatternParser(text).parse()
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"invalid pattern {value!r}: {error}") from None
+    if not isinstance(result, list):
+        raise argparse.ArgumentTypeError(f"pattern {value!r} evaluates to {result!r}, not a list")
+    return result
+
+
+class _MoePatternParser:
+    """expr := term ('+' term)*; term := atom ('*' atom)*; atom := int | '[' [expr (',' expr)*] ']' | '(' expr ')'.
+
+    Values are ints or lists with Python's meaning of + and * (list + list, list * int, int * list, int op int).
+    """
+
+    def __init__(self, text: str):
+        self.text = text.replace(" ", "")
+        self.pos = 0
+
+    def parse(self):
+        result = self._expr()
+        if self.pos != len(self.text):
+            raise ValueError(f"unexpected {self.text[self.pos]!r} at position {self.pos}")
+        return result
+
+    def _peek(self):
+        return self.text[self.pos] if self.pos < len(self.text) else ""
+
+    def _expect(self, char):
+        if self._peek() != char:
+            raise ValueError(f"expected {char!r} at position {self.pos}")
+        self.pos += 1
+
+    def _expr(self):
+        value = self._term()
+        while self._peek() == "+":
+            self.pos += 1
+            right = self._term()
+            if isinstance(value, list) != isinstance(right, list):
+                raise ValueError("'+' joins two lists or two integers")
+            value = value + right
+            self._check_size(value)
+        return value
+
+    def _term(self):
+        value = self._atom()
+        while self._peek() == "*":
+            self.pos += 1
+            right = self._atom()
+            if isinstance(value, list) and isinstance(right, list):
+                raise ValueError("'*' cannot multiply two lists")
+            if isinstance(value, list) or isinstance(right, list):
+                count = right if isinstance(value, list) else value
+                if count > _MOE_PATTERN_MAX_LEN:
+                    raise ValueError(f"repetition count {count} is too large")
+            value = value * right
+            self._check_size(value)
+        return value
+
+    def _atom(self):
+        char = self._peek()
+        if char == "(":
+            self.pos += 1
+            value = self._expr()
+            self._expect(")")
+            return value
+        if char == "[":
+            self.pos += 1
+            items = []
+            if self._peek() != "]":
+                items.append(self._expr())
+                while self._peek() == ",":
+                    self.pos += 1
+                    if self._peek() == "]":  # a trailing comma, as Python allows
+                        break
+                    items.append(self._expr())
+            self._expect("]")
+            return items
+        start = self.pos
+        while self._peek().isdigit():
+            self.pos += 1
+        if start == self.pos:
+            raise ValueError(f"expected an integer, '[' or '(' at position {start}")
+        return int(self.text[start:self.pos])
+
+    @staticmethod
+    def _check_size(value):
+        if isinstance(value, list) and len(value) > _MOE_PATTERN_MAX_LEN:
+            raise ValueError(f"the list has more than {_MOE_PATTERN_MAX_LEN} entries")
+        if isinstance(value, int) and value > 10 ** 9:
+            raise ValueError("integer too large")
+
+
+def _add_moe_args(parser):
+    group = parser.add_argument_group(title="moe")
+    group.add_argument("--expert-model-parallel-size", type=int, default=1,
+                       help="Expert-parallel size: the experts of each MoE layer are split over this many ranks "
+                            "(carved out of the data-parallel x context-parallel ranks).")
+    group.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                       help="Tensor-parallel size inside the experts (default: --tensor-model-parallel-size).")
+    group.add_argument("--num-experts", type=int, default=None,
+                       help="Number of experts in each MoE layer (0 or unset: no MoE).")
+    group.add_argument("--moe-layer-freq", type=moe_freq_type, default=1,
+                       help="Which layers are MoE: an int N puts MoE at the layers with 0-based index i %% N == 0; a "
+                            "list pattern such as '([1]*3+[0]*1)*3' gives one 0/1 per layer.")
+    group.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                       help="FFN hidden size of each expert (default --ffn-hidden-size).")
+    group.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                       help="FFN hidden size of the shared expert (all shared experts together); unset: none.")
+    group.add_argument("--moe-shared-expert-overlap", action="store_true",
+                       help="Overlap the shared expert with the token dispatch (alltoall dispatcher only).")
+    group.add_argument("--moe-grouped-gemm", action="store_true",
+                       help="Run the local experts as one grouped matmul (GroupedMLP; a loop with the same results "
+                            "where torch has no grouped matmul).")
+    group.add_argument("--moe-router-load-balancing-type", nargs="+", type=str, choices=MOE_LOAD_BALANCING_TYPES,
+                       default="aux_loss",
+                       help="Load balancing: aux_loss (GShard/Switch), seq_aux_loss (per sequence, DeepSeek-V2) or "
+                            "none; several values combine (with one --moe-aux-loss-coeff each). sinkhorn is "
+                            "Megatron-LM's, refused here.")
+    group.add_argument("--moe-router-dtype", type=str, choices=["fp32", "fp64"], default=None,
+                       help="Data type of the router's logits and probabilities (default: the model dtype).")
+    group.add_argument("--moe-router-score-function", type=str, choices=["softmax", "sigmoid"], default="softmax",
+                       help="Score function of the router.")
+    group.add_argument("--moe-router-topk", type=int, default=2, help="Experts each token is routed to.")
+    group.add_argument("--moe-router-pre-softmax", action="store_true",
+                       help="Softmax over all experts before the top-k (default: softmax over the top-k).")
+    group.add_argument("--moe-router-num-groups", type=int, default=None,
+                       help="Expert groups of group-limited routing (DeepSeek-V3).")
+    group.add_argument("--moe-router-group-topk", type=int, default=None,
+                       help="Groups each token may pick its experts from (group-limited routing).")
+    group.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
+                       help="Multiplier of the routing probabilities of the top-k experts.")
+    group.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                       help="Aux-loss-free load balancing: a per-expert bias on the selection scores, updated once "
+                            "per step from the token counts (sigmoid scores only).")
+    group.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
+                       help="Step of the expert-bias update (bias += sign(mean count - count) * rate).")
+    group.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0,
+                       help="Coefficient of the load-balancing loss (one per --moe-router-load-balancing-type).")
+    group.add_argument("--moe-z-loss-coeff", type=float, default=None,
+                       help="Coefficient of the router z-loss (ST-MoE); unset: none.")
+    group.add_argument("--moe-input-jitter-eps", type=float, default=None,
+                       help="Multiply the router input by uniform noise in [1-eps, 1+eps] in training.")
+    group.add_argument("--moe-per-layer-logging", action="store_true",
+                       help="Also log each MoE layer's auxiliary losses (moe/<name>_layer_<i>).")
+    group.add_argument("--moe-token-dispatcher-type", type=str, choices=MOE_TOKEN_DISPATCHER_TYPES,
+                       default="allgather",
+                       help="Token dispatcher: allgather or alltoall (flex is Megatron-LM's, refused here).")
+    group.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                       help="Capacity of each expert as a multiple of its even share of tokens; tokens beyond it "
+                            "are dropped. Unset (or negative): dropless.")
+    group.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                       help="Pad every expert's input to its capacity (needs --moe-expert-capacity-factor).")
+    group.add_argument("--moe-token-drop-policy", type=str, default="probs", choices=["probs", "position"],
+                       help="Which tokens an expert over capacity keeps: the highest probabilities or the first.")
     return parser

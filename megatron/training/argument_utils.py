@@ -44,6 +44,7 @@ from megatron.training.config.training_config import (
 
 # Flags whose value reaches a config field of another name: {dest: "slice.field"}.
 RENAMED_FLAGS = {
+    "num_experts": "model.num_moe_experts",
     "norm_epsilon": "model.layernorm_epsilon",
     "apply_layernorm_1p": "model.layernorm_zero_centered_gamma",
     "swiglu": "model.gated_linear_unit",  # and model.activation_func = F.silu
@@ -76,7 +77,6 @@ RENAMED_FLAGS = {
 
 # Flags that reach no config: read only by arguments.py (validation) or here. {dest: why}.
 ARGUMENTS_ONLY_FLAGS = {
-    "num_experts": "refused by validate_args (no mixture of experts in this version)",
     "no_persist_layer_norm": "no effect: there is no persistent layer-norm kernel (Megatron compatibility)",
     "use_mcore_models": "deprecated no-op; validate_args warns",
     "cross_entropy_loss_fusion": "no effect: one vocab-parallel cross entropy (Megatron compatibility)",

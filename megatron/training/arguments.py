@@ -122,7 +122,7 @@ def validate_args(args, defaults={}):
 
     Raises ValueError naming the offending flag(s) and values, including for features that
     are not available in this version (the distributed optimizer with another optimizer than adam,
-    the torch_dcp and fsdp_dtensor checkpoint formats, Transformer Engine, MoE).
+    the torch_dcp and fsdp_dtensor checkpoint formats, Transformer Engine).
     """
     # Applied first so that script defaults take part in every check below; a flag given on
     # the command line wins over the script default.
@@ -145,6 +145,7 @@ def validate_args(args, defaults={}):
     _validate_schedule(args)
     _validate_model(args)
     _validate_pipeline(args)
+    _validate_moe(args)
     _validate_checkpointing(args)
     logger_config_from_args(args).validate(save=args.save)  # --wandb-*
     _validate_misc(args)
@@ -199,9 +200,6 @@ def _validate_features(args):
     if args.transformer_impl != "local":
         raise ValueError("--transformer-impl transformer_engine is not available: this version does not ship "
                          "Transformer Engine layers; use --transformer-impl local")
-    if args.expert_model_parallel_size != 1 or args.num_experts is not None:
-        raise ValueError("mixture of experts (--num-experts / --expert-model-parallel-size) is not available "
-                         "in this version")
     if args.optimizer not in _AVAILABLE_OPTIMIZERS:
         raise ValueError(f"--optimizer {args.optimizer} is not available in this version; "
                          f"choose one of {', '.join(_AVAILABLE_OPTIMIZERS)}")
@@ -591,6 +589,57 @@ def _validate_model(args):
     # Refused here, naming the flag, rather than at the first forward (e.g. flash/fused without CUDA).
     from megatron.core.transformer.attention_backend import check_attention_backend
     check_attention_backend(args.attention_backend)
+
+
+def _validate_moe(args):
+    """Megatron-LM's mixture-of-experts rules (``validate_args``, spec section 3.2) plus the expert process-group
+    arithmetic of ``initialize_model_parallel``, checked now with the flags named; sets ``num_experts`` (0 -> None),
+    ``expert_tensor_parallel_size`` (None -> TP), ``moe_ffn_hidden_size`` (None -> --ffn-hidden-size) and turns
+    one-element --moe-router-load-balancing-type / --moe-aux-loss-coeff lists into scalars (as Megatron-LM)."""
+    tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
+    if args.num_experts == 0:
+        args.num_experts = None
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = tp
+    etp = args.expert_tensor_parallel_size
+    _require(ep >= 1, f"--expert-model-parallel-size must be >= 1, got {ep}")
+    _require(etp >= 1, f"--expert-tensor-parallel-size must be >= 1, got {etp}")
+    if ep > 1:
+        _require(args.num_experts is not None,
+                 f"--expert-model-parallel-size {ep} needs --num-experts (expert parallelism splits the experts)")
+        _require(args.num_experts % ep == 0,
+                 f"--num-experts ({args.num_experts}) must be a multiple of --expert-model-parallel-size ({ep})")
+        _require(not args.fp16, "--expert-model-parallel-size > 1 is not supported with --fp16 (use --bf16)")
+    if args.use_torch_fsdp2:
+        _require(ep == 1, f"--use-torch-fsdp2 is not supported with expert parallelism (--expert-model-parallel-size "
+                          f"{ep}); use 1, as Megatron-LM requires")
+    _require(args.world_size % (etp * ep * pp) == 0,
+             f"world size ({args.world_size}) is not divisible by --expert-tensor-parallel-size ({etp}) x "
+             f"--expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp}), which the expert "
+             "process groups need")
+    if isinstance(args.moe_router_load_balancing_type, list) and len(args.moe_router_load_balancing_type) == 1:
+        args.moe_router_load_balancing_type = args.moe_router_load_balancing_type[0]
+    if isinstance(args.moe_aux_loss_coeff, list) and len(args.moe_aux_loss_coeff) == 1:
+        args.moe_aux_loss_coeff = args.moe_aux_loss_coeff[0]
+    if args.num_experts is None:
+        return
+    if args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+        _print_rank_0(args, "WARNING: --moe-ffn-hidden-size is not set, using --ffn-hidden-size "
+                            f"({args.ffn_hidden_size}) for the experts")
+    kinds = args.moe_router_load_balancing_type
+    _require("sinkhorn" not in (kinds if isinstance(kinds, list) else [kinds]),
+             "--moe-router-load-balancing-type sinkhorn is a Megatron-LM choice that this project does not support; "
+             "use aux_loss, seq_aux_loss or none")
+    # Megatron-LM raises this in MoELayer.forward at the first training step; refused here, before any work.
+    _require(tp == 1 or args.sequence_parallel,
+             f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel (Megatron-LM refuses "
+             "MoE with tensor parallelism but without sequence parallelism in training)")
+    # TransformerConfig's MoE rules (topk, groups, capacity, expert bias, ...), reported now in one line.
+    try:
+        core_transformer_config_from_args(args)
+    except ValueError as error:
+        raise ValueError(f"invalid mixture-of-experts flags: {error}") from None
 
 
 def _validate_checkpointing(args):

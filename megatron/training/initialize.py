@@ -183,6 +183,8 @@ def _initialize_distributed(model, dist_config):
             pipeline_model_parallel_size=model.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=model.virtual_pipeline_model_parallel_size,
             context_parallel_size=model.context_parallel_size,
+            expert_model_parallel_size=model.expert_model_parallel_size,
+            expert_tensor_parallel_size=model.expert_tensor_parallel_size,
             distributed_timeout_minutes=dist_config.distributed_timeout_minutes,
         )
         print_rank_0(

@@ -220,6 +220,7 @@ def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm
                 writer.add_scalar(tag, value, iteration)
         if wandb_writer is not None:
             wandb_writer.log({**scalars, **per_iteration}, step=iteration)
+    _track_moe_metrics(acc, iteration, num_microbatches, writer, wandb_writer)
 
     if not is_log_iteration:
         return None
@@ -272,6 +273,40 @@ def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm
         acc.memory_reported = True
     timers.log([name for name in _LOGGED_TIMERS], normalizer=max(iterations_since_last_log, 1))
     return averages
+
+
+def moe_track_names(model_cfg) -> list:
+    """The MoE auxiliary losses a run logs (Megatron's ``training_log``): ``load_balancing_loss`` with aux_loss,
+    ``seq_load_balancing_loss`` with seq_aux_loss, ``z_loss`` with a z-loss coefficient. A list of balancing types is
+    read by membership (Megatron's ``in`` on a single string would also match aux_loss inside seq_aux_loss, whose
+    always-zero value Megatron's log line then hides)."""
+    kinds = model_cfg.moe_router_load_balancing_type
+    kinds = list(kinds) if isinstance(kinds, (list, tuple)) else [kinds]
+    names = []
+    if "aux_loss" in kinds:
+        names.append("load_balancing_loss")
+    if "seq_aux_loss" in kinds:
+        names.append("seq_load_balancing_loss")
+    if model_cfg.moe_z_loss_coeff is not None:
+        names.append("z_loss")
+    return names
+
+
+def _track_moe_metrics(acc, iteration, num_microbatches, writer, wandb_writer):
+    """Every iteration, on every rank (the reduction is collective): Megatron's ``track_moe_metrics`` with
+    ``loss_scale = 1 / num_microbatches``. It adds each aux loss, averaged over the MoE layers, into the log line's
+    totals (``acc.losses``, after ``lm loss``: the line prints ``load_balancing_loss: %.6E |`` there), writes it to
+    TensorBoard / W&B, and with ``--moe-per-layer-logging`` each layer's value as ``moe/{name}_layer_{i}``."""
+    model_cfg = get_config().model
+    if getattr(model_cfg, "num_moe_experts", None) is None:
+        return
+    from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+
+    track_moe_metrics(loss_scale=1.0 / num_microbatches, iteration=iteration, writer=writer,
+                      wandb_writer=wandb_writer, total_loss_dict=acc.losses,
+                      per_layer_logging=model_cfg.moe_per_layer_logging, force_initialize=True,
+                      track_names=moe_track_names(model_cfg), num_layers=model_cfg.num_layers,
+                      moe_layer_freq=model_cfg.moe_layer_freq)
 
 
 def _report_memory(iteration, num_microbatches):

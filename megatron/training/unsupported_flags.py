@@ -7,12 +7,13 @@ this project's parser defines never reaches these rules (argparse accepts it fir
 import fnmatch
 from typing import Optional
 
-from megatron.training.argument_groups import OPTIMIZERS, POSITION_EMBEDDING_TYPES
+from megatron.training.argument_groups import MOE_TOKEN_DISPATCHER_TYPES, OPTIMIZERS, POSITION_EMBEDDING_TYPES
 from megatron.training.megatron_lm_flags import MEGATRON_LM_FLAGS
 
 _FP8 = "FP8 needs Transformer Engine"
 _TE = "it configures Transformer Engine, which this project does not ship (--transformer-impl local only)"
-_MOE = "mixture of experts is not available yet"
+_MOE_TE = "it configures Transformer Engine's MoE kernels, which this project does not ship (local experts only)"
+_DEEPEP = "DeepEP and the flex token dispatcher are not available (use --moe-token-dispatcher-type allgather or alltoall)"
 _MLA = "multi-latent attention (DeepSeek) is not available"
 _OTHER_MODELS = "this project pretrains GPT models only (no BERT, T5, retro, vision, Mamba/hybrid or SFT)"
 _CKPT_STRATEGY = ("Megatron's dist_checkpointing save/load strategy wrappers are not available (each rank "
@@ -24,8 +25,20 @@ UNSUPPORTED_REASONS = (
     ("--first-last-layers-bf16", _FP8), ("--num-layers-at-*-in-bf16", _FP8),
     ("--reuse-grad-buf-for-mxfp8-param-ag", _FP8), ("--kitchen-*", "NVIDIA Kitchen quantization is not available"),
     ("--tp-comm-*", _TE), ("--disable-tp-comm-*", _TE), ("--te-rng-tracker", _TE),
-    ("--moe-*", _MOE), ("--num-experts", _MOE), ("--expert-tensor-parallel-size", _MOE),
-    ("--overlap-moe-expert-parallel-comm", _MOE), ("--use-fused-weighted-squared-relu", _MOE),
+    ("--moe-router-padding-for-fp8", _FP8), ("--moe-router-fusion", _MOE_TE), ("--moe-permute-fusion", _MOE_TE),
+    ("--moe-use-legacy-grouped-gemm", "it picks GroupedMLP over Transformer Engine's grouped linear; without Transformer "
+                                      "Engine --moe-grouped-gemm is already GroupedMLP"),
+    ("--moe-enable-deepep", _DEEPEP), ("--moe-deepep-num-sms", _DEEPEP),
+    ("--overlap-moe-expert-parallel-comm", "overlapping the expert-parallel all-to-all with another micro-batch's "
+                                           "compute (combined 1F1B) is not available"),
+    ("--moe-layer-recompute", "MoE layer recomputation is not available (use --recompute-granularity full)"),
+    ("--moe-extended-tp", "extended tensor parallelism for experts is deprecated in Megatron-LM (use "
+                          "--expert-tensor-parallel-size)"),
+    ("--moe-use-upcycling", "upcycling a dense checkpoint to MoE is not available"),
+    ("--moe-upcycling-granularity", "upcycling a dense checkpoint to MoE is not available"),
+    ("--moe-router-force-load-balancing", "forced (random) load balancing for benchmarking is not available"),
+    ("--moe-apply-probs-on-input", "applying the routing probabilities on the expert input is not available"),
+    ("--use-fused-weighted-squared-relu", "the fused weighted squared-ReLU MoE kernel is not available"),
     ("--multi-latent-attention", _MLA), ("--*-lora-rank", _MLA), ("--qk-head-dim", _MLA),
     ("--qk-pos-emb-head-dim", _MLA), ("--v-head-dim", _MLA), ("--cache-mla-latents", _MLA),
     ("--rope-type", _MLA), ("--mscale", _MLA), ("--mscale-all-dim", _MLA), ("--rotary-scaling-factor", _MLA),
@@ -143,6 +156,9 @@ UNSUPPORTED_CHOICES = {
         "muon": "Muon is not available", "dist_muon": "Muon is not available",
         "adaptive_muon": "Muon is not available", "lion": "Lion is not available", "soap": "SOAP is not available",
     }),
+    "moe_token_dispatcher_type": ("--moe-token-dispatcher-type", {
+        "flex": "the flex dispatcher needs DeepEP, which is not available",
+    }),
 }
 
 
@@ -181,5 +197,6 @@ def unsupported_choice_line(args, choices=None) -> Optional[str]:
 
 
 def _supported(args, dest, refused):
-    listed = {"optimizer": OPTIMIZERS, "position_embedding_type": POSITION_EMBEDDING_TYPES}.get(dest, ())
+    listed = {"optimizer": OPTIMIZERS, "position_embedding_type": POSITION_EMBEDDING_TYPES,
+              "moe_token_dispatcher_type": MOE_TOKEN_DISPATCHER_TYPES}.get(dest, ())
     return [value for value in listed if value not in refused]

@@ -61,13 +61,21 @@ class DistributedDataParallel(torch.nn.Module):
             bucket_size = None
         self.bucket_size = bucket_size
 
-        if calculate_per_token_loss or ddp_config.average_in_collective:
+        # Expert parameters (``allreduce = False``, Megatron's marker) differ across the expert-parallel ranks, so
+        # their grads are reduced over the expert-data-parallel group only, in buffers of their own. Megatron's
+        # scaling (DistributedDataParallel.__init__): every grad ends up divided by the DP x CP size, so expert
+        # grads are pre-scaled by 1/dp (summed over expert-DP), or by expert_dp/dp before an averaging collective.
+        if calculate_per_token_loss:
+            gradient_scaling_factor = expert_gradient_scaling_factor = 1.0
+        elif ddp_config.average_in_collective:
             gradient_scaling_factor = 1.0
+            expert_gradient_scaling_factor = None  # expert_dp / dp, once the expert group is known
         else:
-            gradient_scaling_factor = 1.0 / dp_size
+            gradient_scaling_factor = expert_gradient_scaling_factor = 1.0 / dp_size
 
         param_to_name: Dict[torch.nn.Parameter, str] = {}
         params_by_dtype: Dict[Tuple[torch.dtype, torch.dtype], List[torch.nn.Parameter]] = {}
+        expert_params_by_dtype: Dict[Tuple[torch.dtype, torch.dtype], List[torch.nn.Parameter]] = {}
         for name, param in module.named_parameters():
             if not param.requires_grad:
                 continue
@@ -76,7 +84,8 @@ class DistributedDataParallel(torch.nn.Module):
                 param.zero_out_wgrad = False
             param_to_name[param] = name
             grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else param.dtype
-            params_by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
+            by_dtype = params_by_dtype if getattr(param, "allreduce", True) else expert_params_by_dtype
+            by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
         if not param_to_name:
             raise ValueError(f"DistributedDataParallel: {type(module).__name__} has no trainable params")
 
@@ -86,7 +95,20 @@ class DistributedDataParallel(torch.nn.Module):
             for (param_dtype, grad_dtype), params in params_by_dtype.items()
         ]
         self.bucket_groups = partition_buckets(self.buffers)
-        self.param_to_bucket_group = {p: group for group in self.bucket_groups for p in group.params}
+        self.expert_data_parallel_group = None
+        self.expert_parallel_buffers = []
+        if expert_params_by_dtype:
+            self.expert_data_parallel_group = parallel_state.get_expert_data_parallel_group()
+            expert_dp_size = dist.get_world_size(self.expert_data_parallel_group)
+            if expert_gradient_scaling_factor is None:
+                expert_gradient_scaling_factor = expert_dp_size / dp_size
+            self.expert_parallel_buffers = [
+                _ParamAndGradBuffer(ddp_config, param_dtype, grad_dtype, params, self.expert_data_parallel_group,
+                                    bucket_size, param_to_name, expert_gradient_scaling_factor, expert_dp_size)
+                for (param_dtype, grad_dtype), params in expert_params_by_dtype.items()
+            ]
+        self.expert_parallel_bucket_groups = partition_buckets(self.expert_parallel_buffers)
+        self.param_to_bucket_group = {p: group for group in self.all_bucket_groups() for p in group.params}
         self._grad_hook_handles = [
             param.register_post_accumulate_grad_hook(self._make_backward_post_hook())
             for param in param_to_name
@@ -98,6 +120,14 @@ class DistributedDataParallel(torch.nn.Module):
         # step) unless the caller takes that over (the training loop: only when the optimizer's
         # global grad norm, already on the host, is not finite).
         self.defer_nan_check = False
+
+    def all_buffers(self):
+        """The dense buffers, then the expert-parallel ones (Megatron's ``buffers + expert_parallel_buffers``)."""
+        return self.buffers + self.expert_parallel_buffers
+
+    def all_bucket_groups(self):
+        """The dense bucket groups, then the expert-parallel ones, in the order of their collectives."""
+        return self.bucket_groups + self.expert_parallel_bucket_groups
 
     def enable_forward_pre_hook(self):
         """Wait for (and chain) the param all-gathers in forward pre-hooks (``overlap_param_gather``)."""
@@ -136,12 +166,12 @@ class DistributedDataParallel(torch.nn.Module):
         completes gathers already in flight, so the full params are current on return.
         """
         with managed_span("communication", "megatron.param_sync.start"):
-            for group in self.bucket_groups:
+            for group in self.all_bucket_groups():
                 group.start_param_sync(force_sync=force_sync)
 
     def mark_params_stale(self):
         """Record that the optimizer updated this rank's shards: the next gather must spread them."""
-        for group in self.bucket_groups:
+        for group in self.all_bucket_groups():
             group.params_stale = True
 
     def _make_backward_post_hook(self):
@@ -166,18 +196,18 @@ class DistributedDataParallel(torch.nn.Module):
     @contextmanager
     def no_sync(self):
         """Accumulate grads without launching data-parallel collectives (all but the last microbatch)."""
-        for group in self.bucket_groups:
+        for group in self.all_bucket_groups():
             group.is_last_microbatch = False
         try:
             yield
         finally:
-            for group in self.bucket_groups:
+            for group in self.all_bucket_groups():
                 group.is_last_microbatch = True
 
     def start_grad_sync(self, *unused):
         """Launch the all-reduce of every bucket now (async with ``overlap_grad_reduce``)."""
         with managed_span("communication", "megatron.grad_sync.start"):
-            for group in self.bucket_groups:
+            for group in self.all_bucket_groups():
                 group.start_grad_sync()
 
     def finish_grad_sync(self):
@@ -188,13 +218,13 @@ class DistributedDataParallel(torch.nn.Module):
         Then, with ``check_for_nan_in_grad`` and unless ``defer_nan_check``, :meth:`check_for_nan_in_grad`.
         """
         unlaunched = [] if self.ddp_config.overlap_grad_reduce else [
-            group for group in self.bucket_groups if not group._sync_launched]
+            group for group in self.all_bucket_groups() if not group._sync_launched]
         if unlaunched:
             with managed_span("communication", "megatron.grad_sync.start"):
                 for group in unlaunched:
                     group.start_grad_sync()
         with managed_span("communication", "megatron.grad_sync.finish"):
-            for group in self.bucket_groups:
+            for group in self.all_bucket_groups():
                 group.finish_grad_sync()
         if self.ddp_config.check_for_nan_in_grad and not self.defer_nan_check:
             self.check_for_nan_in_grad()
@@ -206,7 +236,7 @@ class DistributedDataParallel(torch.nn.Module):
         recorded since the last :meth:`zero_grad_buffer` (``check_for_nan_in_grad`` off). The norms
         are dropped once read (:meth:`discard_local_grad_norms`).
         """
-        norms = [group.local_grad_norms for group in self.bucket_groups if group.local_grad_norms is not None]
+        norms = [group.local_grad_norms for group in self.all_bucket_groups() if group.local_grad_norms is not None]
         if not norms:
             return
         values = torch.cat(norms).tolist()
@@ -224,31 +254,32 @@ class DistributedDataParallel(torch.nn.Module):
         The norms are needed only until then; dropped here, nothing of a step's backward outlives the
         step (before, they stayed alive until the next :meth:`zero_grad_buffer`).
         """
-        for group in self.bucket_groups:
+        for group in self.all_bucket_groups():
             group.local_grad_norms = None
 
     def scale_gradients(self, scaling_factor: float):
         """Multiply every main_grad by ``scaling_factor`` (used for per-token loss normalisation)."""
-        for buffer in self.buffers:
+        for buffer in self.all_buffers():
             buffer.scale_gradients(scaling_factor)
 
     def zero_grad_buffer(self):
         """Zero all main_grads and reset bucket state; call at the start of every iteration."""
-        for buffer in self.buffers:
+        for buffer in self.all_buffers():
             for param in buffer.params:
                 param.grad_added_to_main_grad = False
                 # An optimizer may have aliased param.grad to main_grad; autograd would then
                 # accumulate into the buffer and the hook would add the grad a second time.
                 param.grad = None
             buffer.reset()
-        for group in self.bucket_groups:
+        for group in self.all_bucket_groups():
             group.reset()
 
     def broadcast_params(self):
-        """Copy every param from the first rank of the data-parallel (with context-parallel) group."""
-        src = dist.get_global_rank(self.data_parallel_group, 0)
+        """Copy every param from the first rank of its data-parallel group: the data-parallel (with context-parallel)
+        group, or the expert-data-parallel group for expert parameters (``allreduce = False``)."""
         for param in self.module.parameters():
-            dist.broadcast(param.data, src=src, group=self.data_parallel_group)
+            group = self.data_parallel_group if getattr(param, "allreduce", True) else self.expert_data_parallel_group
+            dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
 
     def gather_reduced_grads(self, params):
         """Make ``main_grad`` of ``params`` hold the whole reduced grad on every data-parallel rank.
@@ -264,7 +295,8 @@ class DistributedDataParallel(torch.nn.Module):
             group = self.param_to_bucket_group.get(param)
             if group is not None and group not in groups:
                 groups.append(group)
-        for group in sorted(groups, key=self.bucket_groups.index):
+        order = self.all_bucket_groups()
+        for group in sorted(groups, key=order.index):
             group.all_gather_grads()
 
     def sync_params_for_read(self):

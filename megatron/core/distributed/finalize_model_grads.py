@@ -97,6 +97,32 @@ def _allreduce_word_embedding_grads(model: List[torch.nn.Module], config):
         dist.all_reduce(grad, group=parallel_state.get_embedding_group())
 
 
+def _update_router_expert_bias(model: List[torch.nn.Module], config):
+    """Once per step, after the gradient sync: move every router's ``expert_bias`` [E] by its token counts.
+
+    Megatron core_v0.14 ``_update_router_expert_bias``: the routers' ``local_tokens_per_expert`` [E] (accumulated
+    by each forward under grad) are stacked [layers, E] and passed to ``moe_utils.get_updated_expert_bias``, which
+    sums them over the TP x DP x CP group and returns ``bias + sign(mean(count) - count) * rate``; the counts are
+    then zeroed. Aux-loss-free load balancing (Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for
+    Mixture-of-Experts", section 3).
+    """
+    from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
+
+    tokens_per_expert, expert_bias = [], []
+    for chunk in model:
+        for module in get_attr_wrapped_model(chunk, "modules")():
+            if getattr(module, "expert_bias", None) is not None and hasattr(module, "local_tokens_per_expert"):
+                tokens_per_expert.append(module.local_tokens_per_expert)
+                expert_bias.append(module.expert_bias)
+    if not expert_bias:  # a pipeline stage without MoE layers
+        return
+    updated = get_updated_expert_bias(torch.stack(tokens_per_expert), torch.stack(expert_bias),
+                                      config.moe_router_bias_update_rate)
+    for counts, bias, new_bias in zip(tokens_per_expert, expert_bias, updated):
+        counts.zero_()
+        bias.copy_(new_bias)
+
+
 def _scale_by_num_tokens(model: List[torch.nn.Module], num_tokens: torch.Tensor):
     """Divide every grad by the global token count (broadcast from the last stage, summed over dp-cp)."""
     from megatron.core import parallel_state
@@ -127,6 +153,7 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
     2. TP all-reduce of sequence-parallel / qk-layernorm grads, timer ``layernorm-grads-all-reduce``;
     3. embedding-group all-reduce of the tied embedding / output weight when pp > 1, timer
        ``embedding-grads-all-reduce``;
+    3b. with ``moe_router_enable_expert_bias``: the routers' expert-bias update (``_update_router_expert_bias``);
     4. with ``num_tokens`` (a scalar int tensor, per-token loss): divide all grads by the token count
        of the whole global batch.
 
@@ -146,6 +173,8 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
         _allreduce_non_tensor_model_parallel_grads(model, config)
     with _timed(config, "embedding-grads-all-reduce", barrier):
         _allreduce_word_embedding_grads(model, config)
+    if getattr(config, "moe_router_enable_expert_bias", False):
+        _update_router_expert_bias(model, config)
 
     if num_tokens is not None:
         _scale_by_num_tokens(model, num_tokens)

@@ -194,12 +194,29 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.
                 backoff_factor=0.5, growth_interval=config.loss_scale_window, hysteresis=config.hysteresis,
             )
     if config.use_distributed_optimizer:
-        return DistributedOptimizer(config, model_chunks, param_groups, make_inner, grad_scaler, init_state_fn)
-    param_names = _param_names(model_chunks)
-    inner = make_inner(param_groups)
-    if config.fp16 or config.bf16:
-        return Float16OptimizerWithFloat16Params(inner, config, grad_scaler, init_state_fn, param_names=param_names)
-    return FP32Optimizer(inner, config, init_state_fn, param_names=param_names)
+        optimizer = DistributedOptimizer(config, model_chunks, param_groups, make_inner, grad_scaler, init_state_fn)
+    else:
+        param_names = _param_names(model_chunks)
+        inner = make_inner(param_groups)
+        if config.fp16 or config.bf16:
+            optimizer = Float16OptimizerWithFloat16Params(inner, config, grad_scaler, init_state_fn,
+                                                          param_names=param_names)
+        else:
+            optimizer = FP32Optimizer(inner, config, init_state_fn, param_names=param_names)
+    optimizer.has_expert_params = _is_moe_model(model_chunks)
+    return optimizer
+
+
+def _is_moe_model(model_chunks: List[torch.nn.Module]) -> bool:
+    """Whether the model has mixture-of-experts layers (its TransformerConfig's ``num_moe_experts``; the same on every
+    rank, unlike the presence of expert params, which a pipeline stage without MoE layers lacks)."""
+    from megatron.core.utils import get_model_config
+
+    try:
+        config = get_model_config(model_chunks[0])
+    except (AttributeError, RuntimeError, ValueError):
+        return any(not getattr(p, "allreduce", True) for chunk in model_chunks for p in chunk.parameters())
+    return getattr(config, "num_moe_experts", None) is not None
 
 
 def _param_names(model_chunks: List[torch.nn.Module]) -> Dict[torch.nn.Parameter, str]:

@@ -14,6 +14,12 @@ def _tp_rank() -> int:
     return parallel_state.get_tensor_model_parallel_rank()
 
 
+def _expert_tp_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_tensor_parallel_rank()
+
+
 def param_is_not_shared(param: torch.nn.Parameter) -> bool:
     """False for the tied output-layer copy of the embedding (its grad is counted on the first stage)."""
     return not getattr(param, "shared", False)
@@ -110,9 +116,12 @@ def clip_grad_by_total_norm_fp32(parameters: Union[Iterable[torch.nn.Parameter],
         torch._foreach_mul_(grads, clip_coeff)
 
 
-def count_zeros_fp32(parameters: Iterable[torch.nn.Parameter], grad_stats_parallel_group=None) -> int:
-    """Number of zero grad entries over the counted params (same filter as the norm), summed over the group."""
-    tp_rank = _tp_rank()
+def count_zeros_fp32(parameters: Iterable[torch.nn.Parameter], grad_stats_parallel_group=None,
+                     tp_rank: Optional[int] = None) -> int:
+    """Number of zero grad entries over the counted params (same filter as the norm), summed over the group.
+    ``tp_rank``: the TP rank deciding which replicated params count (default this rank's; the expert TP rank for
+    expert params)."""
+    tp_rank = _tp_rank() if tp_rank is None else tp_rank
     total = None
     parameters = list(parameters)
     dtensor_group = get_data_parallel_group_if_dtensor([p.grad for p in parameters if p.grad is not None])

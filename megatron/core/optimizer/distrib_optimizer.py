@@ -99,6 +99,11 @@ class DistributedOptimizer(MegatronOptimizer):
                 raise ValueError("--use-distributed-optimizer needs every model chunk wrapped in "
                                  "DistributedDataParallel built with use_distributed_optimizer=True")
             self.buffers.extend(chunk.buffers)
+        # Expert-parallel buffers after all dense ones (Megatron chains a second optimizer for them); each is
+        # sharded over its own group, the expert-data-parallel group.
+        for chunk in self.model_chunks:
+            self.buffers.extend(getattr(chunk, "expert_parallel_buffers", []))
+        for index, chunk in enumerate(self.model_chunks):
             prefix = f"model{index}." if len(self.model_chunks) > 1 else ""
             for name, param in _unwrapped_named_parameters(chunk):
                 param_to_name.setdefault(param, prefix + name)
@@ -124,11 +129,18 @@ class DistributedOptimizer(MegatronOptimizer):
             grad_scaler.to(device)
         self._loaded_steps: Optional[List[float]] = None
 
+    @staticmethod
+    def _buffer_group(buffer) -> Tuple[object, int, int]:
+        """(group, world size, rank) the buffer is sharded over: data-parallel with context-parallel for dense
+        params, expert-data-parallel for expert params."""
+        group = buffer.data_parallel_group
+        return group, dist.get_world_size(group), dist.get_rank(group)
+
     def _build_pieces(self, param_to_name) -> Dict[torch.nn.Parameter, _ShardPiece]:
         """This rank's piece of every param that reaches into its shard of a bucket."""
         pieces = {}
-        dp, rank = self.data_parallel_world_size, self.data_parallel_rank
         for buffer_index, buffer in enumerate(self.buffers):
+            _, dp, rank = self._buffer_group(buffer)
             for bucket in buffer.buckets:
                 shard_numel = bucket.grad_data.numel() // dp
                 shard_lo = bucket.offset + rank * shard_numel
@@ -159,7 +171,8 @@ class DistributedOptimizer(MegatronOptimizer):
         return [piece.main_param for piece in self.pieces() if piece.is_copy]
 
     def get_grad_stats_parallel_group(self):
-        """All ranks: every rank holds a disjoint shard of the grads (spec §6.2)."""
+        """All ranks: every rank holds a disjoint shard of the grads (spec §6.2); expert grads too, sharded over the
+        expert-data-parallel group, so each element is counted once over the world."""
         return dist.group.WORLD
 
     def zero_grad(self, set_to_none: bool = True):
@@ -318,6 +331,7 @@ class DistributedOptimizer(MegatronOptimizer):
         Returns:
             the dict on data-parallel rank 0, None on the other ranks.
         """
+        self._check_one_sharding_group()
         group = self.data_parallel_group
         dp, rank = self.data_parallel_world_size, self.data_parallel_rank
         device = get_collective_device(group)
@@ -359,6 +373,7 @@ class DistributedOptimizer(MegatronOptimizer):
             ValueError (on every rank): the file's buffers do not match this model's buffers
             (a different model, dtype or param set), naming ``source``.
         """
+        self._check_one_sharding_group()
         group = self.data_parallel_group
         dp, rank = self.data_parallel_world_size, self.data_parallel_rank
         device = get_collective_device(group)
@@ -387,6 +402,21 @@ class DistributedOptimizer(MegatronOptimizer):
                 for piece in self._pieces_of_bucket(buffer_index, bucket.bucket_id):
                     self._set_piece_state(piece, {k: v[piece.shard_start:piece.shard_end] for k, v in local.items()})
                 offset += bucket.numel_unpadded
+
+    def _check_one_sharding_group(self):
+        """The legacy ``distrib_optim.pt`` gathers every buffer to data-parallel rank 0: refuse (on every rank
+        alike, the layout being global) expert buffers sharded over another group (expert parallelism, or an
+        expert tensor-parallel size other than the dense one).
+
+        Raises:
+            ValueError: naming --ckpt-format torch_dist, which saves each rank's shards itself.
+        """
+        dense = dist.get_process_group_ranks(self.data_parallel_group)
+        for buffer in self.buffers:
+            if dist.get_process_group_ranks(buffer.data_parallel_group) != dense:
+                raise ValueError("the legacy distributed-optimizer state (--ckpt-format torch, distrib_optim.pt) "
+                                 "cannot hold expert parameters sharded over the expert-data-parallel group yet; use "
+                                 "--ckpt-format torch_dist")
 
     def _layout_problem(self, state_dict, source) -> str:
         if not isinstance(state_dict, dict) or not state_dict.get("buckets_coalesced"):

@@ -79,6 +79,9 @@ class MegatronOptimizer(ABC):
         # Called with the global grad norm (None when not computed: no clipping, or an fp16 overflow)
         # before the inner step; may raise to stop the update (the training loop's deferred NaN check).
         self.grad_norm_check: Optional[Callable[[Optional[float]], None]] = None
+        # Set by get_megatron_optimizer for a mixture-of-experts model (the same on every rank): the grad norm,
+        # zero count and found-inf then count expert grads (``allreduce = False``) over the expert groups.
+        self.has_expert_params = False
         self._group_param_names: Optional[List[List[str]]] = None
         if param_names is not None:
             groups = [[param_names.get(p) for p in group["params"]] for group in optimizer.param_groups]
@@ -163,15 +166,22 @@ class MegatronOptimizer(ABC):
         """The params the inner optimizer updates (fp32 main params for mixed precision)."""
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
-    def get_main_grads_for_grad_norm(self) -> List[torch.Tensor]:
-        """Grads that count towards the norm: not ``shared``, and TP-partitioned or on TP rank 0."""
-        from .clip_grads import _tp_rank
+    def get_main_grads_for_grad_norm(self, expert: Optional[bool] = None) -> List[torch.Tensor]:
+        """Grads that count towards the norm: not ``shared``, and TP-partitioned or on TP rank 0 (the expert TP rank
+        for expert params). ``expert``: None for all params, True / False for expert (``allreduce = False``) /
+        dense params only."""
+        from .clip_grads import _expert_tp_rank, _tp_rank
 
         tp_rank = _tp_rank()
-        return [
-            p.grad for p in self.get_parameters()
-            if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p, tp_rank)
-        ]
+        expert_tp_rank = _expert_tp_rank() if self.has_expert_params else tp_rank
+        grads = []
+        for p in self.get_parameters():
+            is_expert = not getattr(p, "allreduce", True)
+            if p.grad is None or not param_is_not_shared(p) or (expert is not None and expert != is_expert):
+                continue
+            if param_is_not_tensor_parallel_duplicate(p, expert_tp_rank if is_expert else tp_rank):
+                grads.append(p.grad)
+        return grads
 
     def get_grad_stats_parallel_group(self):
         """Group over which grad norm, found-inf and zero counts are reduced (model-parallel = tp x pp)."""
@@ -183,10 +193,32 @@ class MegatronOptimizer(ABC):
             return None
         return parallel_state.get_model_parallel_group()
 
+    def get_expert_grad_stats_parallel_group(self):
+        """Group over which the expert grads' norm and zero count are reduced: expert TP x EP x PP (Megatron's
+        expert optimizer uses ``get_expert_tensor_model_pipeline_parallel_group``); None without expert params or
+        when the grad-stats group already spans every rank (the distributed optimizer)."""
+        from megatron.core import parallel_state
+
+        group = self.get_grad_stats_parallel_group()
+        if not self.has_expert_params or group is None or group is dist.group.WORLD:
+            return None
+        return parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+
     def get_grad_norm(self) -> float:
-        """Global L2 norm of the counted main grads."""
-        return get_grad_norm_fp32(self.get_main_grads_for_grad_norm(),
-                                  model_parallel_group=self.get_grad_stats_parallel_group())
+        """Global L2 norm of the counted main grads.
+
+        With expert params (and no distributed optimizer) as Megatron's chained dense + expert optimizers: the dense
+        norm over the model-parallel group and the expert norm over the expert tensor-model-pipeline group, combined
+        as sqrt(dense^2 + expert^2), so each expert param counts once.
+        """
+        expert_group = self.get_expert_grad_stats_parallel_group()
+        if expert_group is None:
+            return get_grad_norm_fp32(self.get_main_grads_for_grad_norm(),
+                                      model_parallel_group=self.get_grad_stats_parallel_group())
+        dense = get_grad_norm_fp32(self.get_main_grads_for_grad_norm(expert=False),
+                                   model_parallel_group=self.get_grad_stats_parallel_group())
+        experts = get_grad_norm_fp32(self.get_main_grads_for_grad_norm(expert=True), model_parallel_group=expert_group)
+        return (dense ** 2 + experts ** 2) ** 0.5
 
     def clip_grad_norm(self, clip_grad: float) -> float:
         """Clip all grads to global norm ``clip_grad``; returns the norm before clipping."""
@@ -195,8 +227,18 @@ class MegatronOptimizer(ABC):
         return grad_norm
 
     def count_zeros(self) -> int:
-        """Zero entries in the counted grads, summed over the grad-stats group."""
-        return count_zeros_fp32(self.get_parameters(), self.get_grad_stats_parallel_group())
+        """Zero entries in the counted grads, summed over the grad-stats group (expert params: over the expert
+        grad-stats group, counted on expert TP rank 0 when replicated)."""
+        expert_group = self.get_expert_grad_stats_parallel_group()
+        if expert_group is None:
+            return count_zeros_fp32(self.get_parameters(), self.get_grad_stats_parallel_group())
+        from .clip_grads import _expert_tp_rank
+
+        params = self.get_parameters()
+        dense = [p for p in params if getattr(p, "allreduce", True)]
+        experts = [p for p in params if not getattr(p, "allreduce", True)]
+        return (count_zeros_fp32(dense, self.get_grad_stats_parallel_group())
+                + count_zeros_fp32(experts, expert_group, tp_rank=_expert_tp_rank()))
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * loss_scale`` (what backward is run on)."""
@@ -447,6 +489,10 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
             # another device (a CUDA model over gloo). .to() is free when they agree.
             found_inf = found_inf.to(get_collective_device(group))
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+        expert_group = self.get_expert_grad_stats_parallel_group()
+        if expert_group is not None:  # an Inf in another expert-parallel rank's experts skips this step too
+            found_inf = found_inf.to(get_collective_device(expert_group))
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=expert_group)
         return bool(found_inf.item() > 0)
 
     def _model_and_main_data(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:

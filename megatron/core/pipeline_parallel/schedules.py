@@ -108,9 +108,27 @@ def forward_step(forward_step_func: Callable, data_iterator: Optional[Iterator],
                     f"loss_func returned {len(outputs)} values; expected (loss, num_tokens, report) or (loss, report)"
                 )
             forward_data_store.append(report)
+    if getattr(config, "num_moe_experts", None) is not None:
+        _set_moe_aux_loss_scale(config, output_tensor, num_microbatches)
     if timer is not None:
         timer.stop()
     return output_tensor, num_tokens
+
+
+def _set_moe_aux_loss_scale(config, output_tensor: torch.Tensor, num_microbatches: int):
+    """The gradient the MoE auxiliary losses inject in backward (Megatron core_v0.14 ``forward_step_calc_loss``).
+
+    The aux losses are not part of the returned loss: ``MoEAuxLossAutoScaler`` adds ``d loss = scale`` for them in
+    backward, so the scale must match what the main loss goes through: the loss scaler's factor
+    (``grad_scale_func(1)``, 1 without one), divided by ``num_microbatches`` unless the loss is per token.
+    """
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    one = torch.ones(1, device=output_tensor.device)
+    loss_scale = config.grad_scale_func(one) if config.grad_scale_func is not None else one
+    if not config.calculate_per_token_loss:
+        loss_scale = loss_scale / num_microbatches
+    MoEAuxLossAutoScaler.set_loss_scale(loss_scale)
 
 
 def backward_step(input_tensor: Optional[Union[torch.Tensor, List]], output_tensor: Union[torch.Tensor, List],
