@@ -13,6 +13,15 @@ weight is a replica of ``embedding.word_embeddings.weight``. Model tensors are g
 reshards them. Checkpoints of this project's earlier per-layer layout (``decoder.layers.<i>.<name>``,
 ``optimizer.state.<key>.<name>``) load too.
 
+Mixture of experts (Megatron core_v0.14, ``SequentialMLP.sharded_state_dict``, spec megatron-scale 3.6): local
+expert ``j`` of expert-parallel rank ``e`` (``decoder.layers.<i>.mlp.experts.local_experts.<j>.<name>``) is
+global expert ``e * E_loc + j`` on a second leading axis of size ``num_moe_experts`` under
+``decoder.layers.mlp.experts.experts.<name>`` (``[L, E, 2F|F, H]`` for fc1, the expert-tensor-parallel split on the
+axis after it, with the gated ``[gate; up]`` layout of the dense fc1); the router (``mlp.router.weight`` [L, E, H],
+``mlp.router.expert_bias`` [L, E]) and the shared experts (``mlp.shared_experts.*``) are layer entries as any
+other. When the layers differ (``moe_layer_freq`` above 1 or a list), every layer entry has its own key
+``decoder.layers.<g>.<name>`` (``g`` the 0-based global layer) and no layer axis.
+
 The optimizer's tensors, keyed after these (``optimizer.state.<name>.<model key>``), are in
 :mod:`megatron.core.dist_checkpointing.optimizer`.
 """
@@ -21,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import re
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -38,6 +47,10 @@ VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 OPTIMIZER_PREFIX = "optimizer.state."
 LAYER_PREFIX = "decoder.layers."
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+# A SequentialMLP's local expert inside a layer, and its checkpoint name (the expert index becomes an axis).
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.")
+EXPERTS_PREFIX = "mlp.experts.experts."
+_GROUPED_EXPERTS = re.compile(r"^mlp\.experts\.weight[12]$")
 # Local-spec layer norms under the names Megatron's checkpoints give them (fused-norm style).
 _NORM_NAMES = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
                ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
@@ -80,9 +93,33 @@ def _layer_numbers(chunk: torch.nn.Module) -> Dict[int, int]:
     return {index: int(getattr(layer, "layer_number", index + 1)) - 1 for index, layer in enumerate(layers)}
 
 
+def _config(chunk: torch.nn.Module):
+    return getattr(chunk, "config", None) or getattr(getattr(chunk, "decoder", None), "config", None)
+
+
 def _num_layers(chunk: torch.nn.Module) -> int:
-    config = getattr(chunk, "config", None) or getattr(getattr(chunk, "decoder", None), "config", None)
-    return int(config.num_layers)
+    return int(_config(chunk).num_layers)
+
+
+def per_layer_keys(config) -> bool:
+    """Whether the decoder's layers are saved under per-layer keys ``decoder.layers.<g>.<name>`` without a layer
+    axis: Megatron core_v0.14's ``TransformerBlock.sharded_state_dict`` does so when ``moe_layer_freq`` is a list or
+    an int above 1 (the layers differ), whether or not the model has experts."""
+    freq = getattr(config, "moe_layer_freq", 1)
+    return isinstance(freq, (list, tuple)) or (isinstance(freq, int) and freq > 1)
+
+
+def model_uses_per_layer_keys(model_chunks) -> bool:
+    """:func:`per_layer_keys` of the (wrapped or not) model chunks' config."""
+    return any(per_layer_keys(_config(_unwrap(chunk))) for chunk in model_chunks if _config(_unwrap(chunk)) is not None)
+
+
+def _global_expert(config, local: int) -> Tuple[int, int]:
+    """(global expert index, number of experts) of local expert ``local`` on this expert-parallel rank."""
+    num_experts = int(config.num_moe_experts)
+    ep_size = parallel_state.get_expert_model_parallel_world_size()
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    return ep_rank * (num_experts // ep_size) + local, num_experts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +128,9 @@ class EntryKey:
 
     ``key``: the checkpoint key (layer entries: without layer index); ``layer``: 0-based global
     layer index (None outside the decoder layers); ``num_layers``: size of the stacked layer axis;
-    ``replica``: a copy another rank saves; ``legacy``: the earlier per-layer layout's key.
+    ``replica``: a copy another rank saves; ``legacy``: the earlier per-layer layout's key;
+    ``expert`` / ``num_experts``: global expert index and the size of the expert axis (expert entries);
+    ``stacked``: False when the layer index is in the key (:func:`per_layer_keys`) instead of on an axis.
     """
 
     key: str
@@ -99,6 +138,25 @@ class EntryKey:
     num_layers: int
     replica: bool
     legacy: str
+    expert: Optional[int] = None
+    num_experts: int = 0
+    stacked: bool = True
+
+    @property
+    def axes(self) -> Tuple[Tuple[int, int], ...]:
+        """``((index, size), ...)`` of the leading axes the checkpoint adds in front of the tensor: the layer axis
+        (stacked layer entries), then the expert axis (expert entries)."""
+        out = []
+        if self.layer is not None and self.stacked:
+            out.append((self.layer, self.num_layers))
+        if self.expert is not None:
+            out.append((self.expert, self.num_experts))
+        return tuple(out)
+
+    @property
+    def is_expert(self) -> bool:
+        """Whether the entry is a routed expert's (split over the expert-tensor-parallel group)."""
+        return self.expert is not None
 
 
 def entry_key(chunk: torch.nn.Module, name: str, numbers: Optional[Dict[int, int]] = None) -> EntryKey:
@@ -107,8 +165,20 @@ def entry_key(chunk: torch.nn.Module, name: str, numbers: Optional[Dict[int, int
     match = _LAYER.match(name)
     if match is not None:
         layer, rest = numbers[int(match.group(1))], name[match.end():]
-        return EntryKey(LAYER_PREFIX + checkpoint_layer_name(rest), layer, _num_layers(chunk), False,
-                        f"{LAYER_PREFIX}{layer}.{rest}")
+        config = _config(chunk)
+        stacked = not per_layer_keys(config)
+        prefix = LAYER_PREFIX if stacked else f"{LAYER_PREFIX}{layer}."
+        expert = _LOCAL_EXPERT.match(rest)
+        if expert is not None:
+            index, num_experts = _global_expert(config, int(expert.group(1)))
+            key = prefix + EXPERTS_PREFIX + rest[expert.end():]
+            return EntryKey(key, layer, _num_layers(chunk), False, key, index, num_experts, stacked)
+        if _GROUPED_EXPERTS.match(rest):
+            raise NotImplementedError(f"{name}: GroupedMLP (--moe-grouped-gemm) weights have no torch_dist mapping "
+                                      "here yet; save without --moe-grouped-gemm (SequentialMLP, the same keys)")
+        key = prefix + checkpoint_layer_name(rest)
+        return EntryKey(key, layer, _num_layers(chunk), False, f"{LAYER_PREFIX}{layer}.{rest}" if stacked else key,
+                        None, 0, stacked)
     if (name == "output_layer.weight" and getattr(chunk, "share_embeddings_and_output_weights", False)
             and not getattr(chunk, "pre_process", True)):
         # Tied weights over pipeline stages: the last stage holds a synchronized copy of the first
@@ -118,9 +188,15 @@ def entry_key(chunk: torch.nn.Module, name: str, numbers: Optional[Dict[int, int
     return EntryKey(name, None, 0, False, name)
 
 
-def _layout(tensor: torch.Tensor) -> TPLayout:
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+def _layout(tensor: torch.Tensor, expert: bool = False) -> TPLayout:
+    """The tensor-parallel layout of a parameter or state; ``expert``: a routed expert's, split over the
+    expert-tensor-parallel group (Megatron's ``expert_dist_ckpt_decorator``)."""
+    if expert:
+        tp_size = parallel_state.get_expert_tensor_parallel_world_size()
+        tp_rank = parallel_state.get_expert_tensor_parallel_rank()
+    else:
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
     stride = int(getattr(tensor, "partition_stride", 1))
     # A strided split (the gated MLP's fc1, weight and bias: [gate; up]) keeps its pieces even at TP 1:
     # Megatron's apply_swiglu_sharded_factory cuts fc1 into gate and up at any TP size, so its
@@ -148,16 +224,19 @@ def param_keys_and_layouts(model_chunks) -> Dict[torch.Tensor, ParamInfo]:
         numbers = _layer_numbers(chunk)
         for name, param in chunk.named_parameters():
             entry = entry_key(chunk, name, numbers)
-            out.setdefault(param, ParamInfo(entry, _layout(param), entry.key in VOCAB_KEYS))
+            out.setdefault(param, ParamInfo(entry, _layout(param, entry.is_expert), entry.key in VOCAB_KEYS))
     return out
 
 
 def stack_layer_axis(items: List[ShardedTensor], entry: EntryKey, legacy: bool = False) -> List[ShardedTensor]:
-    """Give layer entries their leading layer axis (a view: ``data.unsqueeze(0)``)."""
-    if entry.layer is None or legacy:
+    """Give entries their leading axes (:attr:`EntryKey.axes`: layer, expert), as views (``data.view(1, ..., *shape)``)."""
+    axes = entry.axes
+    if not axes or legacy:
         return items
-    return [ShardedTensor(item.key, item.data.unsqueeze(0), (entry.num_layers, *item.global_shape),
-                          (entry.layer, *item.global_offset), item.allow_shape_mismatch, item.replica)
+    ones = (1,) * len(axes)
+    return [ShardedTensor(item.key, item.data.view(*ones, *item.data.shape),
+                          (*(size for _, size in axes), *item.global_shape),
+                          (*(index for index, _ in axes), *item.global_offset), item.allow_shape_mismatch, item.replica)
             for item in items]
 
 
@@ -170,6 +249,17 @@ def extra_state_bytes(value) -> bytes:
     buffer = io.BytesIO()
     torch.save([value], buffer)
     return buffer.getvalue()
+
+
+def extra_state_object(entry: EntryKey, value) -> ShardedObject:
+    """A layer module's ``_extra_state`` as Megatron's ShardedObject: key ``<key>/shard_<offsets>_<shape>`` over the
+    entry's leading axes, dot-joined (``shard_<layer>_<L>``, an expert's ``shard_<layer>.<expert>_<L>.<E>``, per-layer
+    keys ``shard_0_1`` or ``shard_<expert>_<E>``), written by the expert-data-parallel rank 0 for experts."""
+    axes = entry.axes or ((0, 1),)
+    offsets = ".".join(str(index) for index, _ in axes)
+    shape = ".".join(str(size) for _, size in axes)
+    replica = entry.is_expert and parallel_state.get_expert_data_parallel_rank() != 0
+    return ShardedObject(f"{entry.key}/shard_{offsets}_{shape}", extra_state_bytes(value), replica=replica)
 
 
 def rng_state_object(rng_state) -> ShardedObject:
@@ -199,15 +289,14 @@ def model_sharded_state(model_chunks, legacy: bool = False, with_objects: bool =
             entry = entry_key(chunk, name, numbers)
             if name.endswith("._extra_state"):
                 if with_objects and entry.layer is not None and not legacy:
-                    out.append(ShardedObject(f"{entry.key}/shard_{entry.layer}_{entry.num_layers}",
-                                             extra_state_bytes(tensor)))
+                    out.append(extra_state_object(entry, tensor))
                 continue
             if tensor is None:
                 continue
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"model state {name!r} is a {type(tensor).__name__}, not a tensor: the torch_dist "
                                 "format stores tensors only")
-            items = sharded_tensors_of_local(_model_key(entry, legacy), tensor.detach(), _layout(tensor),
+            items = sharded_tensors_of_local(_model_key(entry, legacy), tensor.detach(), _layout(tensor, entry.is_expert),
                                              entry.key in VOCAB_KEYS, entry.replica)
             out.extend(stack_layer_axis(items, entry, legacy))
     return out
