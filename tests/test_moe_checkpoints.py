@@ -99,3 +99,167 @@ def test_megatron_written_moe_checkpoint_loads_with_the_writers_logits_and_momen
     assert sorted(biases) == sorted(reference["expert_bias"])
     for name, value in reference["expert_bias"].items():
         assert torch.equal(biases[name], value) and value.abs().sum() > 0, name
+
+
+def test_our_save_has_megatrons_moe_keys_shapes_and_dtypes(tmp_path):
+    for variant in ("mixtral", "shared"):
+        ours = run_distributed(_save_layout, 1, variant, str(tmp_path / variant), 1, 1, 1, False)[0][0]
+        megatron = _stored(FIXTURE / variant / "torch_dist" / "iter_0000003")
+        megatron.pop("rng_state/shard_0.0_1.1")
+        assert ours == megatron, sorted(set(ours.items()) ^ set(megatron.items()))[:6]
+
+
+def _stored(iteration_dir):
+    """{key: (shape, dtype name)} of a torch_dist ``.metadata`` (byte entries: shape ())."""
+    from megatron.core.dist_checkpointing import serialization
+
+    out = {}
+    for key, md in serialization.read_metadata(str(iteration_dir)).state_dict_metadata.items():
+        properties = getattr(md, "properties", None)
+        out[key] = (tuple(getattr(md, "size", ()) or ()), str(getattr(properties, "dtype", "bytes")))
+    return out
+
+
+SAVE_SEED, LOAD_SEED = 11, 5
+
+
+def _parallel_model(variant, ep, tp, pp, distopt, seed):
+    """(model chunk (DDP-wrapped with ``distopt``), optimizer) at this layout, built with ``seed``; expert and
+    dense shards are cut from the same full matrices at any layout, so ``seed`` fixes the global weights."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep)
+    config = moe_config(variant, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                        expert_model_parallel_size=ep, sequence_parallel=tp > 1)
+    model = build_gpt(config, seed, pre_process=parallel_state.is_pipeline_first_stage(),
+                      post_process=parallel_state.is_pipeline_last_stage())
+    if distopt:
+        model = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.1,
+                                                       use_distributed_optimizer=distopt), [model])
+    return model, optimizer
+
+
+def _unwrapped(model):
+    return getattr(model, "module", model)
+
+
+def _fill_state(model, optimizer):
+    """Adam's moments as functions of the weights they belong to (exp_avg = 2w, exp_avg_sq = w^2 + 1, also for the
+    distributed optimizer's flat shards), the expert biases as arange: checkable at any layout after a load."""
+    from megatron.core.dist_checkpointing import model_and_optimizer as mo
+
+    mo.ensure_optimizer_state(optimizer)
+    inner = optimizer.optimizer
+    for group in inner.param_groups:
+        for param in group["params"]:
+            inner.state[param]["exp_avg"].copy_(2 * param.detach())
+            inner.state[param]["exp_avg_sq"].copy_(param.detach() ** 2 + 1)
+            inner.state[param]["step"] = torch.tensor(4.0)
+    for name, buffer in _unwrapped(model).named_buffers():
+        if name.endswith("expert_bias"):
+            buffer.copy_(torch.arange(buffer.numel(), dtype=buffer.dtype) / 8 + int(name.split(".")[2]))
+
+
+def _save_layout(rank, world, variant, ckpt_dir, ep, tp, pp, distopt):
+    """Save model + Adam at this layout the way --ckpt-format torch_dist does; returns the stored keys (rank 0)."""
+    from megatron.core.dist_checkpointing import model_and_optimizer as mo
+    from megatron.core.dist_checkpointing import serialization
+
+    model, optimizer = _parallel_model(variant, ep, tp, pp, distopt, SAVE_SEED)
+    _fill_state(model, optimizer)
+    sharded = mo.model_sharded_state([model], with_objects=True) + mo.optimizer_sharded_state([model], optimizer)
+    serialization.save(sharded, ckpt_dir)
+    torch.save({"optimizer": mo.optimizer_common_state(optimizer)}, os.path.join(ckpt_dir, "common_test.pt"))
+    return (_stored(ckpt_dir) if rank == 0 else None), (None if tp > 1 else _global_params(model))
+
+
+def _global_params(model):
+    """{name at PP=1, EP=1: tensor} of this rank's parameters (whole tensors: TP 1)."""
+    import re
+
+    from megatron.core import parallel_state
+
+    module = _unwrapped(model)
+    offset = module.decoder.layers[0].layer_number - 1 if len(module.decoder.layers) else 0
+    local = module.config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
+    first = parallel_state.get_expert_model_parallel_rank() * local
+    out = {}
+    for name, param in module.named_parameters():
+        name = re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
+        name = re.sub(r"local_experts\.(\d+)\.", lambda m: f"local_experts.{int(m.group(1)) + first}.", name)
+        out[name] = param.detach().clone()
+    return out
+
+
+def _load_layout(rank, world, variant, ckpt_dir, ep, tp, pp, distopt, saved=None):
+    """Load at this layout into a model built with another seed; every weight equals the model built at this layout
+    with the saving seed, every moment is that function of its weight, the expert biases as saved."""
+    from megatron.core.dist_checkpointing import model_and_optimizer as mo
+    from megatron.core.dist_checkpointing import serialization
+
+    model, optimizer = _parallel_model(variant, ep, tp, pp, distopt, LOAD_SEED)
+    mo.ensure_optimizer_state(optimizer)
+    metadata = serialization.read_metadata(ckpt_dir)
+    reads, finishers = mo.optimizer_load_plan([model], optimizer, metadata.state_dict_metadata)
+    serialization.load(mo.model_sharded_state([model]) + reads, ckpt_dir, metadata=metadata,
+                       allow_missing=lambda key: key.startswith("optimizer.state.fp32_param."), strict="raise_all",
+                       unread_ok=lambda key: key.startswith("optimizer.state.fp32_param."))
+    for finish in finishers:
+        finish()
+    common = torch.load(os.path.join(ckpt_dir, "common_test.pt"), weights_only=True)
+    mo.load_optimizer_common_state(optimizer, common["optimizer"], ckpt_dir)
+    # the saving ranks' weights by PP=1/EP=1 name (layers of several stages), else the saving seed's model here
+    expected = saved or dict(_unwrapped(_parallel_model_again(variant, ep, tp, pp)).named_parameters())
+    for name, param in _unwrapped(model).named_parameters():
+        assert torch.equal(param.detach(), expected[name].detach()), name
+    inner = optimizer.optimizer
+    for group in inner.param_groups:
+        for param in group["params"]:
+            state = inner.state[param]
+            assert torch.allclose(state["exp_avg"], 2 * param.detach(), atol=0, rtol=0)
+            assert torch.allclose(state["exp_avg_sq"], param.detach() ** 2 + 1, atol=1e-7, rtol=0)
+            assert float(state["step"]) == 4.0
+    for name, buffer in _unwrapped(model).named_buffers():
+        if name.endswith("expert_bias"):
+            want = torch.arange(buffer.numel(), dtype=buffer.dtype) / 8 + int(name.split(".")[2])
+            assert torch.equal(buffer, want), name
+    return sum(p.numel() for p in _unwrapped(model).parameters())
+
+
+def _parallel_model_again(variant, ep, tp, pp):
+    """The saving seed's model at the current (already initialized) layout."""
+    from megatron.core import parallel_state
+
+    config = moe_config(variant, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                        expert_model_parallel_size=ep, sequence_parallel=tp > 1)
+    return build_gpt(config, SAVE_SEED, pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage())
+
+
+# (variant, saving layout (EP, TP, PP, distributed optimizer), loading layout)
+RESHARDS = [
+    ("mixtral", (2, 1, 1, False), (1, 1, 1, False)),
+    ("shared", (2, 1, 1, True), (1, 1, 1, True)),
+    ("mixtral", (2, 2, 1, False), (1, 1, 1, True)),
+    ("shared", (2, 1, 2, False), (1, 1, 1, False)),
+    ("mixtral", (1, 1, 1, True), (2, 2, 1, True)),
+]
+
+
+@pytest.mark.parametrize("variant,save,load", RESHARDS, ids=lambda v: str(v))
+def test_moe_checkpoint_reshards_over_ep_tp_pp(variant, save, load, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    results = run_distributed(_save_layout, save[0] * save[1] * save[2], variant, ckpt, *save)
+    saved = None
+    if save[2] > 1:  # pipeline stages draw their layers' weights from the seed in another order
+        assert load == (1, 1, 1, False)
+        saved = {}
+        for _, params in results:
+            saved.update(params)
+    world = load[0] * load[1] * load[2]
+    counts = run_distributed(_load_layout, world, variant, ckpt, *load, saved)
+    assert all(count > 0 for count in counts)
