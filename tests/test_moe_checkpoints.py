@@ -263,3 +263,34 @@ def test_moe_checkpoint_reshards_over_ep_tp_pp(variant, save, load, tmp_path):
     world = load[0] * load[1] * load[2]
     counts = run_distributed(_load_layout, world, variant, ckpt, *load, saved)
     assert all(count > 0 for count in counts)
+
+
+MOE_RUN = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "4",
+           "--seq-length", "16", "--max-position-embeddings", "16", "--tokenizer-type", "NullTokenizer",
+           "--vocab-size", "100", "--hidden-dropout", "0", "--attention-dropout", "0", "--distributed-backend", "gloo",
+           "--disable-bias-linear", "--swiglu", "--ffn-hidden-size", "32", "--num-experts", "4", "--moe-router-topk", "2",
+           "--moe-aux-loss-coeff", "1e-2", "--moe-ffn-hidden-size", "24", "--micro-batch-size", "2",
+           "--global-batch-size", "4", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
+           "--lr-warmup-iters", "2", "--seed", "1234", "--log-interval", "1", "--mock-data", "--eval-iters", "0",
+           "--num-workers", "0", "--train-iters", "10", "--ckpt-format", "torch_dist"]
+
+
+def _losses(nproc, flags, tb):
+    from pretrain_utils import run_ranks, tensorboard_scalars
+
+    result = run_ranks(nproc, [*MOE_RUN, *flags, "--tensorboard-dir", str(tb)], timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return tensorboard_scalars(tb, "lm loss"), result.stdout
+
+
+def test_torch_dist_checkpoint_saved_at_ep2_resumes_at_ep1_with_the_uninterrupted_losses(tmp_path):
+    uninterrupted, _ = _losses(1, [], tmp_path / "tb_ref")
+    save = tmp_path / "ckpt"
+    first, _ = _losses(2, ["--expert-model-parallel-size", "2", "--save", str(save), "--save-interval", "5",
+                           "--exit-interval", "5"], tmp_path / "tb_ep2")
+    assert sorted(first) == [1, 2, 3, 4, 5]
+    resumed, out = _losses(1, ["--load", str(save)], tmp_path / "tb_ep1")
+    assert sorted(resumed) == [6, 7, 8, 9, 10], out[-2000:]
+    for step in range(1, 11):
+        got = first[step] if step <= 5 else resumed[step]
+        assert abs(got - uninterrupted[step]) < 1e-5, (step, got, uninterrupted[step])
