@@ -283,13 +283,38 @@ def _losses(nproc, flags, tb):
     return tensorboard_scalars(tb, "lm loss"), result.stdout
 
 
-def test_torch_dist_checkpoint_saved_at_ep2_resumes_at_ep1_with_the_uninterrupted_losses(tmp_path):
-    uninterrupted, _ = _losses(1, [], tmp_path / "tb_ref")
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """lm loss of the 10 iterations on one process."""
+    return _losses(1, [], tmp_path_factory.mktemp("moe_ref") / "tb")[0]
+
+
+def test_torch_dist_checkpoint_saved_at_ep2_resumes_at_ep1_with_the_uninterrupted_losses(uninterrupted, tmp_path):
     save = tmp_path / "ckpt"
     first, _ = _losses(2, ["--expert-model-parallel-size", "2", "--save", str(save), "--save-interval", "5",
                            "--exit-interval", "5"], tmp_path / "tb_ep2")
     assert sorted(first) == [1, 2, 3, 4, 5]
     resumed, out = _losses(1, ["--load", str(save)], tmp_path / "tb_ep1")
+    assert sorted(resumed) == [6, 7, 8, 9, 10], out[-2000:]
+    for step in range(1, 11):
+        got = first[step] if step <= 5 else resumed[step]
+        assert abs(got - uninterrupted[step]) < 1e-5, (step, got, uninterrupted[step])
+
+
+def test_legacy_torch_checkpoint_at_ep2_has_one_file_per_expert_rank_and_resumes(uninterrupted, tmp_path):
+    save = tmp_path / "ckpt"
+    flags = ["--expert-model-parallel-size", "2", "--ckpt-format", "torch"]
+    first, _ = _losses(2, [*flags, "--save", str(save), "--save-interval", "5", "--exit-interval", "5"],
+                       tmp_path / "tb_1")
+    # mp_rank_{tp:02d}_{ep:03d}, each written by its expert-data-parallel rank 0 (here every rank: EDP = 1)
+    assert sorted(p.name for p in (save / "iter_0000005").iterdir() if p.name.startswith("mp_rank")) == \
+        ["mp_rank_00_000", "mp_rank_00_001"]
+    from megatron.core.dist_checkpointing.safe_loading import load_torch_file
+
+    experts = [sorted(k for k in load_torch_file(str(save / "iter_0000005" / d / "model_optim_rng.pt"), "test")["model"]
+                      if "local_experts" in k and k.endswith("weight")) for d in ("mp_rank_00_000", "mp_rank_00_001")]
+    assert experts[0] == experts[1] and len(experts[0]) == 2 * 2 * 2  # 2 layers x 2 local experts x fc1, fc2
+    resumed, out = _losses(2, [*flags, "--load", str(save)], tmp_path / "tb_2")
     assert sorted(resumed) == [6, 7, 8, 9, 10], out[-2000:]
     for step in range(1, 11):
         got = first[step] if step <= 5 else resumed[step]
