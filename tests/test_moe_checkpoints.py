@@ -319,3 +319,32 @@ def test_legacy_torch_checkpoint_at_ep2_has_one_file_per_expert_rank_and_resumes
     for step in range(1, 11):
         got = first[step] if step <= 5 else resumed[step]
         assert abs(got - uninterrupted[step]) < 1e-5, (step, got, uninterrupted[step])
+
+
+FIXTURE_RUN = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "4",
+               "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "32", "--seq-length", "16",
+               "--max-position-embeddings", "16", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+               "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+               "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--num-experts", "4",
+               "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24", "--moe-router-dtype", "fp32",
+               "--moe-aux-loss-coeff", "1e-2", "--mock-data", "--attention-dropout", "0", "--hidden-dropout", "0",
+               "--micro-batch-size", "4", "--global-batch-size", "4", "--lr", "1e-3", "--min-lr", "1e-4",
+               "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--weight-decay", "0.1", "--clip-grad", "0",
+               "--seed", "1234", "--log-interval", "1", "--eval-iters", "0", "--train-iters", "10",
+               "--num-workers", "0", "--distributed-backend", "gloo"]
+
+
+def test_pretrain_gpt_resumes_from_megatrons_moe_checkpoints_in_both_formats(tmp_path):
+    """Megatron's legacy file (its 2 param groups hold the expert params with the dense ones at EP=1; ours keep
+    them apart) and its torch_dist checkpoint of the same state resume to the same losses."""
+    from pretrain_utils import run_ranks, tensorboard_scalars
+
+    losses = {}
+    for fmt in ("torch", "torch_dist"):
+        tb = tmp_path / fmt
+        result = run_ranks(1, [*FIXTURE_RUN, "--ckpt-format", fmt, "--load", str(FIXTURE / "mixtral" / fmt),
+                               "--tensorboard-dir", str(tb)], timeout=240)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        losses[fmt] = tensorboard_scalars(tb, "lm loss")
+    assert sorted(losses["torch"]) == list(range(4, 11))
+    assert losses["torch"] == losses["torch_dist"]

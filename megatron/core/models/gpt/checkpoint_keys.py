@@ -207,6 +207,10 @@ def _layout(tensor: torch.Tensor, expert: bool = False) -> TPLayout:
     return TPLayout(tuple(tensor.shape), None, 1, tp_rank, tp_size)
 
 
+def _entry_layout(tensor: torch.Tensor, entry: EntryKey) -> TPLayout:
+    return _layout(tensor, expert=True) if entry.is_expert else _layout(tensor)
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamInfo:
     """A parameter's :class:`EntryKey`, tensor-parallel layout and whether its dimension 0 is the padded vocabulary."""
@@ -224,7 +228,7 @@ def param_keys_and_layouts(model_chunks) -> Dict[torch.Tensor, ParamInfo]:
         numbers = _layer_numbers(chunk)
         for name, param in chunk.named_parameters():
             entry = entry_key(chunk, name, numbers)
-            out.setdefault(param, ParamInfo(entry, _layout(param, entry.is_expert), entry.key in VOCAB_KEYS))
+            out.setdefault(param, ParamInfo(entry, _entry_layout(param, entry), entry.key in VOCAB_KEYS))
     return out
 
 
@@ -296,7 +300,7 @@ def model_sharded_state(model_chunks, legacy: bool = False, with_objects: bool =
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"model state {name!r} is a {type(tensor).__name__}, not a tensor: the torch_dist "
                                 "format stores tensors only")
-            items = sharded_tensors_of_local(_model_key(entry, legacy), tensor.detach(), _layout(tensor, entry.is_expert),
+            items = sharded_tensors_of_local(_model_key(entry, legacy), tensor.detach(), _entry_layout(tensor, entry),
                                              entry.key in VOCAB_KEYS, entry.replica)
             out.extend(stack_layer_axis(items, entry, legacy))
     return out
