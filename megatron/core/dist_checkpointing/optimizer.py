@@ -21,6 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import (
     ShardedTensor,
     TPLayout,
@@ -291,11 +292,38 @@ def optimizer_common_state(optimizer) -> Dict:
     Param groups without ``params``; Adam's step as ``state.common_step`` (plain optimizer),
     ``optimizer.state.common_step`` (fp16/bf16 wrapper, beside ``grad_scaler``) or as each group's
     ``step`` (distributed optimizer, with ``param_state_sharding_type``). The same on every rank.
+    With expert params in groups of their own (``is_expert_parallel``): at expert-parallel size above 1
+    Megatron's chained form ``{0: dense, 1: experts}``, at size 1 the expert groups folded into the dense
+    ones, as Megatron groups them there (:func:`load_optimizer_common_state` reads either into ours).
     """
     steps = _group_steps(optimizer)
-    known = [s for s in steps if s is not None]
     groups = [{k: v for k, v in group.items() if k != "params" and not isinstance(v, torch.Tensor)}
               for group in optimizer.optimizer.param_groups]
+    experts = [i for i, group in enumerate(groups) if group.get("is_expert_parallel")]
+    if not experts:
+        return _common_form(optimizer, groups, steps)
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        # Megatron chains a second optimizer for the expert params: {0: dense optimizer's, 1: expert optimizer's}.
+        dense = [i for i in range(len(groups)) if i not in experts]
+        return {index: _common_form(optimizer, [groups[i] for i in part], [steps[i] for i in part])
+                for index, part in enumerate((dense, experts))}
+    # Expert-parallel size 1: Megatron keeps the expert params in the dense groups (its linears set
+    # ``allreduce = not (is_expert and expert_parallel)``), so the groups are written as it groups them.
+    dense_keys = {_without_expert(param_group_key(group)) for i, group in enumerate(groups) if i not in experts}
+    kept = [i for i in range(len(groups)) if i not in experts or _without_expert(param_group_key(groups[i])) not in
+            dense_keys]
+    merged = [dict(groups[i], is_expert_parallel=False) for i in kept]
+    return _common_form(optimizer, merged, [steps[i] for i in kept])
+
+
+def _without_expert(key: Tuple) -> Tuple:
+    at = PARAM_GROUP_KEYS.index("is_expert_parallel")
+    return key[:at] + key[at + 1:]
+
+
+def _common_form(optimizer, groups: List[Dict], steps: List[Optional[float]]) -> Dict:
+    """One (Megatron) optimizer's common state of ``groups`` (param groups without ``params``) and their steps."""
+    known = [s for s in steps if s is not None]
     scaler = getattr(optimizer, "grad_scaler", None)
     if _is_distributed(optimizer):
         for group, step in zip(groups, steps):
