@@ -66,6 +66,7 @@ from full_checkpoint import (  # noqa: E402
     TargetLayout,
     global_key,
     group_signature,
+    is_buffer,
     is_tied,
     layer_of,
     local_key,
@@ -376,7 +377,7 @@ def _named_rank_optimizer(optimizer: dict, rank_chunks: List[dict], args, path: 
     keys, shapes, groups = [], {}, {}
     for v, chunk in enumerate(rank_chunks):
         for key, value in chunk.items():
-            if not torch.is_tensor(value) or key.endswith("._extra_state"):
+            if not torch.is_tensor(value) or key.endswith("._extra_state") or is_buffer(key):
                 continue
             name = f"model{v}.{key}" if len(rank_chunks) > 1 else key
             keys.append(name)

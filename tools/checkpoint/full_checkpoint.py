@@ -103,6 +103,15 @@ def layer_of(key: str) -> Optional[int]:
     return int(match.group(1)) if match else None
 
 
+# Persistent buffers of GPTModel's state dict, which no optimizer holds: the MoE router's expert bias.
+BUFFER_SUFFIXES = (".mlp.router.expert_bias",)
+
+
+def is_buffer(key: str) -> bool:
+    """Whether a state-dict ``key`` is a persistent buffer (no parameter, no optimizer state)."""
+    return key.endswith(BUFFER_SUFFIXES)
+
+
 def is_tied(args) -> bool:
     """Whether the saved ``args`` tie the output layer to the word embedding (Megatron's default)."""
     return not getattr(args, "untie_embeddings_and_output_weights", False)

@@ -310,18 +310,40 @@ def model_sharded_state(model_chunks, legacy: bool = False, with_objects: bool =
 # Whole tensors (one process, e.g. tools/checkpoint/convert.py)
 # ---------------------------------------------------------------------------------------------------
 
-def stack_layers(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def stack_layers(tensors: Dict[str, torch.Tensor], per_layer: bool = False) -> Dict[str, torch.Tensor]:
     """Whole per-layer state-dict tensors (``decoder.layers.<i>.<name>``) -> checkpoint keys and tensors,
-    each layer entry stacked over all layers (``[num_layers, ...]``). Raises ValueError when a layer
-    entry is missing from some layer."""
-    out, layered = {}, {}
+    each layer entry stacked over all layers (``[num_layers, ...]``); a routed expert's entries
+    (``...mlp.experts.local_experts.<e>.<name>``, ``e`` the global expert) stacked over the experts behind
+    that (``decoder.layers.mlp.experts.experts.<name>`` [L, E, ...]). ``per_layer`` (:func:`per_layer_keys`):
+    per-layer keys ``decoder.layers.<i>.<name>`` (experts ``[E, ...]``) instead of the layer axis. Raises
+    ValueError when a layer entry is missing from some layer, or an expert from some expert."""
+    out, layered, experts = {}, {}, {}
     for name, tensor in tensors.items():
         match = _LAYER.match(name)
         if match is None:
             out[name] = tensor
+            continue
+        layer, rest = int(match.group(1)), name[match.end():]
+        expert = _LOCAL_EXPERT.match(rest)
+        if expert is not None:
+            key = EXPERTS_PREFIX + rest[expert.end():]
+            experts.setdefault((layer, key), {})[int(expert.group(1))] = tensor
+            tensor = None
         else:
-            layered.setdefault(LAYER_PREFIX + checkpoint_layer_name(name[match.end():]), {})[int(match.group(1))] = \
-                tensor
+            key = checkpoint_layer_name(rest)
+        if per_layer:
+            if tensor is not None:
+                out[f"{LAYER_PREFIX}{layer}.{key}"] = tensor
+        else:
+            layered.setdefault(LAYER_PREFIX + key, {})[layer] = tensor
+    for (layer, key), by_expert in experts.items():
+        if sorted(by_expert) != list(range(len(by_expert))):
+            raise ValueError(f"decoder.layers.{layer}.{key}: present for experts {sorted(by_expert)}")
+        stacked = torch.stack([by_expert[e] for e in range(len(by_expert))])
+        if per_layer:
+            out[f"{LAYER_PREFIX}{layer}.{key}"] = stacked
+        else:
+            layered[LAYER_PREFIX + key][layer] = stacked
     num_layers = max((max(by_layer) + 1 for by_layer in layered.values()), default=0)
     for key, by_layer in layered.items():
         if sorted(by_layer) != list(range(num_layers)):
@@ -330,14 +352,31 @@ def stack_layers(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return out
 
 
+def leading_axes(key: str) -> int:
+    """How many leading axes (layer, expert) a checkpoint key of :func:`stack_layers`' layout puts in front of
+    the parameter's shape."""
+    if not key.startswith(LAYER_PREFIX):
+        return 0
+    match = _LAYER.match(key)
+    rest = key[match.end():] if match else key[len(LAYER_PREFIX):]
+    return int(match is None) + int(rest.startswith(EXPERTS_PREFIX))
+
+
 def unstack_layers(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """Inverse of :func:`stack_layers` (per-layer names pass through unchanged)."""
+    """Inverse of :func:`stack_layers` (both forms; the earlier per-layer layout's names pass through)."""
     out = {}
     for key, tensor in tensors.items():
-        if key.startswith(LAYER_PREFIX) and not _LAYER.match(key):
-            rest = module_layer_name(key[len(LAYER_PREFIX):])
-            for i in range(tensor.shape[0]):
-                out[f"{LAYER_PREFIX}{i}.{rest}"] = tensor[i]
-        else:
+        if not key.startswith(LAYER_PREFIX):
             out[key] = tensor
+            continue
+        match = _LAYER.match(key)
+        rest = key[match.end():] if match else key[len(LAYER_PREFIX):]
+        layers = [(int(match.group(1)), tensor)] if match else list(enumerate(tensor))
+        for layer, value in layers:
+            if rest.startswith(EXPERTS_PREFIX):
+                tail = rest[len(EXPERTS_PREFIX):]
+                for expert in range(value.shape[0]):
+                    out[f"{LAYER_PREFIX}{layer}.mlp.experts.local_experts.{expert}.{tail}"] = value[expert]
+            else:
+                out[f"{LAYER_PREFIX}{layer}.{module_layer_name(rest)}"] = value
     return out
