@@ -321,6 +321,35 @@ def test_legacy_torch_checkpoint_at_ep2_has_one_file_per_expert_rank_and_resumes
         got = first[step] if step <= 5 else resumed[step]
         assert abs(got - uninterrupted[step]) < 1e-5, (step, got, uninterrupted[step])
 
+    # tools/checkpoint/convert.py reshards it: to EP=1 (resumes with the uninterrupted losses), EP=4, EP=2 x PP=2
+    # and torch_dist, each holding the same weights and moments.
+    from pretrain_utils import load_checkpoint_tool
+
+    convert = load_checkpoint_tool("convert")
+    targets = {"ep1": ["--target-expert-model-parallel-size", "1"], "ep4": ["--target-expert-model-parallel-size", "4"],
+               "ep2pp2": ["--target-pipeline-parallel-size", "2"], "dist": ["--target-ckpt-format", "torch_dist"]}
+    dirs = {"ep1": ["mp_rank_00"], "ep4": [f"mp_rank_00_{e:03d}" for e in range(4)],
+            "ep2pp2": [f"mp_rank_00_{p:03d}_{e:03d}" for p in range(2) for e in range(2)]}
+    source = convert.read_checkpoint(str(save))
+    for name, extra in targets.items():
+        assert convert.main(["--load-dir", str(save), "--save-dir", str(tmp_path / name), *extra]) == 0
+        if name in dirs:
+            assert sorted(p.name for p in (tmp_path / name / "iter_0000005").iterdir()
+                          if p.name.startswith("mp_rank")) == dirs[name]
+        converted = convert.read_checkpoint(str(tmp_path / name))
+        assert list(converted.model) == list(source.model), name
+        for key, value in source.model.items():
+            assert not torch.is_tensor(value) or torch.equal(value, converted.model[key]), (name, key)
+        for key, entry in source.optimizer.param_state.items():
+            for state, value in entry.items():
+                if torch.is_tensor(value) and value.dim():
+                    assert torch.equal(value, converted.optimizer.param_state[key][state]), (name, key, state)
+    resumed, out = _losses(1, ["--ckpt-format", "torch", "--no-load-rng", "--load", str(tmp_path / "ep1")],
+                           tmp_path / "tb_3")
+    assert sorted(resumed) == [6, 7, 8, 9, 10], out[-2000:]
+    for step in range(6, 11):
+        assert abs(resumed[step] - uninterrupted[step]) < 1e-5, (step, resumed[step], uninterrupted[step])
+
 
 FIXTURE_RUN = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "4",
                "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "32", "--seq-length", "16",

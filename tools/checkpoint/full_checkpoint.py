@@ -73,13 +73,15 @@ class FullCheckpoint:
 @dataclass
 class TargetLayout:
     """Tensor/pipeline layout to write: ``tp``, ``pp``, ``vp`` (virtual stages per pipeline rank),
-    ``first``/``last`` (an uneven split), and the layer ``counts[p][v]`` computed from them."""
+    ``first``/``last`` (an uneven split), the layer ``counts[p][v]`` computed from them, and ``ep`` (expert
+    parallelism: legacy files per expert-parallel rank)."""
     tp: int
     pp: int
     vp: int = 1
     first: Optional[int] = None
     last: Optional[int] = None
     counts: List[List[int]] = field(default_factory=list)
+    ep: int = 1
 
 
 # ----------------------------------------------------------------------------------------------- names
@@ -159,6 +161,8 @@ def target_args(full: FullCheckpoint, target: TargetLayout) -> argparse.Namespac
     args = argparse.Namespace(**vars(full.args))
     args.tensor_model_parallel_size = target.tp
     args.pipeline_model_parallel_size = target.pp
+    if getattr(args, "num_experts", None):
+        args.expert_model_parallel_size = target.ep
     args.virtual_pipeline_model_parallel_size = target.vp if target.vp > 1 else None
     args.num_virtual_stages_per_pipeline_rank = target.vp if target.vp > 1 else None
     args.num_layers_per_virtual_pipeline_stage = None
