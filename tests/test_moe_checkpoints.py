@@ -428,3 +428,25 @@ def test_real_megatron_loads_our_moe_checkpoint_with_our_logits_and_moments(vari
 
 def _load_our_save(rank, world, variant, iteration_dir):
     return _load_fixture(rank, world, variant, os.path.dirname(iteration_dir))
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_export_hf_writes_a_mixtral_with_megatrons_logits(fmt, tmp_path):
+    """Megatron's MoE fixture exported to transformers' MixtralForCausalLM: its logits equal the ones megatron-core
+    computed (1e-5, the padded vocabulary rows aside)."""
+    transformers = pytest.importorskip("transformers", reason="export_hf needs transformers")
+    pytest.importorskip("safetensors", reason="export_hf needs safetensors")
+    from pretrain_utils import load_checkpoint_tool
+
+    export = load_checkpoint_tool("export_hf")
+    hf_dir = tmp_path / "hf"
+    assert export.main(["--load", str(FIXTURE / "mixtral" / fmt), "--save", str(hf_dir), "--vocab-size", "101",
+                        "--no-tokenizer", "--no-verify-checkpoint"]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    assert type(model).__name__ == "MixtralForCausalLM"
+    reference = torch.load(FIXTURE / "mixtral" / "reference.pt", weights_only=True)
+    model.eval()
+    with torch.no_grad():
+        logits = model(reference["input_ids"]).logits
+    expected = reference["logits"][..., :101]
+    assert torch.allclose(logits, expected, atol=1e-5, rtol=0), (logits - expected).abs().max()
