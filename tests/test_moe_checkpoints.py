@@ -450,3 +450,25 @@ def test_export_hf_writes_a_mixtral_with_megatrons_logits(fmt, tmp_path):
         logits = model(reference["input_ids"]).logits
     expected = reference["logits"][..., :101]
     assert torch.allclose(logits, expected, atol=1e-5, rtol=0), (logits - expected).abs().max()
+
+
+def test_import_hf_reads_the_exported_mixtral_back(tmp_path):
+    pytest.importorskip("transformers", reason="import_hf needs transformers")
+    pytest.importorskip("safetensors", reason="import_hf needs safetensors")
+    from pretrain_utils import load_checkpoint_tool
+
+    export, importer = load_checkpoint_tool("export_hf"), load_checkpoint_tool("import_hf")
+    convert = load_checkpoint_tool("convert")
+    source = FIXTURE / "mixtral" / "torch"
+    assert export.main(["--load", str(source), "--save", str(tmp_path / "hf"), "--vocab-size", "101",
+                        "--no-tokenizer", "--no-verify-checkpoint"]) == 0
+    assert importer.main(["--load", str(tmp_path / "hf"), "--save", str(tmp_path / "back"),
+                          "--target-tensor-parallel-size", "2"]) == 0
+    original = convert.read_checkpoint(str(source), verify=False, with_optimizer=False).model
+    back = convert.read_checkpoint(str(tmp_path / "back"), with_optimizer=False)
+    assert back.layout["tp"] == 2 and back.args.num_experts == 4 and back.args.moe_router_topk == 2
+    assert sorted(back.model) == sorted(original)
+    for key, value in original.items():
+        if torch.is_tensor(value):
+            rows = 101 if "word_embeddings" in key or key.startswith("output_layer") else value.shape[0]
+            assert torch.equal(back.model[key][:rows], value[:rows]), key

@@ -263,6 +263,26 @@ def _mixtral_layer(state, args, n: int, qkv_w: torch.Tensor, proj_w: torch.Tenso
 # ----------------------------------------------------------------------------------------------- import
 
 
+def _mixtral_experts_from_hf(hf: Dict[str, torch.Tensor], args, n: int) -> Dict[str, torch.Tensor]:
+    """Layer ``n``'s router and experts from Mixtral tensors, under the Hub's names (``block_sparse_moe.*``,
+    ``experts.<e>.w1/w3/w2``) or transformers 5's (``mlp.gate``, ``mlp.experts.gate_up_proj`` [E, 2F, H],
+    ``mlp.experts.down_proj`` [E, H, F])."""
+    p, h = f"decoder.layers.{n}.", f"model.layers.{n}."
+    fused = h + "mlp.experts.gate_up_proj" in hf
+    state = {p + "mlp.router.weight": hf[h + ("mlp.gate.weight" if fused else "block_sparse_moe.gate.weight")]}
+    for e in range(args.num_experts):
+        expert = f"{p}mlp.experts.local_experts.{e}."
+        if fused:
+            fc1, fc2 = hf[h + "mlp.experts.gate_up_proj"][e], hf[h + "mlp.experts.down_proj"][e]
+        else:
+            moe = f"{h}block_sparse_moe.experts.{e}."
+            fc1 = torch.cat([hf[moe + "w1.weight"], hf[moe + "w3.weight"]], dim=0)
+            fc2 = hf[moe + "w2.weight"]
+        state[expert + "linear_fc1.weight"], state[expert + "linear_fc1._extra_state"] = fc1, None
+        state[expert + "linear_fc2.weight"], state[expert + "linear_fc2._extra_state"] = fc2, None
+    return state
+
+
 def megatron_flags_from_hf(config) -> list:
     """Megatron command-line flags describing an HF GPT-2 or Llama config (what pretrain_gpt.py needs).
 
@@ -278,7 +298,7 @@ def megatron_flags_from_hf(config) -> list:
                  "--position-embedding-type", "learned_absolute", "--normalization", "LayerNorm"]
         if config.activation_function == "gelu_new":
             flags.append("--openai-gelu")
-    elif model_type == LLAMA:
+    elif model_type in (LLAMA, MIXTRAL):
         if config.hidden_act != "silu":
             raise UnsupportedModelError(f"Llama activation {config.hidden_act!r} is not SwiGLU")
         # transformers >= 5 keeps RoPE settings in rope_parameters (rope_scaling aliases it); 4.x in
@@ -301,8 +321,14 @@ def megatron_flags_from_hf(config) -> list:
             raise UnsupportedModelError("Llama with attention_bias != mlp_bias has no Megatron flag here")
         if not getattr(config, "attention_bias", False):
             flags.append("--disable-bias-linear")
+        if model_type == MIXTRAL:
+            if getattr(config, "sliding_window", None) is not None:
+                raise UnsupportedModelError("Mixtral with sliding_window attention has no Megatron flag here")
+            flags += ["--num-experts", config.num_local_experts, "--moe-router-topk", config.num_experts_per_tok,
+                      "--moe-ffn-hidden-size", config.intermediate_size, "--moe-router-load-balancing-type",
+                      "aux_loss", "--moe-aux-loss-coeff", getattr(config, "router_aux_loss_coef", 0.0)]
     else:
-        raise UnsupportedModelError(f"model_type {model_type!r}: import_hf reads gpt2 and llama models")
+        raise UnsupportedModelError(f"model_type {model_type!r}: import_hf reads gpt2, llama and mixtral models")
     if not getattr(config, "tie_word_embeddings", True):
         flags.append("--untie-embeddings-and-output-weights")
     return [str(flag) for flag in flags]
@@ -355,6 +381,11 @@ def hf_to_megatron(hf: Dict[str, torch.Tensor], args, padded_vocab_size: int) ->
                 args)
             state[p + "self_attention.linear_proj.weight"] = hf[h + "self_attn.o_proj.weight"]
             state[p + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
+            if arch == MIXTRAL:
+                state.update(_mixtral_experts_from_hf(hf, args, n))
+                for linear in ("self_attention.linear_qkv", "self_attention.linear_proj"):
+                    state[p + linear + "._extra_state"] = None
+                continue
             state[p + "mlp.linear_fc1.weight"] = torch.cat([hf[h + "mlp.gate_proj.weight"],
                                                             hf[h + "mlp.up_proj.weight"]], dim=0)
             state[p + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
