@@ -472,3 +472,21 @@ def test_import_hf_reads_the_exported_mixtral_back(tmp_path):
         if torch.is_tensor(value):
             rows = 101 if "word_embeddings" in key or key.startswith("output_layer") else value.shape[0]
             assert torch.equal(back.model[key][:rows], value[:rows]), key
+
+
+def test_legacy_torch_checkpoint_at_ep1_groups_experts_as_megatron_and_resumes(uninterrupted, tmp_path):
+    """At EP=1 Megatron keeps the expert params in the dense param groups: our legacy file does too (so Megatron-LM's
+    load_checkpoint reads it, tests/test_megatron_load_checkpoint.py), and our resume maps them back by name."""
+    from megatron.core.dist_checkpointing.safe_loading import load_torch_file
+
+    save = tmp_path / "ckpt"
+    _losses(1, ["--ckpt-format", "torch", "--save", str(save), "--save-interval", "5", "--exit-interval", "5"],
+            tmp_path / "tb_1")
+    saved = load_torch_file(str(save / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt"), "test")
+    groups = saved["optimizer"]["param_groups"]
+    assert [(g["wd_mult"], g["is_expert_parallel"]) for g in groups] == [(1.0, False), (0.0, False)]
+    assert any("local_experts" in name for name in groups[0]["param_names"])
+    resumed, out = _losses(1, ["--ckpt-format", "torch", "--load", str(save)], tmp_path / "tb_2")
+    assert sorted(resumed) == [6, 7, 8, 9, 10], out[-2000:]
+    for step in range(6, 11):
+        assert abs(resumed[step] - uninterrupted[step]) < 1e-5, (step, resumed[step], uninterrupted[step])

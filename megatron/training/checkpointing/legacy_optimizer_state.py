@@ -51,6 +51,41 @@ def _is_named(inner: dict) -> bool:
     return any(isinstance(p, str) for group in inner["param_groups"] for p in group["params"])
 
 
+def fold_expert_groups(optimizer_state: dict, model_keys: Sequence[str]) -> dict:
+    """A name-keyed optimizer state with its expert param groups (``is_expert_parallel``) folded into the dense
+    groups of the same (wd_mult, lr_mult, is_decoupled_lr), params in the model's order (``model_keys``): how
+    Megatron-LM groups them at expert-parallel size 1, where its expert linears keep ``allreduce`` True. States
+    without expert groups (or not name-keyed) are returned unchanged."""
+    inner = _inner(optimizer_state)
+    if inner is None or not _is_named(inner) or not any(g.get("is_expert_parallel") for g in inner["param_groups"]):
+        return optimizer_state
+    groups = inner["param_groups"]
+    mains = optimizer_state.get("fp32_from_fp16_params")
+    main_of = {}
+    if mains is not None:
+        for group, values in zip(groups, mains):
+            main_of.update(zip(group["params"], values))
+    dense = {_with_expert(group_identity(g), False): i for i, g in enumerate(groups)
+             if group_identity(g) is not None and not g.get("is_expert_parallel")}
+    target = {}
+    for i, group in enumerate(groups):
+        identity = group_identity(group)
+        folded = identity is not None and group.get("is_expert_parallel") and _with_expert(identity, False) in dense
+        target[i] = dense[_with_expert(identity, False)] if folded else i
+    order = {key: index for index, key in enumerate(model_keys)}
+    new_groups = []
+    for i, group in enumerate(groups):
+        if target[i] != i:
+            continue
+        names = [name for j, other in enumerate(groups) if target[j] == i for name in other["params"]]
+        names.sort(key=lambda name: order.get(name, len(order)))
+        new_groups.append(dict(group, params=names, is_expert_parallel=False))
+    result = _with_inner(optimizer_state, {"state": inner["state"], "param_groups": new_groups})
+    if mains is not None:
+        result["fp32_from_fp16_params"] = [[main_of[name] for name in g["params"]] for g in new_groups]
+    return result
+
+
 def to_megatron_layout(optimizer_state: dict) -> dict:
     """Megatron's positional layout of a name-keyed optimizer state (others are returned unchanged).
 

@@ -35,12 +35,17 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import (
     ShardedObject,
     ShardedTensor,
     TPLayout,
     sharded_tensors_of_local,
 )
+
+class UnsupportedCheckpointLayoutError(CheckpointingException, NotImplementedError):
+    """A model part without a torch_dist mapping here (the message names the flag that builds it)."""
+
 
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 # Optimizer keys are a model key behind this prefix; here because is_per_layer_layout reads both kinds.
@@ -174,7 +179,7 @@ def entry_key(chunk: torch.nn.Module, name: str, numbers: Optional[Dict[int, int
             key = prefix + EXPERTS_PREFIX + rest[expert.end():]
             return EntryKey(key, layer, _num_layers(chunk), False, key, index, num_experts, stacked)
         if _GROUPED_EXPERTS.match(rest):
-            raise NotImplementedError(f"{name}: GroupedMLP (--moe-grouped-gemm) weights have no torch_dist mapping "
+            raise UnsupportedCheckpointLayoutError(f"{name}: GroupedMLP (--moe-grouped-gemm) weights have no torch_dist mapping "
                                       "here yet; save without --moe-grouped-gemm (SequentialMLP, the same keys)")
         key = prefix + checkpoint_layer_name(rest)
         return EntryKey(key, layer, _num_layers(chunk), False, f"{LAYER_PREFIX}{layer}.{rest}" if stacked else key,
