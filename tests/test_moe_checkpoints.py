@@ -241,28 +241,29 @@ def _parallel_model_again(variant, ep, tp, pp):
                      post_process=parallel_state.is_pipeline_last_stage())
 
 
-# (variant, saving layout (EP, TP, PP, distributed optimizer), loading layout)
+# (variant, saving layout (EP, TP, PP, distributed optimizer), its ranks, loading layout, its ranks). Ranks beyond
+# EP x TP x PP are (expert-)data-parallel: 4 ranks at EP=2 shard the experts' distributed-optimizer state over 2
+# expert-data-parallel ranks, whose replicas of the expert weights are written once.
 RESHARDS = [
-    ("mixtral", (2, 1, 1, False), (1, 1, 1, False)),
-    ("shared", (2, 1, 1, True), (1, 1, 1, True)),
-    ("mixtral", (2, 2, 1, False), (1, 1, 1, True)),
-    ("shared", (2, 1, 2, False), (1, 1, 1, False)),
-    ("mixtral", (1, 1, 1, True), (2, 2, 1, True)),
+    ("mixtral", (2, 1, 1, False), 2, (1, 1, 1, False), 1),
+    ("shared", (2, 1, 1, True), 4, (1, 1, 1, True), 2),
+    ("mixtral", (2, 2, 1, False), 4, (1, 1, 1, True), 1),
+    ("shared", (2, 1, 2, False), 4, (1, 1, 1, False), 1),
+    ("mixtral", (1, 1, 1, True), 1, (2, 2, 1, True), 4),
 ]
 
 
-@pytest.mark.parametrize("variant,save,load", RESHARDS, ids=lambda v: str(v))
-def test_moe_checkpoint_reshards_over_ep_tp_pp(variant, save, load, tmp_path):
+@pytest.mark.parametrize("variant,save,save_world,load,load_world", RESHARDS, ids=lambda v: str(v))
+def test_moe_checkpoint_reshards_over_ep_tp_pp(variant, save, save_world, load, load_world, tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    results = run_distributed(_save_layout, save[0] * save[1] * save[2], variant, ckpt, *save)
+    results = run_distributed(_save_layout, save_world, variant, ckpt, *save)
     saved = None
     if save[2] > 1:  # pipeline stages draw their layers' weights from the seed in another order
         assert load == (1, 1, 1, False)
         saved = {}
         for _, params in results:
             saved.update(params)
-    world = load[0] * load[1] * load[2]
-    counts = run_distributed(_load_layout, world, variant, ckpt, *load, saved)
+    counts = run_distributed(_load_layout, load_world, variant, ckpt, *load, saved)
     assert all(count > 0 for count in counts)
 
 
