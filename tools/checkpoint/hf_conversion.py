@@ -1,4 +1,4 @@
-"""Map a full GPTModel state dict to Hugging Face GPT-2 / Llama tensors and config, and back.
+"""Map a full GPTModel state dict to Hugging Face GPT-2 / Llama / Mixtral tensors and config, and back.
 
 Facts used (spec §7.2-7.3): Megatron's ``linear_qkv`` rows are grouped per query group,
 ``[q heads of group g | k_g | v_g]``; HF Llama keeps separate ``q_proj``/``k_proj``/``v_proj``
