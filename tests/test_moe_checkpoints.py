@@ -23,8 +23,13 @@ SEQ = 16
 
 
 def moe_config(variant="mixtral", **overrides):
-    """Our TransformerConfig of the fixture's model (tests/data/mcore_v014/moe/generate_moe.py)."""
+    """Our TransformerConfig of the fixture's model (tests/data/mcore_v014/moe/generate_moe.py); a ``-grouped``
+    variant runs its experts as GroupedMLP (``moe_grouped_gemm``)."""
     from megatron.core.transformer import TransformerConfig
+
+    if variant.endswith("-grouped"):
+        variant = variant[:-len("-grouped")]
+        overrides = dict(overrides, moe_grouped_gemm=True)
 
     moe = dict(mixtral=dict(moe_layer_freq=1, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2),
                shared=dict(moe_layer_freq=[1, 0], moe_router_load_balancing_type="none",
@@ -103,9 +108,9 @@ def test_megatron_written_moe_checkpoint_loads_with_the_writers_logits_and_momen
 
 
 def test_our_save_has_megatrons_moe_keys_shapes_and_dtypes(tmp_path):
-    for variant in ("mixtral", "shared"):
+    for variant in ("mixtral", "shared", "mixtral-grouped"):  # GroupedMLP writes SequentialMLP's keys
         ours = run_distributed(_save_layout, 1, variant, str(tmp_path / variant), 1, 1, 1, False)[0][0]
-        megatron = _stored(FIXTURE / variant / "torch_dist" / "iter_0000003")
+        megatron = _stored(FIXTURE / variant.replace("-grouped", "") / "torch_dist" / "iter_0000003")
         megatron.pop("rng_state/shard_0.0_1.1")
         assert ours == megatron, sorted(set(ours.items()) ^ set(megatron.items()))[:6]
 
@@ -250,12 +255,18 @@ RESHARDS = [
     ("mixtral", (2, 2, 1, False), 4, (1, 1, 1, True), 1),
     ("shared", (2, 1, 2, False), 4, (1, 1, 1, False), 1),
     ("mixtral", (1, 1, 1, True), 1, (2, 2, 1, True), 4),
+    # GroupedMLP writes SequentialMLP's keys: saved grouped at EP=2 x TP=2, read as SequentialMLP at EP=1, and back
+    ("mixtral-grouped", (2, 2, 1, False), 4, (1, 1, 1, False), 1),
+    ("shared", (1, 1, 1, False), 1, (2, 1, 1, False), 2),
 ]
 
 
 @pytest.mark.parametrize("variant,save,save_world,load,load_world", RESHARDS, ids=lambda v: str(v))
 def test_moe_checkpoint_reshards_over_ep_tp_pp(variant, save, save_world, load, load_world, tmp_path):
     ckpt = str(tmp_path / "ckpt")
+    load_variant = variant.replace("-grouped", "") if variant.endswith("-grouped") else variant
+    if save == (1, 1, 1, False) and load == (2, 1, 1, False):  # the way back: SequentialMLP to GroupedMLP
+        load_variant = variant + "-grouped"
     results = run_distributed(_save_layout, save_world, variant, ckpt, *save)
     saved = None
     if save[2] > 1:  # pipeline stages draw their layers' weights from the seed in another order
@@ -263,7 +274,7 @@ def test_moe_checkpoint_reshards_over_ep_tp_pp(variant, save, save_world, load, 
         saved = {}
         for _, params in results:
             saved.update(params)
-    counts = run_distributed(_load_layout, load_world, variant, ckpt, *load, saved)
+    counts = run_distributed(_load_layout, load_world, load_variant, ckpt, *load, saved)
     assert all(count > 0 for count in counts)
 
 

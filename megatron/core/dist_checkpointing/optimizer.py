@@ -30,6 +30,8 @@ from megatron.core.dist_checkpointing.mapping import (
 )
 from megatron.core.models.gpt.checkpoint_keys import (
     OPTIMIZER_PREFIX,
+    GroupedExperts,
+    UnsupportedCheckpointLayoutError,
     EntryKey,
     ParamInfo,
     param_keys_and_layouts,
@@ -87,6 +89,10 @@ def _optimizer_targets(model_chunks, optimizer) -> List[_Target]:
     out = []
     if _is_distributed(optimizer):
         for piece in optimizer.pieces():
+            if isinstance(info[piece.model_param], GroupedExperts):
+                raise UnsupportedCheckpointLayoutError(
+                    "--moe-grouped-gemm with --use-distributed-optimizer: a GroupedMLP weight's flat optimizer shard "
+                    "has no torch_dist mapping here; save with --ckpt-format torch_dist without one of the two")
             tensors = _state_tensors(inner.state.get(piece.main_param, {}), piece.main_param)
             for name, tensor in sorted(tensors.items()):
                 out.append(_Target(name, info[piece.model_param], tensor, piece.param_start))
@@ -100,7 +106,12 @@ def _optimizer_targets(model_chunks, optimizer) -> List[_Target]:
         if main_param is not model_param:
             tensors[MAIN_PARAM] = main_param.detach()
         for name, tensor in sorted(tensors.items()):
-            out.append(_Target(name, info[model_param], tensor.detach(), None))
+            grouped = info[model_param]
+            if isinstance(grouped, GroupedExperts):  # one target per local expert, views of the state
+                for expert_info, view in zip(grouped.infos(tensor), grouped.views(tensor.detach())):
+                    out.append(_Target(name, expert_info, view, None))
+                continue
+            out.append(_Target(name, grouped, tensor.detach(), None))
     return out
 
 

@@ -179,8 +179,8 @@ def entry_key(chunk: torch.nn.Module, name: str, numbers: Optional[Dict[int, int
             key = prefix + EXPERTS_PREFIX + rest[expert.end():]
             return EntryKey(key, layer, _num_layers(chunk), False, key, index, num_experts, stacked)
         if _GROUPED_EXPERTS.match(rest):
-            raise UnsupportedCheckpointLayoutError(f"{name}: GroupedMLP (--moe-grouped-gemm) weights have no torch_dist mapping "
-                                      "here yet; save without --moe-grouped-gemm (SequentialMLP, the same keys)")
+            raise UnsupportedCheckpointLayoutError(f"{name}: a GroupedMLP (--moe-grouped-gemm) weight is several "
+                                                   "checkpoint entries (see grouped_experts)")
         key = prefix + checkpoint_layer_name(rest)
         return EntryKey(key, layer, _num_layers(chunk), False, f"{LAYER_PREFIX}{layer}.{rest}" if stacked else key,
                         None, 0, stacked)
@@ -225,13 +225,75 @@ class ParamInfo:
     vocab: bool
 
 
-def param_keys_and_layouts(model_chunks) -> Dict[torch.Tensor, ParamInfo]:
-    """{parameter: :class:`ParamInfo`} over all chunks."""
+def _expert_layout(shape, dim: int, stride: int) -> TPLayout:
+    """:func:`_layout` of a routed expert's linear weight of local ``shape`` split along ``dim`` over expert TP."""
+    tp_size = parallel_state.get_expert_tensor_parallel_world_size()
+    tp_rank = parallel_state.get_expert_tensor_parallel_rank()
+    split = tp_size > 1 or stride > 1
+    return TPLayout(tuple(shape), dim if split else None, stride if split else 1, tp_rank, tp_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedExperts:
+    """A GroupedMLP weight as the linear weights of its local experts, the keys SequentialMLP saves (Megatron's
+    GroupedMLP writes the same): ``weight1`` [H, E_loc * X] holds expert ``j``'s ``linear_fc1.weight`` [X, H]
+    transposed in columns ``j*X:(j+1)*X`` (``X = (2F|F)/ETP``, ``[gate_r | up_r]`` with GLU), ``weight2``
+    [E_loc * F', H] its ``linear_fc2.weight`` [H, F'] transposed in rows ``j*F':(j+1)*F'``.
+
+    ``entries``: the local experts' :class:`EntryKey` in order; ``fc``: 1 or 2; ``glu``: gated fc1.
+    """
+
+    entries: Tuple[EntryKey, ...]
+    fc: int
+    glu: bool
+
+    def views(self, tensor: torch.Tensor) -> List[torch.Tensor]:
+        """Per local expert, its linear weight as a (transposed) view of ``tensor`` (the weight or a state of its shape)."""
+        n = len(self.entries)
+        if self.fc == 1:
+            return [tensor.view(tensor.shape[0], n, -1)[:, j, :].t() for j in range(n)]
+        return [tensor.view(n, -1, tensor.shape[1])[j].t() for j in range(n)]
+
+    def infos(self, tensor: torch.Tensor) -> List[ParamInfo]:
+        """Per local expert, the :class:`ParamInfo` of its view of ``tensor``."""
+        out = []
+        for entry, view in zip(self.entries, self.views(tensor)):
+            layout = (_expert_layout(view.shape, 0, 2 if self.glu else 1) if self.fc == 1
+                      else _expert_layout(view.shape, 1, 1))
+            out.append(ParamInfo(entry, layout, False))
+        return out
+
+
+def grouped_experts(chunk: torch.nn.Module, name: str, numbers: Optional[Dict[int, int]] = None
+                    ) -> Optional[GroupedExperts]:
+    """The :class:`GroupedExperts` of state-dict entry ``name`` of the (unwrapped) ``chunk``; None for other names."""
+    match = _LAYER.match(name)
+    if match is None or not _GROUPED_EXPERTS.match(name[match.end():]):
+        return None
+    numbers = _layer_numbers(chunk) if numbers is None else numbers
+    config = _config(chunk)
+    layer, fc = numbers[int(match.group(1))], int(name[-1])
+    stacked = not per_layer_keys(config)
+    key = (LAYER_PREFIX if stacked else f"{LAYER_PREFIX}{layer}.") + f"{EXPERTS_PREFIX}linear_fc{fc}.weight"
+    local = int(config.num_moe_experts) // parallel_state.get_expert_model_parallel_world_size()
+    entries = []
+    for j in range(local):
+        index, num_experts = _global_expert(config, j)
+        entries.append(EntryKey(key, layer, _num_layers(chunk), False, key, index, num_experts, stacked))
+    return GroupedExperts(tuple(entries), fc, bool(config.gated_linear_unit))
+
+
+def param_keys_and_layouts(model_chunks) -> Dict[torch.Tensor, object]:
+    """{parameter: :class:`ParamInfo`} over all chunks (a GroupedMLP weight: its :class:`GroupedExperts`)."""
     out = {}
     for chunk in model_chunks:
         chunk = _unwrap(chunk)
         numbers = _layer_numbers(chunk)
         for name, param in chunk.named_parameters():
+            grouped = grouped_experts(chunk, name, numbers)
+            if grouped is not None:
+                out.setdefault(param, grouped)
+                continue
             entry = entry_key(chunk, name, numbers)
             out.setdefault(param, ParamInfo(entry, _entry_layout(param, entry), entry.key in VOCAB_KEYS))
     return out
@@ -295,6 +357,19 @@ def model_sharded_state(model_chunks, legacy: bool = False, with_objects: bool =
         chunk = _unwrap(chunk)
         numbers = _layer_numbers(chunk)
         for name, tensor in chunk.state_dict(keep_vars=True).items():
+            grouped = grouped_experts(chunk, name, numbers)
+            if grouped is not None:
+                if legacy:
+                    raise UnsupportedCheckpointLayoutError(f"{name}: GroupedMLP weights did not exist in the earlier "
+                                                           "per-layer torch_dist layout")
+                data = tensor.detach()
+                for info, view in zip(grouped.infos(data), grouped.views(data)):
+                    items = sharded_tensors_of_local(info.entry.key, view, info.layout)
+                    out.extend(stack_layer_axis(items, info.entry))
+                    if with_objects:  # SequentialMLP's per-expert extra state, which Megatron's loader reads
+                        extra = dataclasses.replace(info.entry, key=info.entry.key[:-len("weight")] + "_extra_state")
+                        out.append(extra_state_object(extra, None))
+                continue
             entry = entry_key(chunk, name, numbers)
             if name.endswith("._extra_state"):
                 if with_objects and entry.layer is not None and not legacy:
