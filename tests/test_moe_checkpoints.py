@@ -246,27 +246,26 @@ def _parallel_model_again(variant, ep, tp, pp):
                      post_process=parallel_state.is_pipeline_last_stage())
 
 
-# (variant, saving layout (EP, TP, PP, distributed optimizer), its ranks, loading layout, its ranks). Ranks beyond
-# EP x TP x PP are (expert-)data-parallel: 4 ranks at EP=2 shard the experts' distributed-optimizer state over 2
-# expert-data-parallel ranks, whose replicas of the expert weights are written once.
+# (variant saved, saving layout (EP, TP, PP, distributed optimizer), its ranks, variant loaded, loading layout, its
+# ranks). Ranks beyond EP x TP x PP are (expert-)data-parallel: 4 ranks at EP=2 shard the experts'
+# distributed-optimizer state over 2 expert-data-parallel ranks, whose replicas of the expert weights are written
+# once. A "-grouped" variant runs GroupedMLP, which writes SequentialMLP's keys.
 RESHARDS = [
-    ("mixtral", (2, 1, 1, False), 2, (1, 1, 1, False), 1),
-    ("shared", (2, 1, 1, True), 4, (1, 1, 1, True), 2),
-    ("mixtral", (2, 2, 1, False), 4, (1, 1, 1, True), 1),
-    ("shared", (2, 1, 2, False), 4, (1, 1, 1, False), 1),
-    ("mixtral", (1, 1, 1, True), 1, (2, 2, 1, True), 4),
-    # GroupedMLP writes SequentialMLP's keys: saved grouped at EP=2 x TP=2, read as SequentialMLP at EP=1, and back
-    ("mixtral-grouped", (2, 2, 1, False), 4, (1, 1, 1, False), 1),
-    ("shared", (1, 1, 1, False), 1, (2, 1, 1, False), 2),
+    ("mixtral", (2, 1, 1, False), 2, "mixtral", (1, 1, 1, False), 1),
+    ("shared", (2, 1, 1, True), 4, "shared", (1, 1, 1, True), 2),
+    ("mixtral", (2, 2, 1, False), 4, "mixtral", (1, 1, 1, True), 1),
+    ("shared", (2, 1, 2, False), 4, "shared", (1, 1, 1, False), 1),
+    ("mixtral", (1, 1, 1, True), 1, "mixtral", (2, 2, 1, True), 4),
+    ("mixtral-grouped", (2, 2, 1, False), 4, "mixtral", (1, 1, 1, False), 1),
+    ("shared", (1, 1, 1, False), 1, "shared-grouped", (2, 1, 1, False), 2),
+    ("mixtral-grouped", (2, 1, 1, True), 4, "mixtral-grouped", (1, 1, 1, True), 2),
+    ("mixtral-grouped", (2, 1, 1, True), 4, "mixtral", (1, 1, 1, False), 1),
 ]
 
 
-@pytest.mark.parametrize("variant,save,save_world,load,load_world", RESHARDS, ids=lambda v: str(v))
-def test_moe_checkpoint_reshards_over_ep_tp_pp(variant, save, save_world, load, load_world, tmp_path):
+@pytest.mark.parametrize("variant,save,save_world,load_variant,load,load_world", RESHARDS, ids=lambda v: str(v))
+def test_moe_checkpoint_reshards_over_ep_tp_pp(variant, save, save_world, load_variant, load, load_world, tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    load_variant = variant.replace("-grouped", "") if variant.endswith("-grouped") else variant
-    if save == (1, 1, 1, False) and load == (2, 1, 1, False):  # the way back: SequentialMLP to GroupedMLP
-        load_variant = variant + "-grouped"
     results = run_distributed(_save_layout, save_world, variant, ckpt, *save)
     saved = None
     if save[2] > 1:  # pipeline stages draw their layers' weights from the seed in another order

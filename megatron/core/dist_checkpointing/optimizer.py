@@ -31,7 +31,6 @@ from megatron.core.dist_checkpointing.mapping import (
 from megatron.core.models.gpt.checkpoint_keys import (
     OPTIMIZER_PREFIX,
     GroupedExperts,
-    UnsupportedCheckpointLayoutError,
     EntryKey,
     ParamInfo,
     param_keys_and_layouts,
@@ -81,6 +80,10 @@ class _Target:
     tensor: torch.Tensor
     start: Optional[int]
     load: bool = True
+    # A GroupedMLP weight's distributed-optimizer shard: its experts (``info`` is the first one's, the key being
+    # the same for all) and the weight's local shape; saved and read parameter-shaped (``GroupedExperts``).
+    grouped: Optional[GroupedExperts] = None
+    param_shape: Optional[Tuple[int, ...]] = None
 
 
 def _optimizer_targets(model_chunks, optimizer) -> List[_Target]:
@@ -89,10 +92,16 @@ def _optimizer_targets(model_chunks, optimizer) -> List[_Target]:
     out = []
     if _is_distributed(optimizer):
         for piece in optimizer.pieces():
-            if isinstance(info[piece.model_param], GroupedExperts):
-                raise UnsupportedCheckpointLayoutError(
-                    "--moe-grouped-gemm with --use-distributed-optimizer: a GroupedMLP weight's flat optimizer shard "
-                    "has no torch_dist mapping here; save with --ckpt-format torch_dist without one of the two")
+            grouped = info[piece.model_param]
+            if isinstance(grouped, GroupedExperts):
+                shape = tuple(piece.model_param.shape)
+                first = grouped.infos(torch.empty(shape, device="meta"))[0]
+                tensors = _state_tensors(inner.state.get(piece.main_param, {}), piece.main_param)
+                for name, tensor in sorted(tensors.items()):
+                    out.append(_Target(name, first, tensor, piece.param_start, grouped=grouped, param_shape=shape))
+                out.append(_Target(MAIN_PARAM, first, piece.main_param.detach(), piece.param_start,
+                                   load=piece.is_copy, grouped=grouped, param_shape=shape))
+                continue
             tensors = _state_tensors(inner.state.get(piece.main_param, {}), piece.main_param)
             for name, tensor in sorted(tensors.items()):
                 out.append(_Target(name, info[piece.model_param], tensor, piece.param_start))
@@ -122,6 +131,8 @@ def optimizer_key(name: str, entry: EntryKey, legacy: bool = False) -> str:
 
 def _plain(target: _Target, key: str, stack: bool = True) -> List[ShardedTensor]:
     """``target`` as chunks of the parameter-shaped global tensor (stacked over layers when ``stack``)."""
+    if target.grouped is not None:
+        return target.grouped.flat_range_items(key, target.tensor.view(-1), target.start, target.param_shape)
     layout, info = target.info.layout, target.info
     if target.start is None:
         layout = TPLayout(tuple(target.tensor.shape), layout.partition_dim, layout.stride, layout.tp_rank,
@@ -239,7 +250,8 @@ def optimizer_sharded_state(model_chunks, optimizer) -> List[ShardedTensor]:
     distributed = _is_distributed(optimizer)
     for target in _optimizer_targets(model_chunks, optimizer):
         key = optimizer_key(target.name, target.info.entry)
-        out.extend(_flattened(target, key) if distributed else _plain(target, key))
+        flattened = distributed and target.grouped is None  # GroupedMLP shards: parameter-shaped
+        out.extend(_flattened(target, key) if flattened else _plain(target, key))
     return out
 
 
@@ -261,7 +273,7 @@ def optimizer_load_plan(model_chunks, optimizer, stored: Dict, legacy: bool = Fa
         md = stored.get(key)
         saved = tuple(getattr(md, "size", ()) or ())
         plain = _plain_shape(target.info, legacy)
-        if md is None or legacy or len(saved) == len(plain):
+        if md is None or legacy or len(saved) == len(plain) or target.grouped is not None:
             reads.extend(_plain(target, key, stack=not legacy))
         elif saved == flattened_shape(target.info):
             reads.extend(_flattened(target, key))

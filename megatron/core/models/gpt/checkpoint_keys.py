@@ -40,6 +40,7 @@ from megatron.core.dist_checkpointing.mapping import (
     ShardedObject,
     ShardedTensor,
     TPLayout,
+    flat_range_boxes,
     sharded_tensors_of_local,
 )
 
@@ -253,6 +254,32 @@ class GroupedExperts:
         if self.fc == 1:
             return [tensor.view(tensor.shape[0], n, -1)[:, j, :].t() for j in range(n)]
         return [tensor.view(n, -1, tensor.shape[1])[j].t() for j in range(n)]
+
+    def flat_range_items(self, key: str, flat: torch.Tensor, start: int, param_shape) -> List[ShardedTensor]:
+        """Elements ``[start, start + flat.numel())`` of the flattened weight (a distributed-optimizer shard) as
+        chunks of the experts' parameter-shaped global tensor under ``key`` (views of ``flat``, leading axes
+        included): each box of the flat range (``flat_range_boxes``) cut at the experts' borders and transposed."""
+        n, out = len(self.entries), []
+        infos = self.infos(torch.empty(tuple(param_shape), device="meta"))
+        for flat_start, (row, col), (rows, cols) in flat_range_boxes(param_shape, start, start + flat.numel()):
+            box = flat[flat_start - start:flat_start - start + rows * cols].view(rows, cols)
+            # fc1: weight1 [H, n*X], column j*X + x of row h is expert j's (x, h); fc2: weight2 [n*F, H], row j*F + f
+            # and column h is expert j's (h, f).
+            size = (param_shape[1] if self.fc == 1 else param_shape[0]) // n
+            lo_all, hi_all = (col, col + cols) if self.fc == 1 else (row, row + rows)
+            for j in range(lo_all // size, (hi_all - 1) // size + 1):
+                lo, hi = max(lo_all, j * size), min(hi_all, (j + 1) * size)
+                if self.fc == 1:
+                    part, offsets = box[:, lo - col:hi - col].t(), (lo - j * size, row)
+                else:
+                    part, offsets = box[lo - row:hi - row, :].t(), (col, lo - j * size)
+                info = infos[j]
+                items = []
+                for local, sizes, global_offsets in info.layout.split_box(offsets, tuple(part.shape)):
+                    data = part[tuple(slice(a - o, a - o + z) for a, o, z in zip(local, offsets, sizes))]
+                    items.append(ShardedTensor(key, data, info.layout.global_shape, global_offsets))
+                out.extend(stack_layer_axis(items, info.entry))
+        return out
 
     def infos(self, tensor: torch.Tensor) -> List[ParamInfo]:
         """Per local expert, the :class:`ParamInfo` of its view of ``tensor``."""
