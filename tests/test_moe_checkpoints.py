@@ -179,7 +179,9 @@ def _save_layout(rank, world, variant, ckpt_dir, ep, tp, pp, distopt):
     _fill_state(model, optimizer)
     sharded = mo.model_sharded_state([model], with_objects=True) + mo.optimizer_sharded_state([model], optimizer)
     serialization.save(sharded, ckpt_dir)
-    torch.save({"optimizer": mo.optimizer_common_state(optimizer)}, os.path.join(ckpt_dir, "common_test.pt"))
+    if rank == 0:  # as common.pt: rank 0's unsharded optimizer state
+        torch.save({"optimizer": mo.optimizer_common_state(optimizer)}, os.path.join(ckpt_dir, "common_test.pt"))
+    torch.distributed.barrier()
     return (_stored(ckpt_dir) if rank == 0 else None), (None if tp > 1 else _global_params(model))
 
 
@@ -301,9 +303,14 @@ def uninterrupted(tmp_path_factory):
     return _losses(1, [], tmp_path_factory.mktemp("moe_ref") / "tb")[0]
 
 
-def test_torch_dist_checkpoint_saved_at_ep2_resumes_at_ep1_with_the_uninterrupted_losses(uninterrupted, tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--moe-grouped-gemm", "--use-distributed-optimizer"]],
+                         ids=["sequential", "grouped-distopt"])
+def test_torch_dist_checkpoint_saved_at_ep2_resumes_at_ep1_with_the_uninterrupted_losses(uninterrupted, extra,
+                                                                                          tmp_path):
+    """Saved at EP=2 (SequentialMLP and Adam; or GroupedMLP and the distributed optimizer), resumed at EP=1 by
+    SequentialMLP and Adam."""
     save = tmp_path / "ckpt"
-    first, _ = _losses(2, ["--expert-model-parallel-size", "2", "--save", str(save), "--save-interval", "5",
+    first, _ = _losses(2, ["--expert-model-parallel-size", "2", *extra, "--save", str(save), "--save-interval", "5",
                            "--exit-interval", "5"], tmp_path / "tb_ep2")
     assert sorted(first) == [1, 2, 3, 4, 5]
     resumed, out = _losses(1, ["--load", str(save)], tmp_path / "tb_ep1")
