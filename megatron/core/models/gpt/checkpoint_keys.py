@@ -44,6 +44,7 @@ from megatron.core.dist_checkpointing.mapping import (
     sharded_tensors_of_local,
 )
 
+
 class UnsupportedCheckpointLayoutError(CheckpointingException, NotImplementedError):
     """A model part without a torch_dist mapping here (the message names the flag that builds it)."""
 
@@ -117,7 +118,8 @@ def per_layer_keys(config) -> bool:
 
 def model_uses_per_layer_keys(model_chunks) -> bool:
     """:func:`per_layer_keys` of the (wrapped or not) model chunks' config."""
-    return any(per_layer_keys(_config(_unwrap(chunk))) for chunk in model_chunks if _config(_unwrap(chunk)) is not None)
+    configs = [_config(_unwrap(chunk)) for chunk in model_chunks]
+    return any(per_layer_keys(config) for config in configs if config is not None)
 
 
 def _global_expert(config, local: int) -> Tuple[int, int]:
@@ -249,7 +251,8 @@ class GroupedExperts:
     glu: bool
 
     def views(self, tensor: torch.Tensor) -> List[torch.Tensor]:
-        """Per local expert, its linear weight as a (transposed) view of ``tensor`` (the weight or a state of its shape)."""
+        """Per local expert, its linear weight as a (transposed) view of ``tensor`` (the weight, or a state of its
+        shape)."""
         n = len(self.entries)
         if self.fc == 1:
             return [tensor.view(tensor.shape[0], n, -1)[:, j, :].t() for j in range(n)]
@@ -327,7 +330,8 @@ def param_keys_and_layouts(model_chunks) -> Dict[torch.Tensor, object]:
 
 
 def stack_layer_axis(items: List[ShardedTensor], entry: EntryKey, legacy: bool = False) -> List[ShardedTensor]:
-    """Give entries their leading axes (:attr:`EntryKey.axes`: layer, expert), as views (``data.view(1, ..., *shape)``)."""
+    """Give entries their leading axes (:attr:`EntryKey.axes`: layer, expert), as views
+    (``data.view(1, ..., *shape)``)."""
     axes = entry.axes
     if not axes or legacy:
         return items
@@ -407,8 +411,8 @@ def model_sharded_state(model_chunks, legacy: bool = False, with_objects: bool =
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"model state {name!r} is a {type(tensor).__name__}, not a tensor: the torch_dist "
                                 "format stores tensors only")
-            items = sharded_tensors_of_local(_model_key(entry, legacy), tensor.detach(), _entry_layout(tensor, entry),
-                                             entry.key in VOCAB_KEYS, entry.replica)
+            items = sharded_tensors_of_local(_model_key(entry, legacy), tensor.detach(),
+                                             _entry_layout(tensor, entry), entry.key in VOCAB_KEYS, entry.replica)
             out.extend(stack_layer_axis(items, entry, legacy))
     return out
 
