@@ -205,6 +205,12 @@ CASES = {
         moe_token_dispatcher_type="allgather", gated_linear_unit=True, moe_shared_expert_intermediate_size=8)),
     "ep2_tp2_sp_alltoall": dict(world=4, tp=2, ep=2, sp=True, kw=dict(
         moe_token_dispatcher_type="alltoall", gated_linear_unit=True)),
+    "ep2_tp2_sp_alltoall_grouped_pad": dict(world=4, tp=2, ep=2, sp=True, kw=dict(
+        moe_token_dispatcher_type="alltoall", gated_linear_unit=True, moe_grouped_gemm=True,
+        moe_pad_expert_input_to_capacity=True, moe_token_drop_policy="position", **_DROP)),
+    "ep2_tp2_sp_allgather_sigmoid_z": dict(world=4, tp=2, ep=2, sp=True, kw=dict(
+        moe_token_dispatcher_type="allgather", moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True, moe_z_loss_coeff=1e-2)),
     "ep2_tp2_sp_alltoall_drop": dict(world=4, tp=2, ep=2, sp=True, kw=dict(
         moe_token_dispatcher_type="alltoall", **_DROP)),
     "ep2_etp1_tp2_sp_alltoall": dict(world=4, tp=2, ep=2, etp=1, sp=True, kw=dict(
@@ -248,6 +254,11 @@ def test_transformer_layer_builds_moe_where_config_says():
     assert all(not getattr(p, "allreduce", True) for n, p in layer.named_parameters() if ".experts." in n)
     out, _ = layer(torch.randn(S, B, H, dtype=torch.float64))
     assert out.shape == (S, B, H)
+
+
+def test_moe_layer_refuses_expert_sizes_its_groups_do_not_have():
+    with pytest.raises(ValueError, match="expert_model_parallel_size=2 but the expert-parallel group has 1"):
+        MoELayer(_config(expert_model_parallel_size=2), 1, ModelCommProcessGroups())
 
 
 def test_moe_layer_refuses_tp_without_sequence_parallel_in_training(monkeypatch):
@@ -319,3 +330,51 @@ def test_aux_loss_backward_uses_the_class_scale():
     finally:
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     assert grads[0] > 0 and grads[1] == 0
+
+
+def _gpt_moe_step(recompute):
+    from megatron.core.models.gpt import GPTModel
+
+    kw = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}
+    config = _config(moe_layer_freq=[1, 1], **kw)
+    torch.manual_seed(3)
+    model = GPTModel(config, vocab_size=32, max_sequence_length=S).train()
+    tokens = torch.randint(0, 32, (B, S))
+    position_ids = torch.arange(S).unsqueeze(0).expand(B, -1)
+    recorder = routing_stats.install()
+    try:
+        get_moe_layer_wise_logging_tracker().clear()
+        loss = model(tokens, position_ids, None, labels=tokens)
+        loss.sum().backward()
+    finally:
+        routing_stats.uninstall()
+    tracked = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"].clone()
+    return recorder.take(), tracked, model.decoder.layers[0].mlp.router.weight.grad.clone()
+
+
+def test_gpt_model_with_moe_records_and_logs_each_layer_once_even_with_full_recompute():
+    stats, tracked, grad = _gpt_moe_step(recompute=False)
+    assert sorted(stats) == [1, 2] and all(sum(counts) == S * B * 2 for counts, _ in stats.values())
+    assert (tracked > 0).all()
+    # Full recompute runs each layer twice (no-grad forward, replay in backward): still one record and one loss.
+    stats_rc, tracked_rc, grad_rc = _gpt_moe_step(recompute=True)
+    assert stats_rc == stats
+    assert torch.equal(tracked_rc, tracked)
+    torch.testing.assert_close(grad_rc, grad, rtol=0, atol=1e-12)
+
+
+def test_expert_parallel_overrides_build_another_ranks_experts_with_the_same_weights():
+    # Converters build the model of EP rank 1 of 2 in one process (parallel_state's set_* overrides).
+    full = _expert_tensors(_layer(_config()), False)
+    parallel_state.set_expert_model_parallel_world_size(2)
+    parallel_state.set_expert_model_parallel_rank(1)
+    try:
+        for grouped in (False, True):
+            layer = _layer(_config(expert_model_parallel_size=2, moe_grouped_gemm=grouped))
+            assert layer.local_expert_indices == [2, 3]
+            shard = _expert_tensors(layer, False)
+            assert sorted(shard) == [(2, "fc1"), (2, "fc2"), (3, "fc1"), (3, "fc2")]
+            assert all(torch.equal(shard[key], full[key]) for key in shard)
+    finally:
+        parallel_state.set_expert_model_parallel_world_size(None)
+        parallel_state.set_expert_model_parallel_rank(None)

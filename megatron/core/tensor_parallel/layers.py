@@ -79,8 +79,9 @@ def _initialize_affine_weight_gpu(weight: torch.Tensor, init_method: Callable, p
     CUDA generator, which is seeded identically on every TP rank, so TP=k starts from exactly the
     weights of TP=1 (``full_size`` = (output_size, input_size) and ``per_partition_size`` are
     required for that). The master exists for one layer at a time (e.g. 2 GiB for a 128k x 4k
-    embedding). Expert weights differ per expert rank by design and are drawn shard by shard
-    inside the expert-parallel RNG fork.
+    embedding). Without ``full_size`` (or with ``is_expert``) the shard is drawn directly, inside the
+    expert- or model-parallel RNG fork; MoE expert linears do not come here: they take the master path
+    by expert-TP rank (``_initialize_partitioned_weight``'s ``expert_tp``).
     """
     if not is_expert and full_size is not None:
         _initialize_affine_weight_from_master(weight, full_size[0], full_size[1], per_partition_size,

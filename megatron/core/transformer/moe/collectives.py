@@ -5,7 +5,7 @@ Megatron's dispatchers use ``gather_from_sequence_parallel_region(x, group=...)`
 in_splits)`` (``megatron/core/tensor_parallel/mappings.py``); this project's TP mappings know only the TP
 group, so these take the group (expert-parallel, expert-TP or expert-TP x EP) as an argument. Uneven
 splits (the all-to-all's token counts, the expert-TP gather after it) go through ``all_to_all_single``,
-which NCCL and gloo both implement. Tensors travel on ``get_collective_device(group)`` and come back to
+which NCCL and gloo both implement; equal ones through the flat all-gather / reduce-scatter. Tensors travel on ``get_collective_device(group)`` and come back to
 the caller's device. A ``None`` group or a group of one rank is the identity.
 """
 from __future__ import annotations
@@ -15,9 +15,14 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core import parallel_state
 from megatron.core.collective_device import get_collective_device
 
-__all__ = ["group_size", "group_rank", "all_to_all", "gather_along_first_dim", "reduce_scatter_along_first_dim",
+# torch >= 2.13 renamed the flat-tensor collectives (as in tensor_parallel/mappings.py).
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+__all__ = ["group_size", "group_rank", "expert_parallel_size_rank", "all_to_all", "gather_along_first_dim", "reduce_scatter_along_first_dim",
            "all_reduce_sum"]
 
 
@@ -29,6 +34,22 @@ def group_size(group) -> int:
 def group_rank(group) -> int:
     """This rank's index in ``group`` (0 for None)."""
     return 0 if group is None else dist.get_rank(group)
+
+
+def expert_parallel_size_rank(ep_group) -> tuple:
+    """(EP size, EP rank) that decide which experts a rank builds.
+
+    parallel_state's own expert-parallel group (or None) answers through its getters, which honour
+    ``set_expert_model_parallel_world_size/rank`` (converters build the model of a rank they are not)
+    and give (1, 0) in a single process; another group answers for itself.
+    """
+    if ep_group is None or ep_group is parallel_state.get_expert_model_parallel_group(check_initialized=False):
+        try:
+            return (parallel_state.get_expert_model_parallel_world_size(),
+                    parallel_state.get_expert_model_parallel_rank())
+        except AssertionError:  # several processes but parallel_state not initialised: no expert parallelism
+            return group_size(ep_group), group_rank(ep_group)
+    return group_size(ep_group), group_rank(ep_group)
 
 
 def _on_comm_device(tensor: torch.Tensor, group) -> torch.Tensor:
@@ -55,9 +76,13 @@ def _raw_gather(input_: torch.Tensor, group, split_sizes: Optional[List[int]]) -
     n = group_size(group)
     if n == 1:
         return input_
-    if split_sizes is None:
-        split_sizes = [input_.size(0)] * n
-    # Every rank sends its whole tensor to every rank: an all-gather with uneven sizes.
+    if split_sizes is None or all(size == input_.size(0) for size in split_sizes):
+        device = input_.device
+        send = _on_comm_device(input_, group)
+        out = torch.empty((n * send.size(0),) + tuple(send.shape[1:]), dtype=send.dtype, device=send.device)
+        _all_gather_flat(out, send, group=group)
+        return out.to(device)
+    # Uneven sizes: every rank sends its whole tensor to every rank through one all-to-all.
     send = torch.cat([input_] * n, dim=0) if input_.size(0) else input_
     return _raw_all_to_all(send, group, list(split_sizes), [input_.size(0)] * n)
 
@@ -67,10 +92,15 @@ def _raw_reduce_scatter(input_: torch.Tensor, group, split_sizes: Optional[List[
     n = group_size(group)
     if n == 1:
         return input_
-    if split_sizes is None:
+    if split_sizes is None or len(set(split_sizes)) == 1:
         if input_.size(0) % n:
             raise ValueError(f"reduce-scatter of {input_.size(0)} rows over {n} ranks needs equal blocks")
-        split_sizes = [input_.size(0) // n] * n
+        device = input_.device
+        send = _on_comm_device(input_, group)
+        out = torch.empty((send.size(0) // n,) + tuple(send.shape[1:]), dtype=send.dtype, device=send.device)
+        _reduce_scatter_flat(out, send, group=group)
+        return out.to(device)
+    # Uneven blocks: each rank receives every rank's copy of its block through one all-to-all, then sums.
     me = group_rank(group)
     received = _raw_all_to_all(input_, group, [split_sizes[me]] * n, list(split_sizes))
     # Sum the n received blocks in rank order: the same order on every rank, so results agree.

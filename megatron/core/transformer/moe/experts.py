@@ -16,11 +16,11 @@ import torch.nn.functional as F
 
 from megatron.core.fusions.fused_bias_activation import bias_activation
 from megatron.core.process_groups_config import ModelCommProcessGroups
-from megatron.core.tensor_parallel.layers import _param_device  # where the layers draw masters
+from megatron.core.tensor_parallel.layers import _expert_tp_size_rank, _param_device  # the expert linears' rules
 from megatron.core.tensor_parallel.utils import divide
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.moe.collectives import group_rank, group_size
+from megatron.core.transformer.moe.collectives import expert_parallel_size_rank
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 __all__ = ["SequentialMLP", "GroupedMLP", "grouped_matmul"]
@@ -52,7 +52,7 @@ class SequentialMLP(MegatronModule):
         super().__init__(config)
         self.num_local_experts = num_local_experts
         ep_group, self.tp_group = _expert_groups(config, model_comm_pgs)
-        ep_rank = group_rank(ep_group)
+        ep_rank = expert_parallel_size_rank(ep_group)[1]
         first = ep_rank * num_local_experts
         ffn = config.moe_ffn_hidden_size
         fc1_rows = 2 * ffn if config.gated_linear_unit else ffn
@@ -157,8 +157,8 @@ class GroupedMLP(MegatronModule):
             raise ValueError("GroupedMLP does not support add_bias_linear (bias is not supported for MoE)")
         self.num_local_experts = num_local_experts
         ep_group, self.tp_group = _expert_groups(config, model_comm_pgs)
-        tp_size, tp_rank = group_size(self.tp_group), group_rank(self.tp_group)
-        ep_rank = group_rank(ep_group)
+        tp_size, tp_rank = _expert_tp_size_rank(self.tp_group)  # as the expert linears of SequentialMLP
+        ep_rank = expert_parallel_size_rank(ep_group)[1]
         ffn = config.moe_ffn_hidden_size
         glu = config.gated_linear_unit
         self.ffn_per_partition = divide(ffn, tp_size)

@@ -8,7 +8,7 @@ import torch
 from megatron.core.process_groups_config import ModelCommProcessGroups
 from megatron.core.tensor_parallel.utils import divide
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.moe.collectives import group_rank, group_size
+from megatron.core.transformer.moe.collectives import expert_parallel_size_rank, group_size
 from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
@@ -32,7 +32,8 @@ class MoELayer(MegatronModule):
     forward(hidden [s, b, h], [s/tp, b, h] under sequence parallelism) -> (output of the same shape, None).
 
     Raises ValueError in training when the attention TP size is > 1 without sequence parallelism
-    (Megatron's rule), and at build for an unknown dispatcher type.
+    (Megatron's rule), and at build for an unknown dispatcher type or an expert-parallel size that is
+    not its group's.
     """
 
     def __init__(self, config: TransformerConfig, layer_number: Optional[int] = None,
@@ -42,8 +43,11 @@ class MoELayer(MegatronModule):
             model_comm_pgs = ModelCommProcessGroups.use_mpu_process_groups()
         self.model_comm_pgs = model_comm_pgs
         self.attn_tp_group = model_comm_pgs.tp
-        self.ep_size = group_size(model_comm_pgs.ep)
-        ep_rank = group_rank(model_comm_pgs.ep)
+        self.ep_size, ep_rank = expert_parallel_size_rank(model_comm_pgs.ep)
+        if config.expert_model_parallel_size != self.ep_size:
+            raise ValueError(f"TransformerConfig.expert_model_parallel_size={config.expert_model_parallel_size} but "
+                             f"the expert-parallel group has {self.ep_size} rank(s): build the model after "
+                             "initializing model parallel with the same size")
         self.num_local_experts = divide(config.num_moe_experts, self.ep_size)
         self.local_expert_indices = [ep_rank * self.num_local_experts + j for j in range(self.num_local_experts)]
         self.router = TopKRouter(config, model_comm_pgs)

@@ -39,9 +39,11 @@ class TopKRouter(MegatronModule):
     forward(x [s, b, h] or [tokens, h]; tokens local to this rank: s/CP, further /TP under SP)
     -> (probs [tokens, E] (0 off the map), routing_map [tokens, E] bool). Steps: logits in
     ``moe_router_dtype``; input jitter and z-loss (training); top-k by the score function
-    (``moe_utils.topk_routing_with_score_function``); capacity dropping; aux / seq-aux loss attached to
+    (``moe_utils.topk_routing_with_score_function``); capacity dropping, on this rank's tokens only
+(under sequence parallelism each SP shard drops on its own, as in Megatron); aux / seq-aux loss attached to
     the probs with ``MoEAuxLossAutoScaler`` (training, under grad); expert-bias counts; one
-    ``routing_stats.record_routing`` call (counts before dropping, dropped pairs; no host sync).
+    ``routing_stats.record_routing`` call (counts before dropping, dropped pairs; no host sync; not in the
+    no-grad first pass of activation recompute, whose replay records instead).
     """
 
     def __init__(self, config: TransformerConfig, model_comm_pgs: Optional[ModelCommProcessGroups] = None) -> None:
@@ -202,7 +204,9 @@ class TopKRouter(MegatronModule):
         if self.enable_expert_bias and torch.is_grad_enabled():
             with torch.no_grad():
                 self.local_tokens_per_expert += routing_map.sum(dim=0)
-        if self.layer_number is not None:
+        # Skip the no-grad first pass of a recomputed training forward (full activation recompute):
+        # the recomputation in backward records it, once, as it attaches the losses once.
+        if self.layer_number is not None and (torch.is_grad_enabled() or not self.training):
             routing_stats.record_routing(self.layer_number, tokens_before_dropping, dropped)
         return probs, routing_map
 
