@@ -179,6 +179,8 @@ def test_moe_layer_freq_rejects_what_is_not_a_pattern(text, capsys):
       "--untie-embeddings-and-output-weights", "--no-gradient-accumulation-fusion"], 2,
      "--use-torch-fsdp2 is not supported with expert parallelism"),
     (["--num-experts", "4", "--tensor-model-parallel-size", "2"], 2, "needs --sequence-parallel"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--ckpt-format",
+      "torch"], 2, "--ckpt-format torch with --use-distributed-optimizer cannot save expert parameters"),
     (["--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn"], 1,
      "--moe-router-load-balancing-type sinkhorn is a Megatron-LM choice"),
     (["--num-experts", "4", "--moe-router-topk", "1"], 1, "Please use --moe-router-pre-softmax when topk is 1"),

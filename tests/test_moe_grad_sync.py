@@ -7,8 +7,8 @@ main grads; after ``finish_grad_sync``:
 - expert grads are the sum over the 2 expert-data-parallel ranks divided by 4 (Megatron's 1/(DP x CP)), also with
   ``average_in_collective`` (pre-scale expert_dp/dp, then the average);
 - the distributed optimizer shards the expert buffer over the expert-data-parallel group;
-- the grad norm counts every distinct grad element once: the dense ones once, each expert-parallel rank's
-  experts once (not once per data-parallel rank, and not only this rank's).
+- the grad norm (and the zero count) counts every distinct grad element once: the dense ones once, each
+  expert-parallel rank's experts once (not once per data-parallel rank, and not only this rank's).
 """
 import math
 
@@ -87,6 +87,8 @@ def _worker(rank, world, average_in_collective, distributed_optimizer):
         expected_sq += float((sum(_grad_values(r)[1] for r in group) / world).pow(2).sum())
     assert len(set(layouts)) == 2 and len(ep) == 2
     norm = optimizer.get_grad_norm()
+    # One zero per distinct expert grad (index 0 of arange * (rank + 1)); the dense mean has none.
+    assert optimizer.count_zeros() == len(set(layouts))
     ps.destroy_model_parallel()
     return norm, math.sqrt(expected_sq)
 
@@ -99,3 +101,41 @@ def test_expert_grads_reduce_over_expert_dp_and_count_once_in_the_norm(average_i
     for norm, expected in results:
         assert norm == pytest.approx(expected, rel=1e-6)
     assert len({round(norm, 9) for norm, _ in results}) == 1
+
+
+class _BiasedRouters(torch.nn.Module):
+    """Two routers' expert-bias buffers (what finalize_model_grads finds by attribute), E = 4."""
+
+    def __init__(self, counts):
+        super().__init__()
+        from megatron.core.model_parallel_config import ModelParallelConfig
+
+        self.config = ModelParallelConfig()
+        self.config.moe_router_enable_expert_bias = True
+        self.config.moe_router_bias_update_rate = 0.25
+        self.routers = torch.nn.ModuleList([torch.nn.Module(), torch.nn.Module()])
+        for router, layer_counts in zip(self.routers, counts):
+            router.register_buffer("local_tokens_per_expert", torch.tensor(layer_counts, dtype=torch.float32),
+                                   persistent=False)
+            router.register_buffer("expert_bias", torch.full((4,), 1.0))
+
+
+def _bias_worker(rank, world):
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+
+    ps.initialize_model_parallel()
+    # Per rank and layer; summed over the 2 data-parallel ranks: layer 0 [4, 8, 6, 6], layer 1 [5, 5, 5, 5].
+    counts = [[[1, 6, 3, 2], [5, 0, 2, 3]], [[3, 2, 3, 4], [0, 5, 3, 2]]][rank]
+    model = _BiasedRouters(counts)
+    finalize_model_grads([model])
+    ps.destroy_model_parallel()
+    return ([router.expert_bias.tolist() for router in model.routers],
+            [router.local_tokens_per_expert.tolist() for router in model.routers])
+
+
+def test_expert_bias_updates_once_per_step_from_the_counts_of_all_data_parallel_ranks():
+    """bias += sign(mean(count) - count) * rate with the counts summed over TP x DP x CP; counts zeroed."""
+    for biases, counts in run_distributed(_bias_worker, 2):
+        assert biases == [[1.25, 0.75, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]]
+        assert counts == [[0.0] * 4, [0.0] * 4]

@@ -6,10 +6,20 @@ on gloo ranks; compared with the same model on one process: ``lm loss`` within 1
 relative and the logged ``load_balancing_loss`` within 1e-5 (all from TensorBoard, float32 as written).
 
 Layouts: EP=2; EP=2 x TP=2 with --sequence-parallel; EP=2 x PP=2; EP=2 with --use-distributed-optimizer; each
-with both token dispatchers (allgather, alltoall), dropless. On a subset: a capacity factor (EP=2 and EP=2 x PP=2
-with alltoall, EP=2 with the distributed optimizer and allgather, with --moe-pad-expert-input-to-capacity once),
+with both token dispatchers (allgather, alltoall), dropless. On a subset: a capacity factor (EP=2 with alltoall; EP=2
+with the distributed optimizer and allgather, with --moe-pad-expert-input-to-capacity),
 a shared expert (EP=2 x TP=2, alltoall) and sigmoid routing with the aux-loss-free expert bias (EP=2, both
-dispatchers).
+dispatchers). Beyond the issue's list, one dispatcher each: expert TP 1 under TP=2 (SP), with and without the
+distributed optimizer (the expert-data-parallel group differs from the dense one), EP=2 x CP=2, EP=2 with the
+distributed optimizer overlapping a bucketed grad reduce-scatter and param all-gather, and EP=2 x PP=2 with
+--moe-layer-freq [0,1] (a pipeline stage without expert parameters), EP=2 with --calculate-per-token-loss (the
+aux-loss scale without 1/num_microbatches), EP=2 x TP=2 (SP) with the per-sequence aux loss (seq_aux_loss), and
+FSDP2 (EP=1, which FSDP2 requires).
+
+Context parallelism follows Megatron core_v0.14: each CP rank's aux loss is its part of the whole (the token
+counts are summed over TP x CP) while the gradients are averaged over DP x CP, so under CP the aux loss trains
+with 1/CP of its coefficient (the same holds for the z-loss). EP=2 x CP=2 is therefore compared with one process
+run at --moe-aux-loss-coeff 1e-2 / 2; the logged load_balancing_loss (the loss without its coefficient) is equal.
 
 Not compared with one process, by design (Megatron's semantics): a capacity factor under sequence parallelism,
 where each TP rank routes only its sequence shard and the capacity is computed per shard (``get_capacity`` on the
@@ -42,15 +52,38 @@ LAYOUTS = {  # name: (ranks, flags, flags of the one-process reference)
                        "--sequence-parallel"], PAD_TP2),
     "ep2-pp2": (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], []),
     "ep2-distopt": (2, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"], []),
+    # Overlapped, bucketed grad reduce-scatter and param all-gather (several buckets in each buffer).
+    "ep2-distopt-overlap": (2, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
+                                "--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "2000"], []),
+    "fsdp2": (2, ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion", "--untie-embeddings-and-output-weights"],
+              ["--untie-embeddings-and-output-weights"]),
+    # Expert TP 1 under TP 2: the experts' data-parallel group (2 ranks, the EP peers' TP ranks) is not the dense one.
+    "ep2-tp2-etp1-distopt": (4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                 "--sequence-parallel", "--expert-tensor-parallel-size", "1",
+                                 "--use-distributed-optimizer"], PAD_TP2),
+    # Megatron's CP semantics: each CP rank's aux loss is its part of the whole (tokens_per_expert summed over
+    # TP x CP) and the gradients are averaged over DP x CP, so the aux loss trains with 1/CP of its coefficient:
+    # the one-process run to compare with has --moe-aux-loss-coeff 1e-2 / 2.
+    "ep2-tp2-etp1": (4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                         "--sequence-parallel", "--expert-tensor-parallel-size", "1"], PAD_TP2),
+    "ep2-cp2": (4, ["--expert-model-parallel-size", "2", "--context-parallel-size", "2"],
+                ["--moe-aux-loss-coeff", "5e-3"]),
 }
 CAPACITY = ["--moe-expert-capacity-factor", "1.0"]
 SHARED = ["--moe-shared-expert-intermediate-size", "48"]
 SIGMOID_BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
                 "--moe-router-bias-update-rate", "1e-2"]
 # (layout, dispatcher, variant flags): every layout with both dispatchers dropless, then the variants.
-CASES = [(layout, dispatcher, ()) for layout in LAYOUTS for dispatcher in ("allgather", "alltoall")] + [
+CASES = [(layout, dispatcher, ()) for layout in list(LAYOUTS)[:4] for dispatcher in ("allgather", "alltoall")] + [
+    ("ep2-tp2-etp1-distopt", "allgather", ()),
+    ("ep2-tp2-etp1", "alltoall", ()),
+    ("ep2-cp2", "alltoall", ()),
+    ("ep2-distopt-overlap", "alltoall", ()),
+    ("fsdp2", "alltoall", ()),
+    ("ep2", "alltoall", ("--calculate-per-token-loss",)),
+    ("ep2-tp2-sp", "allgather", ("--moe-router-load-balancing-type", "seq_aux_loss")),
     ("ep2", "alltoall", tuple(CAPACITY)),
-    ("ep2-pp2", "alltoall", tuple(CAPACITY)),
+    ("ep2-pp2", "allgather", ("--moe-layer-freq", "[0,1]")),  # the first stage has no MoE layer
     ("ep2-distopt", "allgather", (*CAPACITY, "--moe-pad-expert-input-to-capacity")),
     ("ep2-tp2-sp", "alltoall", tuple(SHARED)),
     ("ep2", "allgather", tuple(SIGMOID_BIAS)),
@@ -62,7 +95,8 @@ def _train(nproc, flags, tmp_path, name):
     tb = tmp_path / f"tb_{name}"
     result = run_ranks(nproc, [*MODEL, *TRAIN, *flags, "--tensorboard-dir", tb], timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return {tag: tensorboard_scalars(tb, tag) for tag in TAGS}, result.stdout
+    tags = [tag.replace("load_balancing", "seq_load_balancing") if "seq_aux_loss" in flags else tag for tag in TAGS]
+    return {tag: tensorboard_scalars(tb, tag) for tag in tags}, result.stdout
 
 
 @pytest.fixture(scope="module")
@@ -79,13 +113,15 @@ def references(tmp_path_factory):
 
 
 def _assert_same_numbers(run, reference, what):
+    """lm loss and the logged load_balancing_loss (the loss without its coefficient) within 1e-5, grad norm 1e-5
+    relative, at every iteration."""
     assert sorted(run["lm loss"]) == list(range(1, ITERS + 1)), what
     for step in range(1, ITERS + 1):
         assert abs(run["lm loss"][step] - reference["lm loss"][step]) <= 1e-5, f"{what}: lm loss at {step}"
         assert run["grad-norm"][step] == pytest.approx(reference["grad-norm"][step], rel=1e-5), \
             f"{what}: grad norm at {step}"
-        assert abs(run["load_balancing_loss"][step] - reference["load_balancing_loss"][step]) <= 1e-5, \
-            f"{what}: load_balancing_loss at {step}"
+        for tag in set(reference) - {"lm loss", "grad-norm"}:  # the logged (seq_)load_balancing_loss
+            assert abs(run[tag][step] - reference[tag][step]) <= 1e-5, f"{what}: {tag} at {step}"
 
 
 @pytest.mark.parametrize("layout,dispatcher,variant", CASES,
@@ -137,3 +173,12 @@ def test_per_layer_logging_and_z_loss_reach_tensorboard(tmp_path):
     assert sorted(tensorboard_scalars(tb, "z_loss")) == list(range(1, ITERS + 1))
     assert len(re.findall(r"\| lm loss: [0-9.]+E[+-]\d+ \| z_loss: [0-9.]+E[+-]\d+ \| "
                           r"load_balancing_loss: [0-9.]+E[+-]\d+ \| loss scale:", stdout)) == ITERS
+
+
+def test_aux_loss_with_coefficient_zero_is_left_out_of_the_line(tmp_path):
+    """Megatron's default --moe-aux-loss-coeff 0: TensorBoard gets load_balancing_loss 0 (track_moe_metrics zero-fills
+    the tracked names), the line leaves it out (Megatron prints a loss only when its average is above 0)."""
+    run, stdout = _train(1, ["--moe-aux-loss-coeff", "0"], tmp_path, "coeff0")
+    assert set(run["load_balancing_loss"].values()) == {0.0}
+    lines = [line for line in stdout.splitlines() if "| lm loss: " in line]
+    assert len(lines) == ITERS and not any("load_balancing_loss" in line for line in lines)

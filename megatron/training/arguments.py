@@ -623,6 +623,12 @@ def _validate_moe(args):
         args.moe_aux_loss_coeff = args.moe_aux_loss_coeff[0]
     if args.num_experts is None:
         return
+    # DistributedOptimizer.get_parameter_state_dp_zero gathers to data-parallel rank 0 only; refused now rather
+    # than at the first save (the same rule, checked there too).
+    _require(not (args.use_distributed_optimizer and args.ckpt_format == "torch" and (ep > 1 or etp != tp)),
+             f"--ckpt-format torch with --use-distributed-optimizer cannot save expert parameters sharded over the "
+             f"expert-data-parallel group yet (--expert-model-parallel-size {ep}, --expert-tensor-parallel-size "
+             f"{etp}); use --ckpt-format torch_dist")
     if args.moe_ffn_hidden_size is None:
         args.moe_ffn_hidden_size = args.ffn_hidden_size
         _print_rank_0(args, "WARNING: --moe-ffn-hidden-size is not set, using --ffn-hidden-size "

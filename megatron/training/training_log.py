@@ -108,6 +108,9 @@ class LogAccumulator:
         self.reset()
         # Megatron's report_memory_flag: the memory report follows the first log line of a run only.
         self.memory_reported = False
+        # Keys the line prints only when their average is above 0 (Megatron's ``avg > 0.0``): the MoE aux losses,
+        # which Megatron's track_moe_metrics adds as zeros when their coefficient is 0.
+        self.shown_when_positive = set()
 
     def reset(self):
         self.losses = {}
@@ -248,6 +251,8 @@ def training_log(acc, loss_dict, learning_rate, loss_scale, iteration, grad_norm
     loss_totals, loss_scale_value, nan_iterations = acc.read(loss_scale)  # the log line's one host read
     for key, total in loss_totals.items():
         averages[key] = total / max(acc.advanced, 1)
+        if key in acc.shown_when_positive and averages[key] == 0:
+            continue
         if not averages[key] < 0:  # NaN/Inf are shown: hiding them would hide the divergence
             line += f" {key}: {averages[key]:.6E} |"
     line += f" loss scale: {loss_scale_value:.1f} |"
@@ -296,16 +301,19 @@ def _track_moe_metrics(acc, iteration, num_microbatches, writer, wandb_writer):
     """Every iteration, on every rank (the reduction is collective): Megatron's ``track_moe_metrics`` with
     ``loss_scale = 1 / num_microbatches``. It adds each aux loss, averaged over the MoE layers, into the log line's
     totals (``acc.losses``, after ``lm loss``: the line prints ``load_balancing_loss: %.6E |`` there), writes it to
-    TensorBoard / W&B, and with ``--moe-per-layer-logging`` each layer's value as ``moe/{name}_layer_{i}``."""
+    TensorBoard / W&B, and with ``--moe-per-layer-logging`` each layer's value as ``moe/{name}_layer_{i}``. As in
+    Megatron, an aux loss whose coefficient is 0 is logged as 0 to TensorBoard but left out of the line."""
     model_cfg = get_config().model
     if getattr(model_cfg, "num_moe_experts", None) is None:
         return
     from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 
+    names = moe_track_names(model_cfg)
+    acc.shown_when_positive.update(names)
     track_moe_metrics(loss_scale=1.0 / num_microbatches, iteration=iteration, writer=writer,
                       wandb_writer=wandb_writer, total_loss_dict=acc.losses,
                       per_layer_logging=model_cfg.moe_per_layer_logging, force_initialize=True,
-                      track_names=moe_track_names(model_cfg), num_layers=model_cfg.num_layers,
+                      track_names=names, num_layers=model_cfg.num_layers,
                       moe_layer_freq=model_cfg.moe_layer_freq)
 
 

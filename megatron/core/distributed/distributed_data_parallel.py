@@ -19,6 +19,10 @@ class DistributedDataParallel(torch.nn.Module):
     (param dtype, grad dtype)); a post-accumulate-grad hook adds ``param.grad`` into it and frees
     ``param.grad``. :meth:`finish_grad_sync` all-reduces each bucket over the data-parallel group
     with context parallelism (grads pre-scaled by 1/dp and summed, or averaged in the collective).
+    Expert parameters (``allreduce = False``, set on MoE expert linears) live in their own buffers
+    (``expert_parallel_buffers`` / ``expert_parallel_bucket_groups``) reduced over the expert-data-parallel group
+    (``parallel_state.get_expert_data_parallel_group``), pre-scaled by 1/dp, or by expert_dp/dp when averaged in
+    the collective, so that they too end up divided by the data-parallel x context-parallel size (Megatron-LM).
 
     With ``use_distributed_optimizer`` the params also live in a contiguous buffer
     (``param.data`` is a view into it), the reduction is a reduce-scatter, and the distributed
