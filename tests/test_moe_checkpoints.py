@@ -508,3 +508,13 @@ def test_legacy_torch_checkpoint_at_ep1_groups_experts_as_megatron_and_resumes(u
     assert sorted(resumed) == [6, 7, 8, 9, 10], out[-2000:]
     for step in range(6, 11):
         assert abs(resumed[step] - uninterrupted[step]) < 1e-5, (step, resumed[step], uninterrupted[step])
+
+
+def test_parallel_layout_record_names_the_expert_parallel_size():
+    """RNG states are restored only at the saved layout: EP=2 and EP=1 over the same ranks are two layouts (each
+    expert-parallel rank has its own expert-parallel RNG stream); EP=1 records keep their earlier bytes."""
+    from megatron.training.checkpointing import layout
+
+    assert layout.parallel_layout(1, 1, 2, expert_model_parallel_size=2) != layout.parallel_layout(1, 1, 2)
+    assert layout.parallel_layout(1, 1, 2, expert_model_parallel_size=1) == layout.parallel_layout(1, 1, 2)
+    assert "expert_model_parallel_size" not in layout.parallel_layout(1, 1, 2)

@@ -189,12 +189,13 @@ def rank_of(tensor_rank, pipeline_rank, tensor_model_parallel_size, data_paralle
 
 
 def parallel_layout(tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size=1,
-                    virtual_pipeline_model_parallel_size=None, world_size=None, context_parallel_size=1):
+                    virtual_pipeline_model_parallel_size=None, world_size=None, context_parallel_size=1,
+                    expert_model_parallel_size=1):
     """The ``parallel_layout`` record of ``common.pt`` and of each RNG file (RNG states are restored only at
     the same one). ``world_size`` defaults to the product of the four sizes.
 
-    ``context_parallel_size`` is recorded only when it is above 1, so a record without context
-    parallelism keeps the bytes it had before context parallelism existed (and that older checkpoints hold).
+    ``context_parallel_size`` and ``expert_model_parallel_size`` are recorded only when above 1, so a record
+    without them keeps the bytes it had before they existed (and that older checkpoints hold).
     """
     if world_size is None:
         world_size = (tensor_model_parallel_size * pipeline_model_parallel_size * data_parallel_size
@@ -208,6 +209,8 @@ def parallel_layout(tensor_model_parallel_size, pipeline_model_parallel_size, da
     }
     if context_parallel_size > 1:
         record["context_parallel_size"] = context_parallel_size
+    if expert_model_parallel_size > 1:  # each expert-parallel rank has its own expert-parallel RNG stream
+        record["expert_model_parallel_size"] = expert_model_parallel_size
     return record
 
 
@@ -219,7 +222,8 @@ def current_parallel_layout():
         parallel_state.get_data_parallel_world_size() if dist.is_initialized() else 1,
         parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         dist.get_world_size() if dist.is_initialized() else 1,
-        parallel_state.get_context_parallel_world_size() if dist.is_initialized() else 1)
+        parallel_state.get_context_parallel_world_size() if dist.is_initialized() else 1,
+        parallel_state.get_expert_model_parallel_world_size() if dist.is_initialized() else 1)
 
 
 # ---------------------------------------------------------------------------------------------------
