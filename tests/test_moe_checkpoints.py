@@ -27,6 +27,9 @@ def moe_config(variant="mixtral", **overrides):
     variant runs its experts as GroupedMLP (``moe_grouped_gemm``)."""
     from megatron.core.transformer import TransformerConfig
 
+    if variant.endswith("-etp1"):  # experts not split over TP (expert tensor-parallel size 1)
+        variant = variant[:-len("-etp1")]
+        overrides = dict(overrides, expert_tensor_parallel_size=1)
     if variant.endswith("-grouped"):
         variant = variant[:-len("-grouped")]
         overrides = dict(overrides, moe_grouped_gemm=True)
@@ -137,7 +140,8 @@ def _parallel_model(variant, ep, tp, pp, distopt, seed):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             expert_model_parallel_size=ep)
+                                             expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=1 if "-etp1" in variant else None)
     config = moe_config(variant, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                         expert_model_parallel_size=ep, sequence_parallel=tp > 1)
     model = build_gpt(config, seed, pre_process=parallel_state.is_pipeline_first_stage(),
@@ -262,6 +266,9 @@ RESHARDS = [
     ("shared", (1, 1, 1, False), 1, "shared-grouped", (2, 1, 1, False), 2),
     ("mixtral-grouped", (2, 1, 1, True), 4, "mixtral-grouped", (1, 1, 1, True), 2),
     ("mixtral-grouped", (2, 1, 1, True), 4, "mixtral", (1, 1, 1, False), 1),
+    # experts whole on each rank under TP=2 (expert tensor-parallel size 1), and back to experts split over TP=2
+    ("mixtral-etp1", (2, 2, 1, True), 4, "mixtral", (1, 2, 1, False), 2),
+    ("mixtral-grouped", (1, 1, 1, False), 1, "mixtral-grouped-etp1", (2, 2, 1, False), 4),
 ]
 
 
