@@ -47,6 +47,8 @@ COMMON = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "
 DIST_OPT = ["--ckpt-format", "torch_dist", "--use-distributed-optimizer"]
 LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--group-query-attention",
          "--num-query-groups", "2", "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48", "--moe-aux-loss-coeff", "1e-2",
+       "--moe-router-dtype", "fp32"]
 SHAPES = {
     # name: (model and format flags, ranks that save, their micro batch size, flags of the save only,
     #        converted to torch_dist by tools/checkpoint/convert.py)
@@ -58,6 +60,9 @@ SHAPES = {
     "llama-torch-format": (["--ckpt-format", "torch", *LLAMA], 1, 4, [], False),
     # and that checkpoint after tools/checkpoint/convert.py --target-ckpt-format torch_dist
     "llama-converted": (["--ckpt-format", "torch", *LLAMA], 1, 4, [], True),
+    # mixture of experts (Mixtral-like): torch_dist with the distributed optimizer, and the legacy format
+    "moe": ([*DIST_OPT, *LLAMA, *MOE], 1, 4, [], False),
+    "moe-torch-format": (["--ckpt-format", "torch", *LLAMA, *MOE], 1, 4, [], False),
 }
 # Megatron-LM on a CPU without Transformer Engine or Apex: the local spec and no fused kernels.
 MEGATRON_ONLY = ["--transformer-impl", "local", "--use-cpu-initialization", "--no-gradient-accumulation-fusion",

@@ -6,8 +6,9 @@ absent: ``torch.cuda.current_device`` / ``synchronize`` (its buffers and some sc
 CUDA device), ``torch.tensor(device='cuda...')`` (placed on the CPU) and ``Tensor.type()`` (the
 distributed optimizer checks for a ``torch.cuda.*`` type name); and ``numpy.product`` (removed in
 numpy 2, called by 0.14's distributed optimizer). :func:`patch_megatron` replaces, after Megatron is
-importable, the RNG tracker's ``fork`` (dropout is 0 in these drivers) and
-``DistributedOptimizer._set_main_param_and_optimizer_states`` (see :func:`set_states_but_step`).
+importable, the RNG tracker's ``fork`` (dropout is 0 in these drivers),
+``DistributedOptimizer._set_main_param_and_optimizer_states`` (see :func:`set_states_but_step`) and the MoE
+router's undefined ``te_general_gemm`` (None).
 """
 import contextlib
 
@@ -54,3 +55,9 @@ def patch_megatron() -> None:
 
     tensor_parallel.random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states_but_step
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        # 0.14's router_gating_linear names te_general_gemm, undefined without Transformer Engine (a NameError);
+        # None is what its check means: the plain matmul.
+        moe_utils.te_general_gemm = None

@@ -21,7 +21,11 @@ What is converted, exactly (no arithmetic on any value):
   written as the non-distributed optimizer's state (torch format: load it without
   ``--use-distributed-optimizer``) or under torch_dist's global keys (which a distributed optimizer
   loads at any data-parallel size);
-- iteration, consumed samples (in ``args``), FLOPs so far, the learning-rate scheduler, the grad scaler.
+- iteration, consumed samples (in ``args``), FLOPs so far, the learning-rate scheduler, the grad scaler;
+- mixture of experts: the legacy files of the expert-parallel ranks (``mp_rank_*_{ep:03d}``) are merged, each
+  local expert taking its global index, and split again for ``--target-expert-model-parallel-size``
+  (``expert_ranks.py``); expert linears split over TP as the dense MLP's (the expert tensor-parallel size being
+  the tensor-parallel size); torch_dist holds them on its expert axis (Megatron core_v0.14's keys).
 
 What is not: the RNG states, which belong to one (tensor, pipeline) rank and have no counterpart at
 another layout. They are kept only when the layout does not change (between formats: without data
@@ -66,6 +70,7 @@ from full_checkpoint import (  # noqa: E402
     TargetLayout,
     global_key,
     group_signature,
+    is_buffer,
     is_tied,
     layer_of,
     local_key,
@@ -80,6 +85,7 @@ from legacy_checkpoint import (  # noqa: E402
     split_tp,
 )
 from torch_dist_checkpoint import read_torch_dist, write_torch_dist  # noqa: E402
+import expert_ranks  # noqa: E402
 from megatron.core.optimizer import param_group_key  # noqa: E402
 from megatron.core.transformer.pipeline_layout import pipeline_layer_counts, pipeline_layer_offset  # noqa: E402
 from megatron.training.checkpointing import (  # noqa: E402
@@ -151,15 +157,21 @@ def read_legacy(load_dir: str, iteration: Optional[int] = None, with_optimizer: 
     Raises ConvertError (naming the folder or file) for a missing or incomplete checkpoint, and the
     errors of ``megatron.training.checkpointing.load_state_dict_file`` for an unreadable file.
     """
+    context = f"--load-dir {load_dir}"
     try:
         iteration_dir = find_iteration_dir(load_dir, iteration)
-        files = _rank_files(iteration_dir)
+        ep, ep_args = expert_ranks.expert_parallel_size(iteration_dir)
+        files = _rank_files(iteration_dir) if ep == 1 else expert_ranks.rank_files(iteration_dir, ep_args)
     except CheckpointLayoutError as error:
         raise ConvertError(str(error).replace("--load ", "--load-dir ")) from None
+    loaded = {rank: load_state_dict_file(path, context) for rank, path in files.items()}
+    if ep > 1:  # one file per (tp, pp) rank, its experts numbered globally
+        _check_expert_tp(ep_args, files)
+        loaded, files = expert_ranks.merge(
+            loaded, files, int(ep_args.num_experts),
+            lambda optimizer, chunks, path: _named_rank_optimizer(optimizer, chunks, ep_args, path))
     tp = 1 + max(t for t, _ in files)
     pp = 1 + max(p for _, p in files)
-    context = f"--load-dir {load_dir}"
-    loaded = {rank: load_state_dict_file(path, context) for rank, path in files.items()}
     for rank, checkpoint in loaded.items():
         saved_args(checkpoint, files[rank], context, MODEL_SHAPE_ARGS)  # each a dict; args (if any) a Namespace
     first = loaded[(0, 0)]
@@ -176,11 +188,14 @@ def read_legacy(load_dir: str, iteration: Optional[int] = None, with_optimizer: 
                            f"--num-layers {args.num_layers}")
     release = os.path.basename(iteration_dir) == layout.RELEASE_DIRNAME
     full = FullCheckpoint(model={}, args=args, iteration=0 if release else int(first.get("iteration", 0)),
-                          release=release, layout={"tp": tp, "pp": pp, "vp": vp, "counts": counts},
+                          release=release, layout={"tp": tp, "pp": pp, "vp": vp, "counts": counts, "ep": ep},
                           scheduler=first.get("opt_param_scheduler"),
                           num_floating_point_operations_so_far=first.get("num_floating_point_operations_so_far", 0))
     if all("rng_state" in ckpt for ckpt in loaded.values()):
         full.rng_states = {rank: ckpt["rng_state"] for rank, ckpt in loaded.items()}
+    elif ep > 1:
+        full.notes.append("the RNG states belong to the source's expert-parallel ranks and were not converted: load "
+                          "the result with --no-load-rng")
 
     # Blocks in model order (chunk-major, see pipeline_layout), so the full dict keeps the model's order.
     blocks = [(p, v) for v in range(vp) for p in range(pp)]
@@ -196,6 +211,15 @@ def read_legacy(load_dir: str, iteration: Optional[int] = None, with_optimizer: 
     if with_optimizer:
         full.optimizer = _read_optimizer(loaded, files, chunks, full, swiglu)
     return full
+
+
+def _check_expert_tp(args, files) -> None:
+    """Expert weights are merged and split over TP as the dense MLP's: refuse another expert tensor-parallel size."""
+    etp = getattr(args, "expert_tensor_parallel_size", None)
+    if etp not in (None, args.tensor_model_parallel_size):
+        raise ConvertError(f"{os.path.dirname(os.path.dirname(next(iter(files.values()))))}: saved with "
+                           f"--expert-tensor-parallel-size {etp} other than --tensor-model-parallel-size "
+                           f"{args.tensor_model_parallel_size}, which this tool does not convert")
 
 
 def _read_optimizer(loaded, files, chunks, full: FullCheckpoint, swiglu: bool) -> Optional[OptimizerState]:
@@ -376,7 +400,7 @@ def _named_rank_optimizer(optimizer: dict, rank_chunks: List[dict], args, path: 
     keys, shapes, groups = [], {}, {}
     for v, chunk in enumerate(rank_chunks):
         for key, value in chunk.items():
-            if not torch.is_tensor(value) or key.endswith("._extra_state"):
+            if not torch.is_tensor(value) or key.endswith("._extra_state") or is_buffer(key):
                 continue
             name = f"model{v}.{key}" if len(rank_chunks) > 1 else key
             keys.append(name)
@@ -399,7 +423,7 @@ def _named_rank_optimizer(optimizer: dict, rank_chunks: List[dict], args, path: 
 
 
 def plan_target(full: FullCheckpoint, tp: Optional[int], pp: Optional[int], vp: Optional[int] = None,
-                first: Optional[int] = None, last: Optional[int] = None) -> TargetLayout:
+                first: Optional[int] = None, last: Optional[int] = None, ep: Optional[int] = None) -> TargetLayout:
     """Check the target layout against the model; fills ``counts``.
 
     Raises ConvertError naming the ``--target-*`` flag and the model flag it does not divide.
@@ -427,7 +451,15 @@ def plan_target(full: FullCheckpoint, tp: Optional[int], pp: Optional[int], vp: 
     except ValueError as error:
         raise ConvertError(f"--target-pipeline-parallel-size {pp} (--target-num-virtual-stages-per-pipeline-rank "
                            f"{vp}): the checkpoint's --num-layers {args.num_layers} do not split: {error}") from None
-    return TargetLayout(tp=tp, pp=pp, vp=vp, first=first, last=last, counts=counts)
+    experts = getattr(args, "num_experts", None) or 0
+    ep = (full.layout.get("ep") or int(getattr(args, "expert_model_parallel_size", 1) or 1)) if ep is None else ep
+    if ep < 1 or (experts and experts % ep) or (not experts and ep != 1):
+        raise ConvertError(f"--target-expert-model-parallel-size {ep}: the checkpoint's --num-experts "
+                           f"{experts or None} is not divisible by it")
+    if experts and ep > 1 and getattr(args, "expert_tensor_parallel_size", None) not in (None, tp):
+        raise ConvertError(f"--target-expert-model-parallel-size {ep}: the checkpoint's --expert-tensor-parallel-size "
+                           f"{args.expert_tensor_parallel_size} differs from the tensor-parallel size {tp}")
+    return TargetLayout(tp=tp, pp=pp, vp=vp, first=first, last=last, counts=counts, ep=ep)
 
 
 def _padded_vocab_size(true_vocab_size: int, args, tp: int) -> int:
@@ -554,13 +586,18 @@ def build_rank_state_dicts(full: FullCheckpoint, target: TargetLayout, keep_rng:
                         (prefix + local, src, entry, mains[t][local] if mains is not None else None))
     for rank, rank_dict in out.items():
         if optimizer is not None:
-            rank_dict["optimizer"] = legacy_optimizer_state.to_megatron_layout(
-                rank_optimizer(optimizer, per_rank_params[rank]))
+            rank_dict["optimizer"] = rank_optimizer(optimizer, per_rank_params[rank])
         if full.scheduler is not None and optimizer is not None:
             rank_dict["opt_param_scheduler"] = full.scheduler
         if keep_rng and full.rng_states is not None:
             rank_dict["rng_state"] = full.rng_states[rank]
         rank_dict["num_floating_point_operations_so_far"] = full.num_floating_point_operations_so_far
+    if target.ep > 1:  # one file per expert-parallel rank too: (tp, pp, ep)
+        out = {(t, p, e): part for (t, p), rank_dict in out.items()
+               for e, part in enumerate(expert_ranks.split(rank_dict, target.ep, int(full.args.num_experts)))}
+    for rank_dict in out.values():
+        if rank_dict.get("optimizer") is not None:
+            rank_dict["optimizer"] = legacy_optimizer_state.to_megatron_layout(rank_dict["optimizer"])
     return out
 
 
@@ -576,8 +613,10 @@ def write_legacy(full: FullCheckpoint, save_dir: str, target: TargetLayout, keep
     tmp_dir = os.path.join(save_dir, f".{dirname}.tmp-{os.getpid()}")
     final_dir = os.path.join(save_dir, dirname)
     try:
-        for (t, p), state_dict in rank_dicts.items():
-            rank_dir = layout.rank_dirname(t, p, pipeline_parallel=target.pp > 1)
+        for rank, state_dict in rank_dicts.items():
+            t, p, e = (*rank, 0)[:3]
+            rank_dir = layout.rank_dirname(t, p, pipeline_parallel=target.pp > 1, expert_rank=e,
+                                           expert_parallel=target.ep > 1)
             durable.write_durably(state_dict, os.path.join(tmp_dir, rank_dir, layout.CHECKPOINT_BASENAME))
         # The same publish as training's save: manifest, fsync, directory swap, tracker last.
         integrity.publish_iteration(save_dir, tmp_dir, full.iteration, release=full.release)
@@ -588,7 +627,8 @@ def write_legacy(full: FullCheckpoint, save_dir: str, target: TargetLayout, keep
 
 
 def _same_layout(full: FullCheckpoint, target: TargetLayout) -> bool:
-    return (full.layout["tp"], full.layout["pp"], full.layout["counts"]) == (target.tp, target.pp, target.counts)
+    return (full.layout["tp"], full.layout["pp"], full.layout["counts"], full.layout.get("ep", 1)) == (
+        target.tp, target.pp, target.counts, target.ep)
 
 
 def convert(cli: argparse.Namespace) -> dict:
@@ -609,7 +649,7 @@ def convert(cli: argparse.Namespace) -> dict:
         full.scheduler = None
     target = plan_target(full, cli.target_tensor_parallel_size, cli.target_pipeline_parallel_size,
                          cli.target_num_virtual_stages_per_pipeline_rank, cli.target_decoder_first_pipeline_num_layers,
-                         cli.target_decoder_last_pipeline_num_layers)
+                         cli.target_decoder_last_pipeline_num_layers, cli.target_expert_model_parallel_size)
     to_legacy = cli.target_ckpt_format == "torch"
     # torch_dist loads any vocabulary padding (the rows both sides have); the legacy format needs the target's.
     if to_legacy and target.tp != full.layout["tp"]:
@@ -631,7 +671,7 @@ def convert(cli: argparse.Namespace) -> dict:
     except ValueError as error:
         raise ConvertError(f"--target-tensor-parallel-size {target.tp}: {error}") from None
     return {"from": dict(full.layout, format=source_format),
-            "to": {"tp": target.tp, "pp": target.pp, "vp": target.vp, "counts": target.counts,
+            "to": {"tp": target.tp, "pp": target.pp, "vp": target.vp, "counts": target.counts, "ep": target.ep,
                    "format": cli.target_ckpt_format},
             "iteration": "release" if full.release else full.iteration, "written": written,
             "optimizer": full.optimizer is not None, "rng": keep_rng,
@@ -652,6 +692,9 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="tensor-parallel size of the output (default: the source's)")
     parser.add_argument("--target-pipeline-parallel-size", type=int, default=None,
                         help="pipeline-parallel size of the output (default: the source's)")
+    parser.add_argument("--target-expert-model-parallel-size", type=int, default=None,
+                        help="expert-parallel size of the output (MoE; legacy files per expert-parallel rank; "
+                             "default: the source's)")
     parser.add_argument("--target-num-virtual-stages-per-pipeline-rank", type=int, default=None,
                         help="interleaved virtual pipeline stages per pipeline rank of the output (default: 1)")
     parser.add_argument("--target-decoder-first-pipeline-num-layers", type=int, default=None,
@@ -681,8 +724,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: {one_line(error)}", file=sys.stderr)
         return 1
     source, target = summary["from"], summary["to"]
+    source_ep = f" EP={source['ep']}" if source.get("ep", 1) != 1 or target["ep"] != 1 else ""
+    target_ep = f" EP={target['ep']}" if source_ep else ""
     print(f"converted iteration {summary['iteration']} from {source['format']} TP={source['tp']} PP={source['pp']} "
-          f"VP={source['vp']} to {target['format']} TP={target['tp']} PP={target['pp']} VP={target['vp']} "
+          f"VP={source['vp']}{source_ep} to {target['format']} TP={target['tp']} PP={target['pp']} VP={target['vp']}"
+          f"{target_ep} "
           f"in {summary['written']} (optimizer state: {'converted' if summary['optimizer'] else 'not converted'}; "
           f"RNG state: {'kept' if summary['rng'] else 'not kept'})")
     for note in summary["notes"]:

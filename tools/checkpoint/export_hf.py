@@ -1,8 +1,11 @@
 """Export a checkpoint of pretrain_gpt.py (torch at any TP/PP, or torch_dist) to a Hugging Face `transformers` folder.
 
-Writes ``config.json`` (GPT2Config or LlamaConfig), ``model.safetensors`` and the tokenizer files
+Writes ``config.json`` (GPT2Config, LlamaConfig or MixtralConfig), ``model.safetensors`` and the tokenizer files
 into ``--save``. GPT-2 architecture: learned positions, LayerNorm, GeLU (tied or untied);
-Llama architecture: RoPE, RMSNorm, SwiGLU, grouped-query attention (tied or untied). The padded
+Llama architecture: RoPE, RMSNorm, SwiGLU, grouped-query attention (tied or untied); Mixtral architecture
+(``MixtralForCausalLM``): the same with MoE layers routed as Mixtral (``--num-experts``, softmax over the top-k
+logits, experts in every layer, no shared expert), under the Hub's names (``block_sparse_moe.gate``,
+``block_sparse_moe.experts.<e>.w1``/``w3``/``w2``). The padded
 vocabulary rows are dropped. Tokenizer files are written for GPT2BPETokenizer (from the vocab and
 merge files) and HuggingFaceTokenizer (its own files); other tokenizers are reported and skipped.
 

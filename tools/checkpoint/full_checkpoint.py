@@ -73,13 +73,15 @@ class FullCheckpoint:
 @dataclass
 class TargetLayout:
     """Tensor/pipeline layout to write: ``tp``, ``pp``, ``vp`` (virtual stages per pipeline rank),
-    ``first``/``last`` (an uneven split), and the layer ``counts[p][v]`` computed from them."""
+    ``first``/``last`` (an uneven split), the layer ``counts[p][v]`` computed from them, and ``ep`` (expert
+    parallelism: legacy files per expert-parallel rank)."""
     tp: int
     pp: int
     vp: int = 1
     first: Optional[int] = None
     last: Optional[int] = None
     counts: List[List[int]] = field(default_factory=list)
+    ep: int = 1
 
 
 # ----------------------------------------------------------------------------------------------- names
@@ -101,6 +103,15 @@ def layer_of(key: str) -> Optional[int]:
     """The layer number of a ``decoder.layers.<i>.*`` key, else None."""
     match = _LAYER_KEY.match(key)
     return int(match.group(1)) if match else None
+
+
+# Persistent buffers of GPTModel's state dict, which no optimizer holds: the MoE router's expert bias.
+BUFFER_SUFFIXES = (".mlp.router.expert_bias",)
+
+
+def is_buffer(key: str) -> bool:
+    """Whether a state-dict ``key`` is a persistent buffer (no parameter, no optimizer state)."""
+    return key.endswith(BUFFER_SUFFIXES)
 
 
 def is_tied(args) -> bool:
@@ -150,6 +161,8 @@ def target_args(full: FullCheckpoint, target: TargetLayout) -> argparse.Namespac
     args = argparse.Namespace(**vars(full.args))
     args.tensor_model_parallel_size = target.tp
     args.pipeline_model_parallel_size = target.pp
+    if getattr(args, "num_experts", None):
+        args.expert_model_parallel_size = target.ep
     args.virtual_pipeline_model_parallel_size = target.vp if target.vp > 1 else None
     args.num_virtual_stages_per_pipeline_rank = target.vp if target.vp > 1 else None
     args.num_layers_per_virtual_pipeline_stage = None

@@ -1,4 +1,4 @@
-"""Map a full GPTModel state dict to Hugging Face GPT-2 / Llama tensors and config, and back.
+"""Map a full GPTModel state dict to Hugging Face GPT-2 / Llama / Mixtral tensors and config, and back.
 
 Facts used (spec §7.2-7.3): Megatron's ``linear_qkv`` rows are grouped per query group,
 ``[q heads of group g | k_g | v_g]``; HF Llama keeps separate ``q_proj``/``k_proj``/``v_proj``
@@ -15,7 +15,7 @@ import torch
 
 from megatron.core.dist_checkpointing.core import CheckpointingException
 
-GPT2, LLAMA = "gpt2", "llama"
+GPT2, LLAMA, MIXTRAL = "gpt2", "llama", "mixtral"
 
 
 class UnsupportedModelError(CheckpointingException, ValueError):
@@ -40,10 +40,11 @@ def architecture_of(args) -> str:
         ("--rotary-seq-len-interpolation-factor", _get(args, "rotary_seq_len_interpolation_factor") is not None),
         ("--rotary-percent", _get(args, "rotary_percent", 1.0) != 1.0),
         ("--squared-relu", _get(args, "squared_relu", False)),
-        ("--num-experts", _get(args, "num_experts") is not None),
     ) if on]
     if refused:
         raise UnsupportedModelError(f"no Hugging Face export for checkpoints trained with {', '.join(refused)}")
+    if _get(args, "num_experts"):
+        return _mixtral_or_refuse(args)
     position = _get(args, "position_embedding_type", "learned_absolute")
     norm = _get(args, "normalization", "LayerNorm")
     swiglu = _get(args, "swiglu", False)
@@ -58,6 +59,38 @@ def architecture_of(args) -> str:
     raise UnsupportedModelError(
         f"--position-embedding-type {position}, --normalization {norm}{', --swiglu' if swiglu else ''} matches "
         "neither GPT-2 (learned_absolute, LayerNorm, GeLU) nor Llama (rope, RMSNorm, --swiglu)")
+
+
+def _mixtral_or_refuse(args) -> str:
+    """``"mixtral"`` for an MoE checkpoint whose routing is Mixtral's: RoPE, RMSNorm, SwiGLU experts in every layer,
+    softmax over the top-k router logits (the same probabilities as Mixtral's softmax, top-k and renormalisation),
+    no shared expert, no biases. Raises UnsupportedModelError naming the flags that differ."""
+    freq = _get(args, "moe_layer_freq", 1)
+    refused = [flag for flag, on in (
+        ("--moe-layer-freq (MoE in some layers only)", freq != 1 and (not isinstance(freq, list) or not all(freq))),
+        ("--moe-shared-expert-intermediate-size", bool(_get(args, "moe_shared_expert_intermediate_size"))),
+        ("--moe-router-score-function sigmoid", _get(args, "moe_router_score_function", "softmax") != "softmax"),
+        ("--moe-router-pre-softmax", _get(args, "moe_router_pre_softmax", False)),
+        ("--moe-router-topk-scaling-factor", _get(args, "moe_router_topk_scaling_factor") is not None),
+        ("--moe-router-num-groups", _get(args, "moe_router_num_groups") is not None),
+        ("--moe-router-enable-expert-bias", _get(args, "moe_router_enable_expert_bias", False)),
+        ("--moe-router-topk 1", int(_get(args, "moe_router_topk", 2)) < 2),
+        ("linear biases (no --disable-bias-linear)", _get(args, "add_bias_linear", True)),
+        ("--add-qkv-bias", _get(args, "add_qkv_bias", False)),
+    ) if on]
+    if refused:
+        raise UnsupportedModelError(f"no Hugging Face export (MixtralForCausalLM) for MoE checkpoints trained with "
+                                    f"{', '.join(refused)}")
+    if (_get(args, "position_embedding_type", "learned_absolute") != "rope"
+            or _get(args, "normalization", "LayerNorm") != "RMSNorm" or not _get(args, "swiglu", False)):
+        raise UnsupportedModelError("an MoE checkpoint exports as Mixtral only with --position-embedding-type rope, "
+                                    "--normalization RMSNorm and --swiglu")
+    return MIXTRAL
+
+
+def _aux_loss_coeff(args) -> float:
+    coeff = _get(args, "moe_aux_loss_coeff", 0.0) or 0.0  # Megatron's flag takes a list (one per balancing type)
+    return float(coeff[0] if isinstance(coeff, (list, tuple)) else coeff)
 
 
 def _num_query_groups(args) -> int:
@@ -94,6 +127,15 @@ def hf_config(args, vocab_size: int, bos_id=None, eos_id=None, dtype: torch.dtyp
             layer_norm_epsilon=_get(args, "norm_epsilon", 1e-5), resid_pdrop=_get(args, "hidden_dropout", 0.1),
             embd_pdrop=_get(args, "hidden_dropout", 0.1), attn_pdrop=_get(args, "attention_dropout", 0.1),
             scale_attn_weights=True, **common)
+    if arch == MIXTRAL:
+        return transformers.MixtralConfig(
+            hidden_size=args.hidden_size, intermediate_size=_get(args, "moe_ffn_hidden_size") or _ffn_hidden_size(args),
+            num_hidden_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
+            num_key_value_heads=_num_query_groups(args), head_dim=_kv_channels(args), hidden_act="silu",
+            max_position_embeddings=args.max_position_embeddings, rms_norm_eps=_get(args, "norm_epsilon", 1e-5),
+            rope_theta=float(_get(args, "rotary_base", 10000)), attention_dropout=_get(args, "attention_dropout", 0.0),
+            num_local_experts=args.num_experts, num_experts_per_tok=int(_get(args, "moe_router_topk", 2)),
+            router_aux_loss_coef=_aux_loss_coeff(args), sliding_window=None, **common)
     bias = _get(args, "add_bias_linear", True)
     return transformers.LlamaConfig(
         hidden_size=args.hidden_size, intermediate_size=_ffn_hidden_size(args), num_hidden_layers=args.num_layers,
@@ -143,6 +185,9 @@ def megatron_to_hf(state: Dict[str, torch.Tensor], args, vocab_size: int) -> Dic
         p = f"decoder.layers.{n}."
         qkv_w = state[p + "self_attention.linear_qkv.weight"]
         proj_w = state[p + "self_attention.linear_proj.weight"]
+        if arch == MIXTRAL:
+            out.update(_mixtral_layer(state, args, n, qkv_w, proj_w))
+            continue
         fc1_w = state[p + "mlp.linear_fc1.weight"]
         fc2_w = state[p + "mlp.linear_fc2.weight"]
         qkv_b = bias(p + "self_attention.linear_qkv.bias", qkv_w.size(0), qkv_w)
@@ -196,7 +241,46 @@ def megatron_to_hf(state: Dict[str, torch.Tensor], args, vocab_size: int) -> Dic
     return {key: value.detach().contiguous() for key, value in out.items()}
 
 
+def _mixtral_layer(state, args, n: int, qkv_w: torch.Tensor, proj_w: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """Layer ``n`` under the Hugging Face Hub's Mixtral names (``block_sparse_moe.gate`` and ``experts.<e>.w1``
+    (gate), ``w3`` (up), ``w2`` (down), which transformers 4 loads as they are and 5 converts on load)."""
+    p, h = f"decoder.layers.{n}.", f"model.layers.{n}."
+    q, k, v = _split_qkv(qkv_w, args)
+    out = {h + "input_layernorm.weight": state[p + "input_layernorm.weight"],
+           h + "self_attn.q_proj.weight": q, h + "self_attn.k_proj.weight": k, h + "self_attn.v_proj.weight": v,
+           h + "self_attn.o_proj.weight": proj_w,
+           h + "post_attention_layernorm.weight": state[p + "pre_mlp_layernorm.weight"],
+           h + "block_sparse_moe.gate.weight": state[p + "mlp.router.weight"]}
+    for e in range(args.num_experts):
+        expert = f"{p}mlp.experts.local_experts.{e}."
+        gate, up = torch.chunk(state[expert + "linear_fc1.weight"], 2, dim=0)
+        moe = f"{h}block_sparse_moe.experts.{e}."
+        out[moe + "w1.weight"], out[moe + "w3.weight"] = gate, up
+        out[moe + "w2.weight"] = state[expert + "linear_fc2.weight"]
+    return out
+
+
 # ----------------------------------------------------------------------------------------------- import
+
+
+def _mixtral_experts_from_hf(hf: Dict[str, torch.Tensor], args, n: int) -> Dict[str, torch.Tensor]:
+    """Layer ``n``'s router and experts from Mixtral tensors, under the Hub's names (``block_sparse_moe.*``,
+    ``experts.<e>.w1/w3/w2``) or transformers 5's (``mlp.gate``, ``mlp.experts.gate_up_proj`` [E, 2F, H],
+    ``mlp.experts.down_proj`` [E, H, F])."""
+    p, h = f"decoder.layers.{n}.", f"model.layers.{n}."
+    fused = h + "mlp.experts.gate_up_proj" in hf
+    state = {p + "mlp.router.weight": hf[h + ("mlp.gate.weight" if fused else "block_sparse_moe.gate.weight")]}
+    for e in range(args.num_experts):
+        expert = f"{p}mlp.experts.local_experts.{e}."
+        if fused:
+            fc1, fc2 = hf[h + "mlp.experts.gate_up_proj"][e], hf[h + "mlp.experts.down_proj"][e]
+        else:
+            moe = f"{h}block_sparse_moe.experts.{e}."
+            fc1 = torch.cat([hf[moe + "w1.weight"], hf[moe + "w3.weight"]], dim=0)
+            fc2 = hf[moe + "w2.weight"]
+        state[expert + "linear_fc1.weight"], state[expert + "linear_fc1._extra_state"] = fc1, None
+        state[expert + "linear_fc2.weight"], state[expert + "linear_fc2._extra_state"] = fc2, None
+    return state
 
 
 def megatron_flags_from_hf(config) -> list:
@@ -214,7 +298,7 @@ def megatron_flags_from_hf(config) -> list:
                  "--position-embedding-type", "learned_absolute", "--normalization", "LayerNorm"]
         if config.activation_function == "gelu_new":
             flags.append("--openai-gelu")
-    elif model_type == LLAMA:
+    elif model_type in (LLAMA, MIXTRAL):
         if config.hidden_act != "silu":
             raise UnsupportedModelError(f"Llama activation {config.hidden_act!r} is not SwiGLU")
         # transformers >= 5 keeps RoPE settings in rope_parameters (rope_scaling aliases it); 4.x in
@@ -237,8 +321,14 @@ def megatron_flags_from_hf(config) -> list:
             raise UnsupportedModelError("Llama with attention_bias != mlp_bias has no Megatron flag here")
         if not getattr(config, "attention_bias", False):
             flags.append("--disable-bias-linear")
+        if model_type == MIXTRAL:
+            if getattr(config, "sliding_window", None) is not None:
+                raise UnsupportedModelError("Mixtral with sliding_window attention has no Megatron flag here")
+            flags += ["--num-experts", config.num_local_experts, "--moe-router-topk", config.num_experts_per_tok,
+                      "--moe-ffn-hidden-size", config.intermediate_size, "--moe-router-load-balancing-type",
+                      "aux_loss", "--moe-aux-loss-coeff", getattr(config, "router_aux_loss_coef", 0.0)]
     else:
-        raise UnsupportedModelError(f"model_type {model_type!r}: import_hf reads gpt2 and llama models")
+        raise UnsupportedModelError(f"model_type {model_type!r}: import_hf reads gpt2, llama and mixtral models")
     if not getattr(config, "tie_word_embeddings", True):
         flags.append("--untie-embeddings-and-output-weights")
     return [str(flag) for flag in flags]
@@ -291,6 +381,11 @@ def hf_to_megatron(hf: Dict[str, torch.Tensor], args, padded_vocab_size: int) ->
                 args)
             state[p + "self_attention.linear_proj.weight"] = hf[h + "self_attn.o_proj.weight"]
             state[p + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
+            if arch == MIXTRAL:
+                state.update(_mixtral_experts_from_hf(hf, args, n))
+                for linear in ("self_attention.linear_qkv", "self_attention.linear_proj"):
+                    state[p + linear + "._extra_state"] = None
+                continue
             state[p + "mlp.linear_fc1.weight"] = torch.cat([hf[h + "mlp.gate_proj.weight"],
                                                             hf[h + "mlp.up_proj.weight"]], dim=0)
             state[p + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]

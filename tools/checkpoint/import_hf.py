@@ -1,4 +1,4 @@
-"""Import a Hugging Face GPT-2 or Llama model folder as a legacy checkpoint that pretrain_gpt.py can load.
+"""Import a Hugging Face GPT-2, Llama or Mixtral model folder as a legacy checkpoint that pretrain_gpt.py can load.
 
 Reads ``config.json`` and ``model.safetensors`` (or the shards named by
 ``model.safetensors.index.json``) from ``--load`` and writes a ``release`` legacy checkpoint to ``--save``: one

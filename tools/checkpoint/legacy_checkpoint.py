@@ -30,6 +30,15 @@ _COLUMN_PARALLEL = ("self_attention.linear_qkv.weight", "self_attention.linear_q
                     "mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
 _ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
 _VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight")
+# A routed expert's or the shared expert's linears split over TP as the dense MLP's (the expert tensor-parallel
+# size being the tensor-parallel size): their names are matched as ``mlp.linear_fc*``.
+_EXPERT_MLP = re.compile(r"^mlp\.(?:experts\.local_experts\.\d+\.|shared_experts\.)")
+
+
+def _split_suffix(key: str) -> str:
+    """The name that decides how ``key`` is split over TP (layer index dropped, expert MLPs as the dense MLP)."""
+    match = _LAYER_KEY.match(key)
+    return _EXPERT_MLP.sub("mlp.", match.group(2)) if match else key
 
 
 class CheckpointLayoutError(CheckpointingException, ValueError):
@@ -91,7 +100,7 @@ def _merge_tp(shards: List[dict], swiglu: bool) -> dict:
             merged[key] = first
             continue
         parts = [shard[key] for shard in shards]
-        suffix = _LAYER_KEY.match(key).group(2) if _LAYER_KEY.match(key) else key
+        suffix = _split_suffix(key)
         if suffix in _COLUMN_PARALLEL:
             if swiglu and suffix.startswith("mlp.linear_fc1"):
                 halves = [torch.chunk(part, 2, dim=0) for part in parts]
@@ -163,8 +172,7 @@ def split_tp(state: dict, tp: int, swiglu: bool) -> List[dict]:
     """
     shards: List[dict] = [{} for _ in range(tp)]
     for key, value in state.items():
-        match = _LAYER_KEY.match(key)
-        suffix = match.group(2) if match else key
+        suffix = _split_suffix(key)
         if value is None or not torch.is_tensor(value) or tp == 1:
             parts = [value] * tp
         elif suffix in _COLUMN_PARALLEL and swiglu and suffix.startswith("mlp.linear_fc1"):

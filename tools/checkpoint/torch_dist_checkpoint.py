@@ -9,6 +9,7 @@ for one data-parallel rank, the RNG states of each rank; every file name and rec
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 import warnings
@@ -26,6 +27,7 @@ from full_checkpoint import (  # noqa: E402
     OptimizerState,
     TargetLayout,
     group_signature,
+    is_buffer,
     is_tied,
     layer_of,
     rank_optimizer,
@@ -58,12 +60,33 @@ for _module in ("mlp.linear_fc1", "mlp.linear_fc2"):
     _LAYER_ORDER += [f"{_module}.weight", f"{_module}.bias", f"{_module}._extra_state"]
 
 
+_MOE_PART = re.compile(r"^mlp\.(?:(router)\.(weight|expert_bias)|experts\.local_experts\.(\d+)\.(linear_fc[12])\.(\w+)"
+                       r"|shared_experts\.(linear_fc[12])\.(\w+))$")
+_LEAF_RANK = {"weight": 0, "bias": 1, "_extra_state": 2}
+
+
+def _moe_order(suffix: str):
+    """Order of a MoE layer's entries after its pre-MLP norm, as MoELayer creates them: the router (weight,
+    expert_bias), the local experts (fc1, fc2 each), the shared expert; None for other names."""
+    match = _MOE_PART.match(suffix)
+    if match is None:
+        return None
+    if match.group(1):
+        return (0, 0, 0, 0 if match.group(2) == "weight" else 1)
+    if match.group(3) is not None:
+        return (1, int(match.group(3)), int(match.group(4)[-1]), _LEAF_RANK.get(match.group(5), 3))
+    return (2, 0, int(match.group(6)[-1]), _LEAF_RANK.get(match.group(7), 3))
+
+
 def _model_order(key: str):
     """Sort key putting full-model state-dict keys in GPTModel's order (embedding, layers, final norm, output)."""
     layer = layer_of(key)
     if layer is not None:
         suffix = _LAYER_KEY.match(key).group(2)
-        return (1, layer, _LAYER_ORDER.index(suffix) if suffix in _LAYER_ORDER else len(_LAYER_ORDER), suffix)
+        moe = _moe_order(suffix)
+        if moe is not None:
+            return (1, layer, _LAYER_ORDER.index("pre_mlp_layernorm.bias") + 0.5, moe)
+        return (1, layer, _LAYER_ORDER.index(suffix) if suffix in _LAYER_ORDER else len(_LAYER_ORDER), (suffix,))
     module, _, leaf = key.rpartition(".")
     leaf_rank = {"weight": 0, "bias": 1, "_extra_state": 2}.get(leaf, 3)
     if key.startswith("embedding."):
@@ -71,14 +94,19 @@ def _model_order(key: str):
     return (2, 0 if key.startswith("decoder.") else 1, leaf_rank, key)
 
 
+def _moe_linear(key: str) -> bool:
+    match = _LAYER_KEY.match(key)
+    order = _moe_order(match.group(2)) if match else None
+    return order is not None and order[0] > 0 and key.endswith(".weight")
+
+
 def _with_extra_state(model: Dict[str, Any]) -> Dict[str, Any]:
     """``model`` plus the ``_extra_state`` (None) entries of its linear layers, which torch_dist does not store
     and a strict ``load_state_dict`` of the legacy format expects, in GPTModel's order."""
     out = dict(model)
     for key in model:
-        for module in _LINEAR_MODULES:
-            if key.endswith(f".{module}.weight"):
-                out.setdefault(key[:-len("weight")] + "_extra_state", None)
+        if any(key.endswith(f".{module}.weight") for module in _LINEAR_MODULES) or _moe_linear(key):
+            out.setdefault(key[:-len("weight")] + "_extra_state", None)
     out.setdefault("output_layer._extra_state", None)
     return {key: out[key] for key in sorted(out, key=_model_order)}
 
@@ -98,11 +126,12 @@ def _read_torch_dist_rng(iteration_dir: str, saved_layout: Optional[dict], conte
     return states
 
 
-def _per_layer_tensors(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def _per_layer_tensors(tensors: Dict[str, torch.Tensor], per_layer_model: bool = False) -> Dict[str, torch.Tensor]:
     """Whole tensors of a torch_dist checkpoint under per-layer names: model ``decoder.layers.<i>.<name>``,
-    optimizer ``optimizer.state.<per-layer name>.<state>`` (Megatron's layer-stacked keys are split, its
-    distributed-optimizer fragments put back into parameter shape); the earlier per-layer layout passes."""
-    if mo.is_per_layer_layout(tensors):
+    optimizer ``optimizer.state.<per-layer name>.<state>`` (Megatron's layer-stacked keys are split, the
+    experts' axis too, its distributed-optimizer fragments put back into parameter shape); the earlier
+    per-layer layout passes. ``per_layer_model``: a model whose own keys are per layer (``moe_layer_freq``)."""
+    if mo.is_per_layer_layout(tensors) and not per_layer_model:
         return tensors
     model = {key: value for key, value in tensors.items() if not key.startswith(mo.OPTIMIZER_PREFIX)}
     out = mo.unstack_layers(model)
@@ -113,8 +142,8 @@ def _per_layer_tensors(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tens
         state_key, _, name = key[len(mo.OPTIMIZER_PREFIX):].partition(".")
         param = model.get(name)
         if param is not None and value.dim() != param.dim():  # the distributed optimizer's fragments
-            layered = name.startswith(mo.LAYER_PREFIX)
-            value = mo.unflatten_fragments(value, tuple(param.shape[1:] if layered else param.shape), layered)
+            lead = mo.leading_axes(name)
+            value = mo.unflatten_fragments(value, tuple(param.shape[lead:]), lead)
         by_state.setdefault(state_key, {})[name] = value
     for state_key, entries in by_state.items():
         for name, value in mo.unstack_layers(entries).items():
@@ -166,7 +195,7 @@ def read_torch_dist(load_dir, iteration, with_optimizer) -> FullCheckpoint:
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
         serialization.load([ShardedTensor(key, t, tuple(t.shape), (0,) * t.dim()) for key, t in tensors.items()],
                            iteration_dir)
-    tensors = _per_layer_tensors(tensors)
+    tensors = _per_layer_tensors(tensors, mo.per_layer_keys(args))
     release = os.path.basename(iteration_dir) == layout.RELEASE_DIRNAME
     saved_layout = common.get("parallel_layout") or {}
     tp = saved_layout.get("tensor_model_parallel_size", getattr(args, "tensor_model_parallel_size", 1))
@@ -223,7 +252,7 @@ def read_torch_dist(load_dir, iteration, with_optimizer) -> FullCheckpoint:
                            grad_scaler=mo.saved_grad_scaler(common["optimizer"]))
     group_index: Dict[int, int] = {}
     for name, value in full.model.items():
-        if not torch.is_tensor(value):
+        if not torch.is_tensor(value) or is_buffer(name):
             continue
         signature = group_signature(name, value.dim(), args)
         if signature not in index_of:
@@ -286,6 +315,27 @@ def _common_state(full: FullCheckpoint, target: TargetLayout, keep_rng: bool) ->
         optimizer_state, full.scheduler if optimizer_state is not None else None)
 
 
+_EXPERT_EXTRA = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+
+
+def _extra_state_key(key: str, args, per_layer: bool) -> str:
+    """Megatron's ShardedObject key of a full-model ``decoder.layers.<i>.<module>._extra_state`` entry (see
+    checkpoint_keys.extra_state_object): over the layer axis (unless ``per_layer``) and a routed expert's axis."""
+    match = _LAYER_KEY.match(key)
+    layer, rest = int(match.group(1)), match.group(2)
+    axes, expert = [], _EXPERT_EXTRA.match(rest)
+    if expert is not None:
+        rest = mo.EXPERTS_PREFIX + expert.group(2)
+    if not per_layer:
+        axes.append((layer, args.num_layers))
+    if expert is not None:
+        axes.append((int(expert.group(1)), args.num_experts))
+    axes = axes or [(0, 1)]
+    prefix = mo.LAYER_PREFIX if not per_layer else f"{mo.LAYER_PREFIX}{layer}."
+    offsets, shape = ".".join(str(i) for i, _ in axes), ".".join(str(n) for _, n in axes)
+    return f"{prefix}{rest}/shard_{offsets}_{shape}"
+
+
 def write_torch_dist(full: FullCheckpoint, save_dir: str, target: TargetLayout, keep_rng: bool = False) -> str:
     """Write ``full`` as a torch_dist checkpoint (whole tensors, written by this one process with
     ``megatron.core.dist_checkpointing``), atomically; returns the iteration folder. It loads at any
@@ -301,13 +351,11 @@ def write_torch_dist(full: FullCheckpoint, save_dir: str, target: TargetLayout, 
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     model = {key: value for key, value in full.model.items() if torch.is_tensor(value)}
-    items = [sharded(key, value) for key, value in mo.stack_layers(model).items()]
-    num_layers = full.args.num_layers
+    per_layer = mo.per_layer_keys(full.args)
+    items = [sharded(key, value) for key, value in mo.stack_layers(model, per_layer).items()]
     for key in full.model:  # the layers' _extra_state objects Megatron's loader expects
-        match = _LAYER_KEY.match(key)
-        if match is not None and key.endswith("._extra_state"):
-            items.append(ShardedObject(f"{mo.LAYER_PREFIX}{match.group(2)}/shard_{match.group(1)}_{num_layers}",
-                                       mo.extra_state_bytes(None)))
+        if _LAYER_KEY.match(key) is not None and key.endswith("._extra_state"):
+            items.append(ShardedObject(_extra_state_key(key, full.args, per_layer), mo.extra_state_bytes(None)))
     if full.optimizer is not None:
         by_state: Dict[str, Dict[str, torch.Tensor]] = {}
         for name, entry in full.optimizer.param_state.items():
@@ -317,7 +365,7 @@ def write_torch_dist(full: FullCheckpoint, save_dir: str, target: TargetLayout, 
         if full.optimizer.main_params:
             by_state[mo.MAIN_PARAM] = dict(full.optimizer.main_params)
         for state_key, entries in by_state.items():
-            for key, value in mo.stack_layers(entries).items():
+            for key, value in mo.stack_layers(entries, per_layer).items():
                 items.append(sharded(f"{mo.OPTIMIZER_PREFIX}{state_key}.{key}", value))
     if keep_rng:  # Megatron-LM's copy of the RNG states (pretrain_gpt.py writes the same object)
         for (t, p), rng_state in full.rng_states.items():

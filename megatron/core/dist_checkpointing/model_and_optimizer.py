@@ -48,6 +48,11 @@ from megatron.core.models.gpt.checkpoint_keys import (
     checkpoint_layer_name,
     module_layer_name,
     is_per_layer_layout,
+    per_layer_keys,
+    model_uses_per_layer_keys,
+    EXPERTS_PREFIX,
+    leading_axes,
+    extra_state_object,
     _unwrap,
     _layer_numbers,
     _num_layers,
@@ -70,7 +75,8 @@ _stack = stack_layer_axis
 
 __all__ = [
     "ShardedObject", "ShardedTensor", "TPLayout", "VOCAB_KEYS", "OPTIMIZER_PREFIX", "LAYER_PREFIX", "_LAYER",
-    "_NORM_NAMES", "checkpoint_layer_name", "module_layer_name", "is_per_layer_layout", "_unwrap",
+    "_NORM_NAMES", "checkpoint_layer_name", "module_layer_name", "is_per_layer_layout", "per_layer_keys",
+    "model_uses_per_layer_keys", "EXPERTS_PREFIX", "leading_axes", "extra_state_object", "_unwrap",
     "_layer_numbers", "_num_layers", "EntryKey", "entry_key", "_layout", "ParamInfo",
     "param_keys_and_layouts", "stack_layer_axis", "_model_key", "extra_state_bytes", "rng_state_object",
     "model_sharded_state", "stack_layers", "unstack_layers", "_stack", "MAIN_PARAM",

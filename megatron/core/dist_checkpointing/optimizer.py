@@ -21,6 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import (
     ShardedTensor,
     TPLayout,
@@ -29,12 +30,13 @@ from megatron.core.dist_checkpointing.mapping import (
 )
 from megatron.core.models.gpt.checkpoint_keys import (
     OPTIMIZER_PREFIX,
+    GroupedExperts,
     EntryKey,
     ParamInfo,
     param_keys_and_layouts,
     stack_layer_axis,
 )
-from megatron.core.optimizer import param_group_key
+from megatron.core.optimizer import PARAM_GROUP_KEYS, param_group_key
 
 MAIN_PARAM = "fp32_param"
 DISTRIB_OPTIM_SHARDING_TYPE = "fully_sharded_model_space"
@@ -78,6 +80,10 @@ class _Target:
     tensor: torch.Tensor
     start: Optional[int]
     load: bool = True
+    # A GroupedMLP weight's distributed-optimizer shard: its experts (``info`` is the first one's, the key being
+    # the same for all) and the weight's local shape; saved and read parameter-shaped (``GroupedExperts``).
+    grouped: Optional[GroupedExperts] = None
+    param_shape: Optional[Tuple[int, ...]] = None
 
 
 def _optimizer_targets(model_chunks, optimizer) -> List[_Target]:
@@ -86,6 +92,16 @@ def _optimizer_targets(model_chunks, optimizer) -> List[_Target]:
     out = []
     if _is_distributed(optimizer):
         for piece in optimizer.pieces():
+            grouped = info[piece.model_param]
+            if isinstance(grouped, GroupedExperts):
+                shape = tuple(piece.model_param.shape)
+                first = grouped.infos(torch.empty(shape, device="meta"))[0]
+                tensors = _state_tensors(inner.state.get(piece.main_param, {}), piece.main_param)
+                for name, tensor in sorted(tensors.items()):
+                    out.append(_Target(name, first, tensor, piece.param_start, grouped=grouped, param_shape=shape))
+                out.append(_Target(MAIN_PARAM, first, piece.main_param.detach(), piece.param_start,
+                                   load=piece.is_copy, grouped=grouped, param_shape=shape))
+                continue
             tensors = _state_tensors(inner.state.get(piece.main_param, {}), piece.main_param)
             for name, tensor in sorted(tensors.items()):
                 out.append(_Target(name, info[piece.model_param], tensor, piece.param_start))
@@ -99,7 +115,12 @@ def _optimizer_targets(model_chunks, optimizer) -> List[_Target]:
         if main_param is not model_param:
             tensors[MAIN_PARAM] = main_param.detach()
         for name, tensor in sorted(tensors.items()):
-            out.append(_Target(name, info[model_param], tensor.detach(), None))
+            grouped = info[model_param]
+            if isinstance(grouped, GroupedExperts):  # one target per local expert, views of the state
+                for expert_info, view in zip(grouped.infos(tensor), grouped.views(tensor.detach())):
+                    out.append(_Target(name, expert_info, view, None))
+                continue
+            out.append(_Target(name, grouped, tensor.detach(), None))
     return out
 
 
@@ -110,6 +131,8 @@ def optimizer_key(name: str, entry: EntryKey, legacy: bool = False) -> str:
 
 def _plain(target: _Target, key: str, stack: bool = True) -> List[ShardedTensor]:
     """``target`` as chunks of the parameter-shaped global tensor (stacked over layers when ``stack``)."""
+    if target.grouped is not None:
+        return target.grouped.flat_range_items(key, target.tensor.view(-1), target.start, target.param_shape)
     layout, info = target.info.layout, target.info
     if target.start is None:
         layout = TPLayout(tuple(target.tensor.shape), layout.partition_dim, layout.stride, layout.tp_rank,
@@ -146,10 +169,10 @@ def _fragments(info: ParamInfo) -> Tuple[Tuple[int, ...], int, List[Tuple[Tuple[
 
 
 def flattened_shape(info: ParamInfo) -> Tuple[int, ...]:
-    """Global shape of a parameter's distributed-optimizer tensors: ``[num_layers?, *fragments, fragment numel]``."""
+    """Global shape of a parameter's distributed-optimizer tensors: ``[num_layers?, num_experts?, *fragments,
+    fragment numel]`` (the leading axes of :attr:`EntryKey.axes`, as Megatron keeps its sharded offsets in front)."""
     counts, piece, _ = _fragments(info)
-    layers = (info.entry.num_layers,) if info.entry.layer is not None else ()
-    return (*layers, *counts, piece)
+    return (*(size for _, size in info.entry.axes), *counts, piece)
 
 
 def _flattened(target: _Target, key: str) -> List[ShardedTensor]:
@@ -159,9 +182,8 @@ def _flattened(target: _Target, key: str) -> List[ShardedTensor]:
     flat = target.tensor.view(-1)
     start = 0 if target.start is None else target.start
     end = start + flat.numel()
-    layer = info.entry.layer
     shape = flattened_shape(info)
-    prefix = (layer,) if layer is not None else ()
+    prefix = tuple(index for index, _ in info.entry.axes)
     out = []
     for index, piece_start in pieces:
         lo, hi = max(start, piece_start), min(end, piece_start + piece)
@@ -175,7 +197,7 @@ def _flattened(target: _Target, key: str) -> List[ShardedTensor]:
 
 def _plain_shape(info: ParamInfo, legacy: bool = False) -> Tuple[int, ...]:
     shape = info.layout.global_shape
-    return shape if info.entry.layer is None or legacy else (info.entry.num_layers, *shape)
+    return shape if legacy else (*(size for _, size in info.entry.axes), *shape)
 
 
 def _fragment_shapes(param_shape: Sequence[int], counts: Sequence[int], piece: int) -> Tuple[List[int], List[int]]:
@@ -194,8 +216,8 @@ def _reassembled(target: _Target, key: str, saved_shape: Sequence[int], dtype: t
     ``(reads of its whole fragments of this target's layer, a function copying this target's part
     from them)``. Raises ValueError when the saved shape is not a fragmentation of the parameter."""
     info = target.info
-    layered = info.entry.layer is not None
-    counts, piece = tuple(saved_shape[1 if layered else 0:-1]), int(saved_shape[-1])
+    lead = tuple(index for index, _ in info.entry.axes)
+    counts, piece = tuple(saved_shape[len(lead):-1]), int(saved_shape[-1])
     ours = info.layout.global_shape
     if len(counts) != len(ours) or any(size % count for size, count in zip(ours[1:], counts[1:])):
         raise ValueError(f"{key}: checkpoint shape {list(saved_shape)} is no fragmentation of {list(ours)}")
@@ -204,7 +226,7 @@ def _reassembled(target: _Target, key: str, saved_shape: Sequence[int], dtype: t
     reads, copies = [], []
     for index in itertools.product(*(range(count) for count in counts)):
         buffer = torch.empty(piece, dtype=dtype)
-        offset = ((info.entry.layer,) if layered else ()) + tuple(index) + (0,)
+        offset = lead + tuple(index) + (0,)
         reads.append(ShardedTensor(key, buffer.view(*([1] * (len(saved_shape) - 1)), piece), tuple(saved_shape),
                                    offset))
         copies.append((tuple(slice(i * p, (i + 1) * p) for i, p in zip(index, piece_shape)), buffer))
@@ -228,7 +250,8 @@ def optimizer_sharded_state(model_chunks, optimizer) -> List[ShardedTensor]:
     distributed = _is_distributed(optimizer)
     for target in _optimizer_targets(model_chunks, optimizer):
         key = optimizer_key(target.name, target.info.entry)
-        out.extend(_flattened(target, key) if distributed else _plain(target, key))
+        flattened = distributed and target.grouped is None  # GroupedMLP shards: parameter-shaped
+        out.extend(_flattened(target, key) if flattened else _plain(target, key))
     return out
 
 
@@ -250,7 +273,7 @@ def optimizer_load_plan(model_chunks, optimizer, stored: Dict, legacy: bool = Fa
         md = stored.get(key)
         saved = tuple(getattr(md, "size", ()) or ())
         plain = _plain_shape(target.info, legacy)
-        if md is None or legacy or len(saved) == len(plain):
+        if md is None or legacy or len(saved) == len(plain) or target.grouped is not None:
             reads.extend(_plain(target, key, stack=not legacy))
         elif saved == flattened_shape(target.info):
             reads.extend(_flattened(target, key))
@@ -292,11 +315,38 @@ def optimizer_common_state(optimizer) -> Dict:
     Param groups without ``params``; Adam's step as ``state.common_step`` (plain optimizer),
     ``optimizer.state.common_step`` (fp16/bf16 wrapper, beside ``grad_scaler``) or as each group's
     ``step`` (distributed optimizer, with ``param_state_sharding_type``). The same on every rank.
+    With expert params in groups of their own (``is_expert_parallel``): at expert-parallel size above 1
+    Megatron's chained form ``{0: dense, 1: experts}``, at size 1 the expert groups folded into the dense
+    ones, as Megatron groups them there (:func:`load_optimizer_common_state` reads either into ours).
     """
     steps = _group_steps(optimizer)
-    known = [s for s in steps if s is not None]
     groups = [{k: v for k, v in group.items() if k != "params" and not isinstance(v, torch.Tensor)}
               for group in optimizer.optimizer.param_groups]
+    experts = [i for i, group in enumerate(groups) if group.get("is_expert_parallel")]
+    if not experts:
+        return _common_form(optimizer, groups, steps)
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        # Megatron chains a second optimizer for the expert params: {0: dense optimizer's, 1: expert optimizer's}.
+        dense = [i for i in range(len(groups)) if i not in experts]
+        return {index: _common_form(optimizer, [groups[i] for i in part], [steps[i] for i in part])
+                for index, part in enumerate((dense, experts))}
+    # Expert-parallel size 1: Megatron keeps the expert params in the dense groups (its linears set
+    # ``allreduce = not (is_expert and expert_parallel)``), so the groups are written as it groups them.
+    dense_keys = {_without_expert(param_group_key(group)) for i, group in enumerate(groups) if i not in experts}
+    kept = [i for i in range(len(groups)) if i not in experts or _without_expert(param_group_key(groups[i])) not in
+            dense_keys]
+    merged = [dict(groups[i], is_expert_parallel=False) for i in kept]
+    return _common_form(optimizer, merged, [steps[i] for i in kept])
+
+
+def _without_expert(key: Tuple) -> Tuple:
+    at = PARAM_GROUP_KEYS.index("is_expert_parallel")
+    return key[:at] + key[at + 1:]
+
+
+def _common_form(optimizer, groups: List[Dict], steps: List[Optional[float]]) -> Dict:
+    """One (Megatron) optimizer's common state of ``groups`` (param groups without ``params``) and their steps."""
+    known = [s for s in steps if s is not None]
     scaler = getattr(optimizer, "grad_scaler", None)
     if _is_distributed(optimizer):
         for group, step in zip(groups, steps):
@@ -323,7 +373,14 @@ def content_metadata(distributed_optimizer: bool) -> Dict:
 
 def saved_groups_and_steps(state: Dict, source: str) -> Tuple[List[Dict], List[Optional[float]]]:
     """(param groups, Adam's step per group) of any form :func:`optimizer_common_state` writes (and
-    this project's earlier ``{'param_groups': [..., 'step']}``)."""
+    this project's earlier ``{'param_groups': [..., 'step']}``, and Megatron's chained optimizer of an
+    expert-parallel run, ``{0: <dense optimizer's>, 1: <expert optimizer's>}``, whose groups are concatenated)."""
+    if state and all(isinstance(key, int) for key in state):
+        groups, steps = [], []
+        for index in sorted(state):
+            more, more_steps = saved_groups_and_steps(state[index], source)
+            groups, steps = groups + list(more), steps + list(more_steps)
+        return groups, steps
     if "param_state_sharding_type" in state:
         groups = state["optimizer"]["param_groups"]
         return groups, [g.get("step") for g in groups]
@@ -337,14 +394,31 @@ def saved_groups_and_steps(state: Dict, source: str) -> Tuple[List[Dict], List[O
     return groups, [g.get("step") for g in groups]
 
 
-def _group_order(groups: List[Dict], saved: List[Dict]) -> List[int]:
+def _group_order(groups: List[Dict], saved: List[Dict]) -> Optional[List[int]]:
     """For each of ``groups``, the index of the saved group with the same (wd_mult, lr_mult,
     is_expert_parallel, is_decoupled_lr) when those identify the groups uniquely on both sides;
-    else the positions (the writer's groups in the same order)."""
+    else, with as many groups on both sides, the positions (the writer's groups in the same order);
+    else (expert params in their own groups on one side only: Megatron groups them apart only at
+    expert-parallel size above 1) the saved group with the same key but ``is_expert_parallel``, which
+    holds the same hyper-parameters and step; None when some group has no such match."""
     ours, theirs = [param_group_key(g) for g in groups], [param_group_key(g) for g in saved]
     if len(set(ours)) == len(ours) and sorted(ours, key=repr) == sorted(theirs, key=repr):
         return [theirs.index(sig) for sig in ours]
-    return list(range(len(saved)))
+    if len(groups) == len(saved):
+        return list(range(len(saved)))
+    expert_at = PARAM_GROUP_KEYS.index("is_expert_parallel")
+
+    def loose(sig):
+        return sig[:expert_at] + sig[expert_at + 1:]
+
+    order = []
+    for sig in ours:
+        exact = [i for i, other in enumerate(theirs) if other == sig]
+        close = exact or [i for i, other in enumerate(theirs) if loose(other) == loose(sig)]
+        if not close:
+            return None
+        order.append(close[0])
+    return order
 
 
 def saved_grad_scaler(state: Dict) -> Optional[Dict]:
@@ -360,12 +434,12 @@ def load_optimizer_common_state(optimizer, state: Dict, source: str) -> None:
     """
     inner = optimizer.optimizer
     saved_groups, steps = saved_groups_and_steps(state, source)
-    if len(saved_groups) != len(inner.param_groups):
+    order = _group_order(inner.param_groups, saved_groups)
+    if order is None:
         raise ValueError(f"{source}: the checkpoint's optimizer has {len(saved_groups)} param groups, this "
                          f"optimizer has {len(inner.param_groups)} (a different model or weight-decay rule)")
     known = [s for s in steps if s is not None]
     fallback = max(known) if known else None
-    order = _group_order(inner.param_groups, saved_groups)
     saved_groups, steps = [saved_groups[i] for i in order], [steps[i] for i in order]
     for group, saved, step in zip(inner.param_groups, saved_groups, steps):
         for key, value in saved.items():
@@ -383,17 +457,21 @@ def load_optimizer_common_state(optimizer, state: Dict, source: str) -> None:
         scaler.load_state_dict(saved_grad_scaler(state))
 
 
-def unflatten_fragments(saved: torch.Tensor, param_shape: Sequence[int], layered: bool) -> torch.Tensor:
-    """A whole distributed-optimizer tensor ``[num_layers?, *fragments, fragment numel]`` -> the
-    parameter-shaped tensor (``[num_layers?, *param_shape]``, rows as saved: the vocabulary padding
-    may differ from ``param_shape[0]``)."""
-    lead = 1 if layered else 0
+def unflatten_fragments(saved: torch.Tensor, param_shape: Sequence[int], layered) -> torch.Tensor:
+    """A whole distributed-optimizer tensor ``[*leading axes, *fragments, fragment numel]`` -> the
+    parameter-shaped tensor (``[*leading axes, *param_shape]``, rows as saved: the vocabulary padding
+    may differ from ``param_shape[0]``). ``layered``: the number of leading axes (layer, expert), or a bool
+    (True: one, the layer axis)."""
+    lead = int(layered)
+    leading = tuple(saved.shape[:lead])
     counts, piece = tuple(saved.shape[lead:-1]), saved.shape[-1]
     piece_shape, whole = _fragment_shapes(param_shape, counts, piece)
-    layers = saved.shape[0] if layered else 1
-    out = torch.empty((layers, *whole), dtype=saved.dtype)
-    flat = saved.reshape(layers, *counts, piece)
+    rows = 1
+    for size in leading:
+        rows *= size
+    out = torch.empty((rows, *whole), dtype=saved.dtype)
+    flat = saved.reshape(rows, *counts, piece)
     for index in itertools.product(*(range(count) for count in counts)):
         region = tuple(slice(i * p, (i + 1) * p) for i, p in zip(index, piece_shape))
-        out[(slice(None), *region)] = flat[(slice(None), *index)].reshape(layers, *piece_shape)
-    return out if layered else out[0]
+        out[(slice(None), *region)] = flat[(slice(None), *index)].reshape(rows, *piece_shape)
+    return out.reshape(*leading, *whole)

@@ -89,7 +89,8 @@ def load_torch_dist(cfg: CheckpointConfig, iteration_dir, iteration, release, co
         raise CheckpointContentError(f"unable to load optimizer state from checkpoint {iteration_dir} (saved with "
                                      "--no-save-optim); specify --no-load-optim or --finetune to skip it")
     metadata = serialization.read_metadata(iteration_dir)
-    legacy = mo.is_per_layer_layout(metadata.state_dict_metadata)
+    # A model whose layers differ (MoE every few layers) has per-layer keys in Megatron's layout too.
+    legacy = not mo.model_uses_per_layer_keys(model) and mo.is_per_layer_layout(metadata.state_dict_metadata)
     if legacy:
         print_rank_0(f"NOTE: checkpoint {iteration_dir} has this project's earlier per-layer torch_dist layout; it "
                      "loads, and checkpoints saved from now on have Megatron-LM's layer-stacked layout")

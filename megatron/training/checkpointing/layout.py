@@ -4,7 +4,7 @@ Used by training and by tools/ alike, so both write and read the same layout (do
 
 ``<dir>/latest_checkpointed_iteration.txt``            the tracker: the newest complete iteration (or ``release``)
 ``<dir>/iter_{N:07d}/`` or ``<dir>/release/``          one iteration
-    ``mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt``  legacy ``torch`` format: one file per (tp, pp) rank
+    ``mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt``  legacy ``torch`` format: one file per (tp, pp, ep) rank
     ``mp_rank_.../distrib_optim.pt``                    its distributed-optimizer state (data-parallel rank 0)
     ``.metadata``, ``__<rank>_0.distcp``                ``torch_dist``: torch.distributed.checkpoint files
     ``metadata.json``                                   Megatron core_v0.14's description of a torch_dist checkpoint
@@ -64,11 +64,15 @@ def get_checkpoint_tracker_filename(checkpoints_path):
     return os.path.join(checkpoints_path, TRACKER_FILENAME)
 
 
-def rank_dirname(tensor_rank, pipeline_rank=0, pipeline_parallel=False):
-    """``mp_rank_{tp:02d}`` without pipeline parallelism, ``mp_rank_{tp:02d}_{pp:03d}`` with it."""
+def rank_dirname(tensor_rank, pipeline_rank=0, pipeline_parallel=False, expert_rank=0, expert_parallel=False):
+    """``mp_rank_{tp:02d}`` without pipeline parallelism, ``mp_rank_{tp:02d}_{pp:03d}`` with it, and
+    ``_{ep:03d}`` appended with expert parallelism (Megatron-LM core_v0.14's ``get_checkpoint_name``)."""
+    name = f"{RANK_DIR_PREFIX}{tensor_rank:02d}"
     if pipeline_parallel:
-        return f"{RANK_DIR_PREFIX}{tensor_rank:02d}_{pipeline_rank:03d}"
-    return f"{RANK_DIR_PREFIX}{tensor_rank:02d}"
+        name += f"_{pipeline_rank:03d}"
+    if expert_parallel:
+        name += f"_{expert_rank:03d}"
+    return name
 
 
 def is_rank_dirname(name):
@@ -91,14 +95,29 @@ def parse_rank_dirname(name):
     return (int(match.group(1)), int(match.group(2) or 0)) if match else None
 
 
+def parse_rank_dirname_with_experts(name, pipeline_parallel, expert_parallel):
+    """``(tensor rank, pipeline rank, expert rank)`` of a legacy rank directory name written with or without
+    pipeline and expert parallelism (the inverse of :func:`rank_dirname`; a single ``_{:03d}`` part is the
+    pipeline rank or the expert rank depending on which is used), or None for another name."""
+    match = re.match(rf"^{RANK_DIR_PREFIX}(\d{{2}})((?:_\d{{3}})*)$", name)
+    if match is None:
+        return None
+    parts = [int(part) for part in match.group(2).split("_")[1:]]
+    if len(parts) != int(bool(pipeline_parallel)) + int(bool(expert_parallel)):
+        return None
+    pipeline_rank = parts.pop(0) if pipeline_parallel else 0
+    expert_rank = parts.pop(0) if expert_parallel else 0
+    return int(match.group(1)), pipeline_rank, expert_rank
+
+
 def get_checkpoint_name(checkpoints_path, iteration, release=False, pipeline_parallel=None,
-                        tensor_rank=None, pipeline_rank=None):
+                        tensor_rank=None, pipeline_rank=None, expert_parallel=None, expert_rank=None):
     """Path of this rank's checkpoint file.
 
     ``<path>/iter_{iteration:07d}/mp_rank_{tp:02d}/model_optim_rng.pt`` without pipeline
-    parallelism, ``.../mp_rank_{tp:02d}_{pp:03d}/...`` with it, ``release`` instead of the
-    iteration directory when ``release``. Ranks not given are read from parallel_state
-    (0 in a single process without groups).
+    parallelism, ``.../mp_rank_{tp:02d}_{pp:03d}/...`` with it, ``_{ep:03d}`` appended to the directory
+    with expert parallelism, ``release`` instead of the iteration directory when ``release``. Ranks and
+    sizes not given are read from parallel_state (0 in a single process without groups).
     """
     if pipeline_parallel is None:
         pipeline_parallel = parallel_state.get_pipeline_model_parallel_world_size() > 1
@@ -106,8 +125,26 @@ def get_checkpoint_name(checkpoints_path, iteration, release=False, pipeline_par
         tensor_rank = parallel_state.get_tensor_model_parallel_rank()
     if pipeline_rank is None:
         pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
+    if expert_parallel is None:
+        expert_parallel = dist.is_initialized() and parallel_state.get_expert_model_parallel_world_size() > 1
+    if expert_rank is None:
+        expert_rank = parallel_state.get_expert_model_parallel_rank() if expert_parallel else 0
     return os.path.join(checkpoints_path, iteration_dirname(iteration, release),
-                        rank_dirname(tensor_rank, pipeline_rank, pipeline_parallel), CHECKPOINT_BASENAME)
+                        rank_dirname(tensor_rank, pipeline_rank, pipeline_parallel, expert_rank, expert_parallel),
+                        CHECKPOINT_BASENAME)
+
+
+def writes_legacy_file() -> bool:
+    """Whether this rank writes its (tp, pp[, ep]) ``model_optim_rng.pt``: the expert-data-parallel rank 0, as
+    Megatron-LM core_v0.14 (without expert parallelism, and with the expert tensor-parallel size equal to the
+    dense one, that is data-parallel (with context-parallel) rank 0)."""
+    if not dist.is_initialized():
+        return True
+    if (parallel_state.get_expert_model_parallel_world_size() > 1
+            or parallel_state.get_expert_tensor_parallel_world_size()
+            != parallel_state.get_tensor_model_parallel_world_size()):
+        return parallel_state.get_expert_data_parallel_rank() == 0
+    return parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
 
 
 def get_distributed_optimizer_checkpoint_name(model_checkpoint_name):
@@ -152,12 +189,13 @@ def rank_of(tensor_rank, pipeline_rank, tensor_model_parallel_size, data_paralle
 
 
 def parallel_layout(tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size=1,
-                    virtual_pipeline_model_parallel_size=None, world_size=None, context_parallel_size=1):
+                    virtual_pipeline_model_parallel_size=None, world_size=None, context_parallel_size=1,
+                    expert_model_parallel_size=1):
     """The ``parallel_layout`` record of ``common.pt`` and of each RNG file (RNG states are restored only at
     the same one). ``world_size`` defaults to the product of the four sizes.
 
-    ``context_parallel_size`` is recorded only when it is above 1, so a record without context
-    parallelism keeps the bytes it had before context parallelism existed (and that older checkpoints hold).
+    ``context_parallel_size`` and ``expert_model_parallel_size`` are recorded only when above 1, so a record
+    without them keeps the bytes it had before they existed (and that older checkpoints hold).
     """
     if world_size is None:
         world_size = (tensor_model_parallel_size * pipeline_model_parallel_size * data_parallel_size
@@ -171,6 +209,8 @@ def parallel_layout(tensor_model_parallel_size, pipeline_model_parallel_size, da
     }
     if context_parallel_size > 1:
         record["context_parallel_size"] = context_parallel_size
+    if expert_model_parallel_size > 1:  # each expert-parallel rank has its own expert-parallel RNG stream
+        record["expert_model_parallel_size"] = expert_model_parallel_size
     return record
 
 
@@ -182,7 +222,8 @@ def current_parallel_layout():
         parallel_state.get_data_parallel_world_size() if dist.is_initialized() else 1,
         parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         dist.get_world_size() if dist.is_initialized() else 1,
-        parallel_state.get_context_parallel_world_size() if dist.is_initialized() else 1)
+        parallel_state.get_context_parallel_world_size() if dist.is_initialized() else 1,
+        parallel_state.get_expert_model_parallel_world_size() if dist.is_initialized() else 1)
 
 
 # ---------------------------------------------------------------------------------------------------

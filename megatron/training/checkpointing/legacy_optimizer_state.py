@@ -51,6 +51,41 @@ def _is_named(inner: dict) -> bool:
     return any(isinstance(p, str) for group in inner["param_groups"] for p in group["params"])
 
 
+def fold_expert_groups(optimizer_state: dict, model_keys: Sequence[str]) -> dict:
+    """A name-keyed optimizer state with its expert param groups (``is_expert_parallel``) folded into the dense
+    groups of the same (wd_mult, lr_mult, is_decoupled_lr), params in the model's order (``model_keys``): how
+    Megatron-LM groups them at expert-parallel size 1, where its expert linears keep ``allreduce`` True. States
+    without expert groups (or not name-keyed) are returned unchanged."""
+    inner = _inner(optimizer_state)
+    if inner is None or not _is_named(inner) or not any(g.get("is_expert_parallel") for g in inner["param_groups"]):
+        return optimizer_state
+    groups = inner["param_groups"]
+    mains = optimizer_state.get("fp32_from_fp16_params")
+    main_of = {}
+    if mains is not None:
+        for group, values in zip(groups, mains):
+            main_of.update(zip(group["params"], values))
+    dense = {_with_expert(group_identity(g), False): i for i, g in enumerate(groups)
+             if group_identity(g) is not None and not g.get("is_expert_parallel")}
+    target = {}
+    for i, group in enumerate(groups):
+        identity = group_identity(group)
+        folded = identity is not None and group.get("is_expert_parallel") and _with_expert(identity, False) in dense
+        target[i] = dense[_with_expert(identity, False)] if folded else i
+    order = {key: index for index, key in enumerate(model_keys)}
+    new_groups = []
+    for i, group in enumerate(groups):
+        if target[i] != i:
+            continue
+        names = [name for j, other in enumerate(groups) if target[j] == i for name in other["params"]]
+        names.sort(key=lambda name: order.get(name, len(order)))
+        new_groups.append(dict(group, params=names, is_expert_parallel=False))
+    result = _with_inner(optimizer_state, {"state": inner["state"], "param_groups": new_groups})
+    if mains is not None:
+        result["fp32_from_fp16_params"] = [[main_of[name] for name in g["params"]] for g in new_groups]
+    return result
+
+
 def to_megatron_layout(optimizer_state: dict) -> dict:
     """Megatron's positional layout of a name-keyed optimizer state (others are returned unchanged).
 
@@ -89,9 +124,18 @@ def _names_from_model_order(saved_groups: Sequence[dict], target_groups: Sequenc
     order = {key: index for index, key in enumerate(model_keys)}
     by_identity = {identity: names for identity, names in zip(target_identities, target_groups)
                    if identity is not None}
+    saved_identities = {group_identity(group) for group in saved_groups}
     result = []
     for index, group in enumerate(saved_groups):
         identity = group_identity(group)
+        if identity is not None and not identity[_EXPERT_AT]:
+            # A writer without expert groups (Megatron at expert-parallel size 1) holds our expert params with the
+            # dense ones of the same (wd_mult, lr_mult, is_decoupled_lr).
+            expert = _with_expert(identity, True)
+            if expert in by_identity and expert not in saved_identities:
+                names = list(by_identity.get(identity, [])) + list(by_identity[expert])
+                result.append(_checked_names(names, group, order, index, where))
+                continue
         if identity is not None and identity in by_identity:
             names = by_identity[identity]
         elif identity is None and index < len(target_groups):
@@ -101,14 +145,26 @@ def _names_from_model_order(saved_groups: Sequence[dict], target_groups: Sequenc
                 f"{where}: optimizer param group {index} ({dict(zip(PARAM_GROUP_KEYS, identity or ()))}) has "
                 "no counterpart in this run's optimizer (other --weight-decay/--decoupled-lr settings?); use "
                 "--no-load-optim to start the optimizer afresh")
-        missing = [name for name in names if name not in order]
-        if missing or len(names) != len(group["params"]):
-            raise OptimizerStateMismatch(
-                f"{where}: optimizer param group {index} holds {len(group['params'])} params, this run's "
-                f"matching group {len(names)}" + (f" (not in the checkpoint's model: {missing[:3]})" if missing else "")
-                + "; use --no-load-optim to start the optimizer afresh")
-        result.append(sorted(names, key=order.__getitem__))
+        result.append(_checked_names(names, group, order, index, where))
     return result
+
+
+_EXPERT_AT = PARAM_GROUP_KEYS.index("is_expert_parallel")
+
+
+def _with_expert(identity: tuple, expert: bool) -> tuple:
+    return identity[:_EXPERT_AT] + (expert,) + identity[_EXPERT_AT + 1:]
+
+
+def _checked_names(names, group, order, index, where) -> List[str]:
+    """``names`` in the checkpoint's model order, checked against the saved group's param count."""
+    missing = [name for name in names if name not in order]
+    if missing or len(names) != len(group["params"]):
+        raise OptimizerStateMismatch(
+            f"{where}: optimizer param group {index} holds {len(group['params'])} params, this run's "
+            f"matching group {len(names)}" + (f" (not in the checkpoint's model: {missing[:3]})" if missing else "")
+            + "; use --no-load-optim to start the optimizer afresh")
+    return sorted(names, key=order.__getitem__)
 
 
 def to_named_layout(optimizer_state: dict, target_groups: Optional[Sequence[Sequence[str]]],
@@ -160,8 +216,14 @@ def to_named_layout(optimizer_state: dict, target_groups: Optional[Sequence[Sequ
 
     # This run's group order (Megatron's and ours agree; a writer with another order still maps by names).
     order = _match_groups([set(names) for names in names_per_group], [set(names) for names in target_groups], where)
-    groups = [{**{k: v for k, v in saved_groups[i].items() if k not in ("params", "param_names")},
-               "params": names_per_group[i]} for i in order]
+    groups = []
+    for target_names, identity, i in zip(target_groups, target_identities, order):
+        wanted = set(target_names)
+        group = {**{k: v for k, v in saved_groups[i].items() if k not in ("params", "param_names")},
+                 "params": [name for name in names_per_group[i] if name in wanted]}
+        if identity is not None and group_identity(group) != identity:  # a saved group holding two of ours
+            group.update(zip(PARAM_GROUP_KEYS, identity))
+        groups.append(group)
     named = _with_inner(optimizer_state, {"state": state, "param_groups": groups})
     if "fp32_from_fp16_params" in optimizer_state:
         mains = optimizer_state["fp32_from_fp16_params"]
@@ -169,6 +231,9 @@ def to_named_layout(optimizer_state: dict, target_groups: Optional[Sequence[Sequ
         for target_names, i in zip(target_groups, order):
             if list(names_per_group[i]) == list(target_names):
                 reordered.append(mains[i])
+            elif len(mains[i]) == len(names_per_group[i]) and set(target_names) < set(names_per_group[i]):
+                by_name = dict(zip(names_per_group[i], mains[i]))
+                reordered.append([by_name[name] for name in target_names])
             elif len(mains[i]) == len(names_per_group[i]):
                 by_name = dict(zip(names_per_group[i], mains[i]))
                 reordered.append([by_name[name] for name in target_names])
@@ -180,16 +245,20 @@ def to_named_layout(optimizer_state: dict, target_groups: Optional[Sequence[Sequ
 
 
 def _match_groups(saved: List[set], target: List[set], where: str) -> List[int]:
-    """For each of this run's groups, the index of the saved group holding the same params."""
+    """For each of this run's groups, the index of the saved group holding the same params, or (a writer that
+    keeps expert params with the dense ones) the saved group holding them with the params of other groups of
+    this run; every saved group must be the union of the groups matched to it."""
     order = []
     for index, names in enumerate(target):
         found = [i for i, saved_names in enumerate(saved) if saved_names == names]
+        found = found or [i for i, saved_names in enumerate(saved) if names and names <= saved_names]
         if not found:
             raise OptimizerStateMismatch(f"{where}: no optimizer param group of the checkpoint holds the params of "
                                          f"this run's group {index} (e.g. {sorted(names)[:2]}); use --no-load-optim "
                                          "to start the optimizer afresh")
         order.append(found[0])
-    if len(saved) != len(target):
+    covered = [set().union(*(target[t] for t, i in enumerate(order) if i == s)) for s in range(len(saved))]
+    if covered != saved:
         raise OptimizerStateMismatch(f"{where}: the checkpoint's optimizer has {len(saved)} param groups, this run's "
                                      f"{len(target)}")
     return order

@@ -216,7 +216,11 @@ def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, 
     if not args.no_save_optim:
         if optimizer is not None:
             # Megatron's positional layout (plus torch's per-group 'param_names') so Megatron-LM loads it.
-            state_dict["optimizer"] = legacy_optimizer_state.to_megatron_layout(optimizer.state_dict())
+            optimizer_state = optimizer.state_dict()
+            if parallel_state.get_expert_model_parallel_world_size() == 1:  # Megatron's grouping at EP 1
+                optimizer_state = legacy_optimizer_state.fold_expert_groups(
+                    optimizer_state, legacy_optimizer_state.model_keys_in_order(state_dict, len(model)))
+            state_dict["optimizer"] = legacy_optimizer_state.to_megatron_layout(optimizer_state)
         if opt_param_scheduler is not None:
             state_dict["opt_param_scheduler"] = opt_param_scheduler.state_dict()
     if rng_state is not None:

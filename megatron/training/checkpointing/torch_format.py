@@ -1,4 +1,4 @@
-"""Megatron-LM's legacy ``torch`` checkpoint format: one ``model_optim_rng.pt`` per (tp, pp) rank, saved and loaded at the same layout."""
+"""Megatron-LM's legacy ``torch`` checkpoint format: one ``model_optim_rng.pt`` per (tp, pp[, ep]) rank, saved and loaded at the same layout."""
 import os
 
 from megatron.core import parallel_state
@@ -12,6 +12,7 @@ from megatron.training.checkpointing.layout import (
     get_checkpoint_name,
     get_distributed_optimizer_checkpoint_name,
     rank_dirnames,
+    writes_legacy_file,
 )
 from megatron.training.checkpointing.state import (
     check_checkpoint_args,
@@ -34,7 +35,7 @@ def write_torch_format(args, cfg: CheckpointConfig, tmp_dir, final_dir, model, o
     param_state = None
     if is_distributed_optimizer(optimizer) and cfg.save_optim:
         param_state = optimizer.get_parameter_state_dp_zero()
-    if parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
+    if writes_legacy_file():
         final_name = get_checkpoint_name(os.path.dirname(final_dir), state.iteration)
         tmp_name = os.path.join(tmp_dir, os.path.relpath(final_name, final_dir))
         state_dict = generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, state.iteration,
@@ -58,15 +59,18 @@ def legacy_checkpoint_file(iteration_dir, iteration, release):
             f"{parallel_state.get_tensor_model_parallel_rank()} of "
             f"{parallel_state.get_tensor_model_parallel_world_size()} and pipeline rank "
             f"{parallel_state.get_pipeline_model_parallel_rank()} of "
-            f"{parallel_state.get_pipeline_model_parallel_world_size()}, but {iteration_dir} holds "
-            f"{_layout_hint(iteration_dir)}; it was saved with a different tensor/pipeline-parallel layout "
-            "(the torch format cannot reshard)")
+            f"{parallel_state.get_pipeline_model_parallel_world_size()} (expert-parallel rank "
+            f"{parallel_state.get_expert_model_parallel_rank()} of "
+            f"{parallel_state.get_expert_model_parallel_world_size()}), but {iteration_dir} holds "
+            f"{_layout_hint(iteration_dir)}; it was saved with a different tensor/pipeline/expert-parallel layout "
+            "(the torch format cannot reshard: tools/checkpoint/convert.py can)")
     return name
 
 
 def _check_layout(checkpoint_args, checkpoint_name):
     for name, current in (("tensor_model_parallel_size", parallel_state.get_tensor_model_parallel_world_size()),
-                          ("pipeline_model_parallel_size", parallel_state.get_pipeline_model_parallel_world_size())):
+                          ("pipeline_model_parallel_size", parallel_state.get_pipeline_model_parallel_world_size()),
+                          ("expert_model_parallel_size", parallel_state.get_expert_model_parallel_world_size())):
         saved = getattr(checkpoint_args, name, None)
         if saved is not None and saved != current:
             flag = "--" + name.replace("_", "-")
