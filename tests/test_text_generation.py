@@ -189,3 +189,21 @@ def test_continuation_keeps_the_space_a_sentencepiece_word_starts_with(shared_da
     assert prompt + continuation_text(tokenizer, prompt_ids, whole_ids[len(prompt_ids):]) == whole
     null = NullTokenizer(100)
     assert "1 2" + continuation_text(null, [1, 2], [3, 4]) == "1 2 3 4"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("variant", ["mixtral", "shared"])
+def test_use_checkpoint_args_builds_the_moe_model_of_megatrons_moe_checkpoint(variant, tmp_path):
+    """--use-checkpoint-args copies the MoE shape (--num-experts, --moe-layer-freq, shared expert, ...): the
+    megatron-core 0.14.0-written MoE fixture loads strictly, and the first greedy token is the argmax of the
+    logits megatron-core computed for the prompt (NullTokenizer: the prompt is the ids)."""
+    fixture = os.path.join(os.path.dirname(__file__), "data", "mcore_v014", "moe", variant)
+    reference = torch.load(os.path.join(fixture, "reference.pt"), weights_only=True)
+    prompt_ids = reference["input_ids"][0, :6].tolist()
+    output = tmp_path / "generated.json"
+    _torchrun(1, ["tools/run_text_generation.py", "--load", os.path.join(fixture, "torch_dist"),
+                  "--use-checkpoint-args", "--prompt", " ".join(map(str, prompt_ids)), "--greedy",
+                  "--max-new-tokens", "1", "--ignore-eod", "--output-file", str(output)])
+    result = json.loads(output.read_text())
+    assert result["prompt_ids"] == prompt_ids
+    assert result["generated_ids"] == [int(torch.argmax(reference["logits"][0, len(prompt_ids) - 1, :100]))]

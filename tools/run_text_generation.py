@@ -65,6 +65,11 @@ CHECKPOINT_MODEL_ARGS = [
     "make_vocab_size_divisible_by", "padded_vocab_size", "vocab_size", "tokenizer_type", "vocab_file",
     "merge_file", "tokenizer_model", "vocab_extra_ids", "null_tokenizer_eod_id", "null_tokenizer_pad_id",
     "tensor_model_parallel_size", "fp16", "bf16", "apply_residual_connection_post_layernorm",
+    # MoE: Megatron's list, plus the router settings that change the function (score, scaling, groups, bias).
+    "num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax",
+    "moe_grouped_gemm", "moe_shared_expert_intermediate_size", "moe_router_score_function",
+    "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
+    "moe_router_enable_expert_bias", "moe_router_dtype",
 ]
 
 # Tokenizer files named on the command line win over the checkpoint's saved paths.
