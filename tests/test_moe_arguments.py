@@ -189,6 +189,16 @@ def test_moe_layer_freq_rejects_what_is_not_a_pattern(text, capsys):
     (["--num-experts", "4", "--moe-router-group-topk", "2"], 1, "moe_router_num_groups must be specified"),
     (["--num-experts", "4", "--moe-router-load-balancing-type", "aux_loss", "none"], 1,
      "moe_aux_loss_coeff needs one value per moe_router_load_balancing_type entry"),
+    (["--num-experts", "4", "--moe-ffn-hidden-size", "0"], 1, "--moe-ffn-hidden-size must be > 0, got 0"),
+    (["--num-experts", "4", "--moe-expert-capacity-factor", "nan"], 1,
+     "--moe-expert-capacity-factor must be a finite number, got nan"),
+    (["--num-experts", "4", "--moe-expert-capacity-factor", "inf"], 1,
+     "--moe-expert-capacity-factor must be a finite number, got inf"),
+    (["--num-experts", "4", "--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss", "--moe-aux-loss-coeff",
+      "0.1", "nan"], 1, "--moe-aux-loss-coeff must be a finite number, got nan"),
+    (["--num-experts", "4", "--moe-z-loss-coeff", "nan"], 1, "--moe-z-loss-coeff must be a finite number"),
+    (["--num-experts", "4", "--moe-router-topk-scaling-factor", "inf"], 1,
+     "--moe-router-topk-scaling-factor must be a finite number"),
 ])
 def test_validation_names_the_flags(extra, world, message, monkeypatch):
     with pytest.raises(ValueError, match=message):

@@ -1,6 +1,7 @@
 """The training command line: parse Megatron-LM's flags (defined in argument_groups) and validate them across groups."""
 import argparse
 import difflib
+import math
 import os
 import signal
 import warnings
@@ -635,6 +636,16 @@ def _validate_moe(args):
         args.moe_ffn_hidden_size = args.ffn_hidden_size
         _print_rank_0(args, "WARNING: --moe-ffn-hidden-size is not set, using --ffn-hidden-size "
                             f"({args.ffn_hidden_size}) for the experts")
+    _require(args.moe_ffn_hidden_size > 0, f"--moe-ffn-hidden-size must be > 0, got {args.moe_ffn_hidden_size}")
+    # nan/inf would pass the range checks below (comparisons with nan are False) and fail mid-step.
+    coeffs = args.moe_aux_loss_coeff if isinstance(args.moe_aux_loss_coeff, list) else [args.moe_aux_loss_coeff]
+    for flag, values in (("--moe-expert-capacity-factor", [args.moe_expert_capacity_factor]),
+                         ("--moe-aux-loss-coeff", coeffs), ("--moe-z-loss-coeff", [args.moe_z_loss_coeff]),
+                         ("--moe-router-topk-scaling-factor", [args.moe_router_topk_scaling_factor]),
+                         ("--moe-router-bias-update-rate", [args.moe_router_bias_update_rate]),
+                         ("--moe-input-jitter-eps", [args.moe_input_jitter_eps])):
+        bad = [value for value in values if value is not None and not math.isfinite(value)]
+        _require(not bad, f"{flag} must be a finite number, got {bad[0] if bad else None}")
     kinds = args.moe_router_load_balancing_type
     _require("sinkhorn" not in (kinds if isinstance(kinds, list) else [kinds]),
              "--moe-router-load-balancing-type sinkhorn is a Megatron-LM choice that this project does not support; "
