@@ -199,3 +199,24 @@ def test_input_errors_and_missing_matplotlib_are_one_line(tmp_path):
     assert no_mpl.returncode == 1
     assert no_mpl.stderr == ("error: tools/telemetry_report.py needs matplotlib, which is not installed: "
                              "pip install -e \".[report]\" (or pip install matplotlib)\n")
+
+
+def test_malformed_telemetry_objects_are_skipped_and_a_folder_output_is_one_line(tmp_path):
+    """JSON with a telemetry key but another shape (a truncated or foreign object) is skipped whole, counted in
+    the summary, and leaves the page of the good lines unchanged; ``-o`` naming a folder is a one-line error."""
+    from megatron.core.telemetry.console_format import MetricsLineFormatter, SpanLineFormatter
+
+    spans, metrics = _synthetic_spans()
+    good = "".join(SpanLineFormatter()(s) for s in spans) + "".join(MetricsLineFormatter()(m) for m in metrics)
+    clean, dirty = tmp_path / "clean.log", tmp_path / "dirty.log"
+    clean.write_text(good)
+    dirty.write_text('{"resourceMetrics": "not a list"}\n'
+                     '{"resourceSpans": [{"scopeSpans": [{"spans": [{"name": "x", "events": [7]}]}]}]}\n' + good)
+    _report([clean], tmp_path / "clean.html")
+    result = _report([dirty], tmp_path / "dirty.html")
+    assert result.stdout.rstrip().endswith("; 2 malformed object(s) skipped"), result.stdout
+    assert (_page_data((tmp_path / "clean.html").read_text())
+            == _page_data((tmp_path / "dirty.html").read_text().replace(str(dirty), str(clean))))
+    folder = _report([clean], tmp_path, check=False)
+    assert (folder.returncode, folder.stderr) == (1, f"error: -o {tmp_path}: is a folder; give the HTML file to "
+                                                     f"write, e.g. {tmp_path / 'report.html'}\n")

@@ -135,11 +135,18 @@ class Telemetry:
         self.spans: List[dict] = []  # {name, resource, attrs, events: [{name, time, attrs}]}
         self.args: Dict[str, str] = {}
         self.objects = 0
+        self.skipped = 0  # JSON objects with a telemetry key but not the exporters' shape
 
     def add_text(self, text: str) -> None:
         objects, rest = json_objects(text)
         for obj in objects:
-            self.add_object(obj)
+            before = (self.objects, len(self.points), len(self.spans))
+            try:
+                self.add_object(obj)
+            except (AttributeError, TypeError, KeyError, ValueError):  # JSON of another shape: not telemetry
+                self.skipped += 1  # and nothing of it kept
+                self.objects = before[0]
+                del self.points[before[1]:], self.spans[before[2]:]
         self._add_arguments(rest)
 
     def add_object(self, obj: dict) -> None:
@@ -528,13 +535,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         directory = os.path.dirname(os.path.abspath(args.output))
         if not os.path.isdir(directory):
             raise ReportError(f"-o {args.output}: the folder {directory} does not exist")
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(page)
+        if os.path.isdir(args.output):
+            raise ReportError(f"-o {args.output}: is a folder; give the HTML file to write, e.g. "
+                              f"{os.path.join(args.output, 'report.html')}")
+        try:
+            with open(args.output, "w", encoding="utf-8") as f:
+                f.write(page)
+        except OSError as error:
+            raise ReportError(f"-o {args.output}: cannot be written ({error.strerror})") from None
     except ReportError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(f"wrote {args.output} ({len(page) // 1024} KB) from {telemetry.objects} telemetry objects in "
-          f"{len(files)} file(s)")
+          f"{len(files)} file(s)" + (f"; {telemetry.skipped} malformed object(s) skipped" if telemetry.skipped else ""))
     return 0
 
 
