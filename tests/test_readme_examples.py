@@ -72,3 +72,31 @@ def test_readme_keeps_the_two_set_up_commands_ci_relies_on():
     ci = (REPO / ".ci" / "run").read_text()
     assert ci.rstrip().splitlines()[-1] == "python3 -m pytest -q tests"
     assert 'python3 -m pip install -q torch==2.13.0 -e ".[dev]"' in ci
+
+
+# What the README's status calls "not available", and a flag of each: the program must refuse that flag.
+_UNAVAILABLE_FLAGS = {"MoE": ["--num-experts", "4", "--disable-bias-linear"], "FP8": ["--fp8-format", "hybrid"],
+                      "Transformer Engine": ["--transformer-impl", "transformer_engine"]}
+
+
+def test_readme_status_calls_unavailable_only_what_the_program_refuses(monkeypatch, capsys):
+    """The status line "Not available: ..." names only features whose flags stop the run (MoE, once refused, now
+    trains: the line must not keep naming it), and every feature it names is one this test knows a flag of."""
+    from megatron.training.arguments import parse_args, validate_args
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
+        monkeypatch.delenv(name, raising=False)
+    line = re.search(r"Not available: ([^(]*)\(", (REPO / "README.md").read_text()).group(1)
+    named = [part.strip() for part in line.replace("\n>", " ").split(",") if part.strip()]
+    assert named and set(named) <= set(_UNAVAILABLE_FLAGS), named
+    model = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+             "--max-position-embeddings", "16", "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3"]
+    for feature, flags in _UNAVAILABLE_FLAGS.items():
+        try:
+            validate_args(parse_args(args=[*model, *flags]))
+            refused = False
+        except (SystemExit, ValueError):
+            refused = True
+        capsys.readouterr()
+        assert refused == (feature in named), f"README says {feature} is {'' if feature in named else 'not '}" \
+                                              f"unavailable, but {' '.join(flags)} is {'' if refused else 'not '}refused"
