@@ -209,7 +209,11 @@ def test_bad_values_of_the_flags_are_refused_naming_them():
             "--max-position-embeddings", "32", "--micro-batch-size", "2", "--train-iters", "3", "--lr", "1e-3",
             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
     for extra, message in ((["--hang-report-seconds", "-1"], "--hang-report-seconds must be >= 0"),
-                           (["--slow-step-factor", "0.5"], "--slow-step-factor must be > 1")):
+                           (["--slow-step-factor", "0.5"], "--slow-step-factor must be > 1"),
+                           (["--hang-report-seconds", "0.01"], "--hang-report-seconds must be 0 .off. or a finite "
+                                                               "number of seconds >= 1 .* got 0.01"),
+                           (["--hang-report-seconds", "inf"], "--hang-report-seconds must be 0 .off. or a finite"),
+                           (["--slow-step-factor", "inf"], "--slow-step-factor must be > 1 .* got inf")):
         with pytest.raises(ValueError, match=message):
             validate_args(parse_args(args=base + extra))
     args = validate_args(parse_args(args=base + ["--hang-report-seconds", "0", "--slow-step-factor", "0"]))

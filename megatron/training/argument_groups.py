@@ -466,7 +466,7 @@ def _add_logging_args(parser):
                        help="Print a 'hang report:' block (stalled ranks, where each waiting rank is blocked, a "
                             "file with its Python stacks) when a rank's heartbeat in the c10d store has not "
                             "advanced for this many seconds; also at start-up, when the process group has not "
-                            "formed after this long. 0 turns it off.")
+                            "formed after this long. 0 turns it off; otherwise at least 1.")
     group.add_argument("--slow-step-factor", type=float, default=3.0,
                        help="Log one line for a step slower than this factor times the running median step time, "
                             "naming the part of the step that grew and the rank (with the per-rank breakdown: "

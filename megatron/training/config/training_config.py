@@ -181,10 +181,14 @@ class LoggerConfig:
     def validate(self, save: Optional[str] = None) -> None:
         """``--wandb-*``: the package must be importable and the run named; the other two need
         --wandb-project; files need a directory (``save``: the checkpoint directory). ``--hang-report-seconds``
-        must be >= 0 and ``--slow-step-factor`` 0 or > 1. ValueError naming them."""
+        must be 0 or in [1, inf) and ``--slow-step-factor`` 0 or in (1, inf). ValueError naming them."""
         _require(self.hang_report_seconds >= 0,
                  f"--hang-report-seconds must be >= 0 (0 turns the hang report off), got {self.hang_report_seconds:g}")
-        _require(self.slow_step_factor == 0 or self.slow_step_factor > 1,
+        # Peers beat every N/5 s but at least every 0.2 s: below 1 s a live rank between two beats looks stopped.
+        _require(self.hang_report_seconds == 0 or 1 <= self.hang_report_seconds < float("inf"),
+                 "--hang-report-seconds must be 0 (off) or a finite number of seconds >= 1 (heartbeats come at most "
+                 f"every 0.2 s, so a shorter threshold reports live ranks), got {self.hang_report_seconds:g}")
+        _require(self.slow_step_factor == 0 or 1 < self.slow_step_factor < float("inf"),
                  f"--slow-step-factor must be > 1 (or 0 to turn slow-step lines off), got {self.slow_step_factor:g}")
         if not self.wandb_project:
             for flag, value in (("--wandb-exp-name", self.wandb_exp_name), ("--wandb-save-dir", self.wandb_save_dir)):
