@@ -157,7 +157,8 @@ def test_moe_layer_freq_patterns_as_megatron_evaluates_them(text, expected):
     assert moe_freq_type(text) == expected
 
 
-@pytest.mark.parametrize("text", ["__import__('os')", "[1]*[2]", "[1]+2", "[1,", "1.5", "[1]*10**9", "[1]*99999999"])
+@pytest.mark.parametrize("text", ["__import__('os')", "[1]*[2]", "[1]+2", "[1,", "1.5", "[1]*10**9", "[1]*99999999",
+                                  "([1]*99999)*99999", "99999*[0]*99999"])
 def test_moe_layer_freq_rejects_what_is_not_a_pattern(text, capsys):
     with pytest.raises(SystemExit):
         parse_args(args=[*SMALL, "--moe-layer-freq", text])

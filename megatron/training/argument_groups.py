@@ -581,9 +581,11 @@ class _MoePatternParser:
             if isinstance(value, list) and isinstance(right, list):
                 raise ValueError("'*' cannot multiply two lists")
             if isinstance(value, list) or isinstance(right, list):
-                count = right if isinstance(value, list) else value
+                count, items = (right, value) if isinstance(value, list) else (value, right)
                 if count > _MOE_PATTERN_MAX_LEN:
                     raise ValueError(f"repetition count {count} is too large")
+                if len(items) * count > _MOE_PATTERN_MAX_LEN:  # checked before the list is built
+                    raise ValueError(f"the list has more than {_MOE_PATTERN_MAX_LEN} entries")
             value = value * right
             self._check_size(value)
         return value
