@@ -278,6 +278,14 @@ def test_slow_step_detector_waits_for_warm_up_and_judges_against_the_median():
     assert detector.report(None, 10, 10) == []
 
 
+def test_slow_step_detector_ignores_tiny_steps_that_jitter():
+    detector = SlowStepDetector(3.0, rank=1)
+    for iteration, seconds in enumerate([1.0, 1.0, 0.01, 0.01, 0.01, 0.01, 0.04, 0.3], start=1):
+        detector.step(iteration, seconds)
+    # 0.04 s is 4x the median but only 30 ms over it (under MIN_SLOW_STEP_EXCESS_S); 0.3 s is 290 ms over.
+    assert [line.split(" took")[0] for line in detector.report(None, 1, 8)] == ["iteration 8"]
+
+
 def _table(values):
     table = torch.zeros(len(values), len(COLUMNS), dtype=torch.float64)
     for rank, parts in enumerate(values):

@@ -140,6 +140,10 @@ def explain_slow_interval(table: torch.Tensor, baseline: Optional[torch.Tensor],
     return part, rank, delta
 
 
+# A slow step must also be this many seconds over the median: a 10 ms CPU step that takes 30 ms is noise.
+MIN_SLOW_STEP_EXCESS_S = 0.25
+
+
 class SlowStepDetector:
     """Judges each step's wall time (seconds, this rank's) against the running median.
 
@@ -149,10 +153,13 @@ class SlowStepDetector:
             allocate and warm caches).
         window: steps in the running median.
         min_history: steps needed in the window before a step is judged.
+        min_excess_s: seconds a step must exceed the median by to count (tiny steps on a busy host jitter by
+            several times their length without anything worth a line).
     """
 
-    def __init__(self, factor: float, rank: int, warmup: int = 2, window: int = 50, min_history: int = 4):
-        self.factor, self.rank = float(factor), rank
+    def __init__(self, factor: float, rank: int, warmup: int = 2, window: int = 50, min_history: int = 4,
+                 min_excess_s: float = MIN_SLOW_STEP_EXCESS_S):
+        self.factor, self.rank, self.min_excess_s = float(factor), rank, float(min_excess_s)
         self.warmup, self.min_history = warmup, min_history
         self._history: Deque[float] = deque(maxlen=window)
         self._seen = 0
@@ -167,7 +174,7 @@ class SlowStepDetector:
             return
         if len(self._history) >= self.min_history:
             median = statistics.median(self._history)
-            if median > 0 and seconds > self.factor * median:
+            if median > 0 and seconds > self.factor * median and seconds - median >= self.min_excess_s:
                 self._pending.append((iteration, seconds, median))
         self._history.append(seconds)
 
