@@ -409,15 +409,23 @@ def figure_breakdown(plt, data: dict) -> Optional[str]:
 
 
 def figure_straggler(plt, data: dict) -> Optional[str]:
-    stages = [s for s, rows in data["straggler"].items() if any("ratio" in r for r in rows)]
-    if not stages:
+    """The straggler ratio per stage; where no stage has one (its fastest rank computes under the ratio's
+    floor, MEGATRON_OTEL_STRAGGLER_RATIO_FLOOR_MS), the absolute gap in ms instead."""
+    for key, title, baseline in (
+            ("ratio", "straggler ratio (slowest / fastest compute in a pipeline stage)", 1.0),
+            ("gap_ms", "straggler gap, ms (slowest - fastest compute in a pipeline stage; no ratio under its floor)",
+             0.0)):
+        stages = [s for s, rows in data["straggler"].items() if any(key in r for r in rows)]
+        if stages:
+            break
+    else:
         return None
     fig, ax = plt.subplots(figsize=(6.5, 3))
     for stage in stages:
-        rows = [r for r in data["straggler"][stage] if "ratio" in r]
-        ax.plot([r["iteration"] for r in rows], [r["ratio"] for r in rows], marker=".", label=f"stage {stage}")
-    ax.set(title="straggler ratio (slowest / fastest compute in a pipeline stage)", xlabel="iteration")
-    ax.axhline(1.0, color="grey", lw=0.8)
+        rows = [r for r in data["straggler"][stage] if key in r]
+        ax.plot([r["iteration"] for r in rows], [r[key] for r in rows], marker=".", label=f"stage {stage}")
+    ax.set(title=title, xlabel="iteration")
+    ax.axhline(baseline, color="grey", lw=0.8)
     ax.legend()
     _iteration_axis(ax)
     return _svg(plt, fig)
