@@ -96,3 +96,14 @@ def test_profile_flags_are_megatrons_and_reach_the_profiling_config(monkeypatch)
         False, 10, 12, [0], False, False, "snapshot.pickle")
     given = profiling_config_from_args(parse_args(args=["--profile-ranks", "0", "1", "--memory-snapshot-path", "m.pkl"]))
     assert given.profile_ranks == [0, 1] and given.memory_snapshot_path == "m.pkl"
+
+
+def test_pytorch_profiler_flag_without_profile_says_it_does_nothing(capsys):
+    from megatron.training.config.profiling_config import ProfilingConfig
+    from megatron.training.profiling import RunProfiler
+
+    RunProfiler(ProfilingConfig(use_pytorch_profiler=True), None, rank=0, last_rank=True)
+    assert "--use-pytorch-profiler has no effect without --profile" in capsys.readouterr().out
+    RunProfiler(ProfilingConfig(use_pytorch_profiler=True, profile=True), "/nonexistent", rank=1, last_rank=False)
+    RunProfiler(ProfilingConfig(), None, rank=0, last_rank=True)
+    assert "no effect" not in capsys.readouterr().out

@@ -75,6 +75,9 @@ class RunProfiler:
         self._recording = False
         self._recorded = []  # 1-based iterations profiled
         self._stopped = False
+        if cfg.use_pytorch_profiler and not cfg.profile and rank == 0:
+            # Megatron-LM ignores it silently; a user who meant to profile would wait for a trace that never comes.
+            write_line("--use-pytorch-profiler has no effect without --profile: nothing is profiled")
         if not self.profiling:
             return
         if cfg.use_pytorch_profiler:

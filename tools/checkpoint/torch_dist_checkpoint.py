@@ -201,12 +201,14 @@ def read_torch_dist(load_dir, iteration, with_optimizer) -> FullCheckpoint:
     tp = saved_layout.get("tensor_model_parallel_size", getattr(args, "tensor_model_parallel_size", 1))
     pp = saved_layout.get("pipeline_model_parallel_size", getattr(args, "pipeline_model_parallel_size", 1))
     vp = saved_layout.get("virtual_pipeline_model_parallel_size") or 1
+    # The layout it was saved at (torch_dist itself is layout-free): named in convert.py's summary line.
+    ep = saved_layout.get("expert_model_parallel_size", getattr(args, "expert_model_parallel_size", 1)) or 1
     model = _with_extra_state({k: v for k, v in tensors.items() if not k.startswith(mo.OPTIMIZER_PREFIX)})
     if is_tied(args):
         model.pop(TIED_OUTPUT, None)
     full = FullCheckpoint(
         model=model, args=args, iteration=0 if release else int(common.get("iteration", 0)), release=release,
-        layout={"tp": tp, "pp": pp, "vp": vp, "counts": None}, scheduler=common.get("opt_param_scheduler"),
+        layout={"tp": tp, "pp": pp, "vp": vp, "counts": None, "ep": ep}, scheduler=common.get("opt_param_scheduler"),
         num_floating_point_operations_so_far=common.get("num_floating_point_operations_so_far", 0))
     train_state = common.get("train_state") or {}
     for name in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
