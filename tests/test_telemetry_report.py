@@ -224,3 +224,36 @@ def test_malformed_telemetry_objects_are_skipped_and_a_folder_output_is_one_line
     folder = _report([clean], tmp_path, check=False)
     assert (folder.returncode, folder.stderr) == (1, f"error: -o {tmp_path}: is a folder; give the HTML file to "
                                                      f"write, e.g. {tmp_path / 'report.html'}\n")
+
+
+def test_expert_load_of_an_moe_run(tmp_path):
+    """A one-process MoE run (4 experts, top-2, 2 MoE layers) with console telemetry: the page's expert-load table
+    has both layers, and every layer's tokens per expert add up to tokens x top-k x iterations (dropless: each
+    token is counted once per chosen expert)."""
+    import os
+
+    from pretrain_utils import run_ranks
+
+    iters, global_batch, seq = 4, 8, 16
+    env = dict(os.environ, MEGATRON_OTEL_ENABLED="1", MEGATRON_OTEL_EXPORTER="console",
+               MEGATRON_OTEL_RANK_STRATEGY="all_ranks")
+    argv = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "100", "--disable-bias-linear", "--num-experts", "4", "--moe-router-topk", "2",
+            "--moe-aux-loss-coeff", "1e-2", "--micro-batch-size", "2", "--global-batch-size", str(global_batch),
+            "--lr", "1e-3", "--mock-data", "--eval-iters", "0", "--num-workers", "0", "--log-interval", "1",
+            "--train-iters", str(iters), "--distributed-backend", "gloo"]
+    result = run_ranks(1, argv, env=env, timeout=200)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    (tmp_path / "run.log").write_text(result.stdout)
+    _report([tmp_path / "run.log"], tmp_path / "report.html")
+    page = (tmp_path / "report.html").read_text()
+    load = _page_data(page)["expert_load"]
+    assert [row["layer"] for row in load] == [1, 2]
+    for row in load:
+        assert len(row["tokens_per_expert"]) == 4
+        assert sum(row["tokens_per_expert"]) == iters * global_batch * seq * 2, row
+        assert row["dropped_tokens"] == 0
+        assert [p["iteration"] for p in row["imbalance"]] == list(range(1, iters + 1))
+        assert all(p["value"] >= 1.0 for p in row["imbalance"])
+    assert 'id="expert-load"' in page and "expert load imbalance" in page

@@ -48,6 +48,7 @@ _RUN_METRICS = {  # metric name -> key in the per-iteration rows
 _ITERATION = "megatron.training.iteration"
 _STEP_DURATION = "megatron.training.step_duration_ms"
 _STEP_PREFIX, _STRAGGLER_PREFIX = "megatron.training.step.", "megatron.training.straggler."
+_MOE_PREFIX = "megatron.training.moe."  # per-expert load of MoE runs (docs/observability.md)
 SLOW_STEP_EVENT, HANG_EVENT = "megatron.slow_step", "megatron.hang_report"
 SLOW_STEP_COLUMNS = ("megatron.iteration", "megatron.slow_step.rank", "megatron.slow_step.ratio",
                      "megatron.slow_step.part", "megatron.slow_step.delta_ms")
@@ -243,7 +244,9 @@ def build_report_data(telemetry: Telemetry) -> dict:
     ``breakdown``: ``{rank: [{iteration, <part>: ms, ..., total}]}``; ``straggler``: ``{stage: [{iteration,
     ratio, ...}]}``; ``slow_steps``/``hang_reports``: the events' attributes; ``ranks``: each rank's
     resource labels; ``settings``: the run's common resource attributes; ``args``: Megatron's arguments;
-    ``profiles``: ``[{iteration, rank, trace_file}]`` of the step spans that ``--profile`` named.
+    ``profiles``: ``[{iteration, rank, trace_file}]`` of the step spans that ``--profile`` named;
+    ``expert_load`` (MoE runs): ``[{layer, imbalance: [{iteration, value}], tokens_per_expert: [tokens over the
+    run, per expert], dropped_tokens}]``.
     """
     snapshots: Dict[Tuple[str, int], List[dict]] = defaultdict(list)
     for point in telemetry.points:
@@ -252,6 +255,7 @@ def build_report_data(telemetry: Telemetry) -> dict:
     per_rank_rows: Dict[int, Dict[int, dict]] = defaultdict(dict)
     breakdown: Dict[int, Dict[int, dict]] = defaultdict(dict)
     straggler: Dict[int, Dict[int, dict]] = defaultdict(dict)
+    moe: Dict[Optional[int], Dict[tuple, Dict[int, float]]] = defaultdict(dict)  # rank -> (name, layer, expert)
     validation = set()  # (iteration, split, loss)
     histogram_last: Dict[str, Tuple[float, float]] = {}
     validation_last: Dict[Tuple[str, str], float] = {}
@@ -280,6 +284,10 @@ def build_report_data(telemetry: Telemetry) -> dict:
                 stage = int(attrs.get("dl.pipeline_parallel.rank", 0))
                 key = name[len(_STRAGGLER_PREFIX):]
                 straggler[stage].setdefault(iteration, {"iteration": iteration})[key] = point["value"]
+            elif name.startswith(_MOE_PREFIX) and point["value"] is not None:
+                layer = int(attrs.get("megatron.moe.layer", 0))
+                key = (name[len(_MOE_PREFIX):], layer, attrs.get("megatron.moe.expert"))
+                moe[resource_rank].setdefault(key, {})[iteration] = point["value"]
             elif name == "megatron.validation.loss" and point["value"] is not None:
                 # A gauge is exported again in every later snapshot: an evaluation is where its value changes.
                 split = str(attrs.get("megatron.split", "validation"))
@@ -290,6 +298,26 @@ def build_report_data(telemetry: Telemetry) -> dict:
     reporting = max((r for r in with_loss if r is not None), default=None) if with_loss else (
         max((r for r in per_rank_rows if r is not None), default=None))
     iterations = [dict(row, rank=reporting) for _, row in sorted(per_rank_rows.get(reporting, {}).items())]
+
+    # The moe.* points are the layer's global load (summed over the ranks); every exporting rank sends the same.
+    moe_rank = min(moe, key=lambda r: -1 if r is None else r) if moe else None
+    expert_load = []
+    for (name, layer, expert), values in sorted(moe.get(moe_rank, {}).items(), key=lambda kv: str(kv[0])):
+        if name == "imbalance":
+            expert_load.append({"layer": layer, "imbalance": [{"iteration": it, "value": values[it]}
+                                                              for it in sorted(values)]})
+    by_layer = {row["layer"]: row for row in expert_load}
+    for (name, layer, expert), values in moe.get(moe_rank, {}).items():
+        row = by_layer.setdefault(layer, {"layer": layer, "imbalance": []})
+        if name == "dropped_tokens":
+            row["dropped_tokens"] = sum(values.values())
+        elif name == "tokens_per_expert" and expert is not None:
+            row.setdefault("tokens_per_expert", {})[int(expert)] = sum(values.values())
+    expert_load = [by_layer[layer] for layer in sorted(by_layer)]
+    for row in expert_load:
+        if "tokens_per_expert" in row:
+            row["tokens_per_expert"] = [row["tokens_per_expert"].get(e, 0)
+                                        for e in range(max(row["tokens_per_expert"]) + 1)]
 
     slow_steps, hangs, profiles = [], [], []
     for span in telemetry.spans:
@@ -319,6 +347,7 @@ def build_report_data(telemetry: Telemetry) -> dict:
         "parts": [part for part in BREAKDOWN_PARTS
                   if any(part in row for rows in breakdown.values() for row in rows.values())],
         "straggler": {str(stage): [rows[it] for it in sorted(rows)] for stage, rows in sorted(straggler.items())},
+        "expert_load": expert_load,
         "slow_steps": sorted(slow_steps, key=order),
         "hang_reports": sorted(hangs, key=order),
         "profiles": sorted(profiles, key=lambda r: (r["iteration"] or 0, r["rank"] or 0)),
@@ -431,6 +460,22 @@ def figure_straggler(plt, data: dict) -> Optional[str]:
     return _svg(plt, fig)
 
 
+def figure_expert_imbalance(plt, data: dict) -> Optional[str]:
+    """Per MoE layer, the most loaded expert's tokens over the mean, per log interval."""
+    layers = [row for row in data["expert_load"] if row["imbalance"]]
+    if not layers:
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 3))
+    for row in layers:
+        ax.plot([p["iteration"] for p in row["imbalance"]], [p["value"] for p in row["imbalance"]], marker=".",
+                label=f"layer {row['layer']}")
+    ax.set(title="expert load imbalance (max / mean tokens per expert)", xlabel="iteration")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.legend(fontsize=8)
+    _iteration_axis(ax)
+    return _svg(plt, fig)
+
+
 # ------------------------------------------------------------------------------------------------ HTML
 def _cell(value) -> str:
     if isinstance(value, float):
@@ -502,6 +547,18 @@ def render_html(data: dict, files: List[str], plt) -> str:
         "<h2>Stragglers per pipeline stage</h2>",
         _figure(figure_straggler(plt, data), "no straggler series in the input"),
         _table("straggler", ["stage", "iteration", *straggler_keys], straggler_rows),
+        *([
+            "<h2>Expert load (MoE)</h2>",
+            _figure(figure_expert_imbalance(plt, data), "no imbalance series in the input"),
+            _table("expert-load", ["layer", "mean_imbalance", "max_imbalance", "tokens_per_expert", "dropped_tokens"],
+                   [{"layer": row["layer"],
+                     "mean_imbalance": (sum(p["value"] for p in row["imbalance"]) / len(row["imbalance"])
+                                        if row["imbalance"] else None),
+                     "max_imbalance": max((p["value"] for p in row["imbalance"]), default=None),
+                     "tokens_per_expert": " ".join(str(int(v)) for v in row.get("tokens_per_expert", [])),
+                     "dropped_tokens": row.get("dropped_tokens")} for row in data["expert_load"]],
+                   ["layer", "mean imbalance", "max imbalance", "tokens per expert (whole run)", "dropped tokens"]),
+        ] if data["expert_load"] else []),
         "<h2>Slow steps</h2>",
         _table("slow-steps", slow_cols, slow_rows,
                ["iteration", "rank", "x median", "part that grew", "delta ms", "reported by", "other attributes"])
