@@ -240,3 +240,16 @@ def console_objects(stdout: str) -> list:
             objs.append(obj)
             start = line.find('{"', end)
     return objs
+
+
+def one_process_references(train, tmp_path_factory, name):
+    """``flags -> train(1, list(flags), fresh directory, "ref")``, each distinct flag list run once: the body of
+    a module fixture of one-process reference runs (a parallel layout is compared with the run of its flags)."""
+    cache = {}
+
+    def get(flags):
+        key = tuple(flags)
+        if key not in cache:
+            cache[key] = train(1, list(key), tmp_path_factory.mktemp(name), "ref")
+        return cache[key]
+    return get

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from pretrain_utils import run_ranks, tensorboard_scalars
+from pretrain_utils import one_process_references, run_ranks, tensorboard_scalars
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -54,14 +54,7 @@ def _train(nproc, flags, tmp_path, name):
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """One-process runs, computed on first use: {reference flags (tuple): scalars}."""
-    cache = {}
-
-    def get(flags):
-        key = tuple(flags)
-        if key not in cache:
-            cache[key] = _train(1, list(flags), tmp_path_factory.mktemp("cp1"), "ref")
-        return cache[key]
-    return get
+    return one_process_references(_train, tmp_path_factory, "cp1")
 
 
 def _assert_same_numbers(run, reference, what, steps=range(1, ITERS + 1)):

@@ -30,7 +30,7 @@ import re
 
 import pytest
 
-from pretrain_utils import run_ranks, tensorboard_scalars
+from pretrain_utils import one_process_references, run_ranks, tensorboard_scalars
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -103,14 +103,7 @@ def _train(nproc, flags, tmp_path, name):
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """One-process runs, computed on first use: {reference flags (tuple): (scalars, stdout)}."""
-    cache = {}
-
-    def get(flags):
-        key = tuple(flags)
-        if key not in cache:
-            cache[key] = _train(1, list(flags), tmp_path_factory.mktemp("moe1"), "ref")
-        return cache[key]
-    return get
+    return one_process_references(_train, tmp_path_factory, "moe1")
 
 
 def _assert_same_numbers(run, reference, what):

@@ -80,7 +80,7 @@ def test_tour_commands_are_the_expected_ones():
 @pytest.mark.timeout(600)
 def test_readme_tour_runs_as_written(tmp_path):
     pytest.importorskip("transformers")  # step 4 needs the [hf] extra
-    pytest.importorskip("matplotlib")  # step 6 needs the [report] extra
+    pytest.importorskip("matplotlib", reason="the tour's step 6 (the report) needs the [report] extra: matplotlib")
     # The scratch folder sees the code through links, so the tour writes its runs/ there, not in the checkout.
     for name in ("pretrain_gpt.py", "tools", "examples", "megatron"):
         (tmp_path / name).symlink_to(REPO / name)

@@ -3,7 +3,7 @@
 from megatron.core import step_timing
 from megatron.core import telemetry as tel
 from megatron.core.transformer.context_parallel.comm import cp_comm_section
-from telemetry_testutil import clean_telemetry, finished, setup_in_memory  # noqa: F401
+from telemetry_testutil import ManualClock, clean_telemetry, finished, setup_in_memory  # noqa: F401
 
 
 def test_cp_comm_section_is_a_communication_span():
@@ -23,20 +23,8 @@ def test_cp_comm_section_makes_no_span_without_the_communication_group():
 
 
 def test_cp_comm_section_is_charged_to_cp_comm():
-    class Clock:
-        deferred, now = False, 0.0
-
-        @classmethod
-        def mark(cls):
-            return cls.now
-
-        @staticmethod
-        def elapsed(start, end):
-            return end - start
-
-        @staticmethod
-        def resolve():
-            pass
+    class Clock(ManualClock):  # a fresh class: its own ``now``
+        pass
 
     recorder = step_timing.StepTimeRecorder(marks=Clock)
     step_timing.install(recorder)

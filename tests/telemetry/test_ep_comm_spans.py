@@ -4,7 +4,7 @@ of the step breakdown (a section inside forward compute is charged to ep_comm al
 from megatron.core import step_timing
 from megatron.core import telemetry as tel
 from megatron.core.transformer.moe.ep_comm import ep_comm_section
-from telemetry_testutil import clean_telemetry, finished, setup_in_memory  # noqa: F401
+from telemetry_testutil import ManualClock, clean_telemetry, finished, setup_in_memory  # noqa: F401
 
 
 def test_ep_comm_section_nests_under_the_microbatch_and_layer_spans():
@@ -28,20 +28,8 @@ def test_ep_comm_section_makes_no_span_without_the_communication_group():
 
 
 def test_ep_comm_section_is_charged_to_ep_comm():
-    class Clock:
-        deferred, now = False, 0.0
-
-        @classmethod
-        def mark(cls):
-            return cls.now
-
-        @staticmethod
-        def elapsed(start, end):
-            return end - start
-
-        @staticmethod
-        def resolve():
-            pass
+    class Clock(ManualClock):  # a fresh class: its own ``now``
+        pass
 
     recorder = step_timing.StepTimeRecorder(marks=Clock)
     step_timing.install(recorder)

@@ -152,7 +152,7 @@ def test_relayed_rows_keep_their_labels_through_a_real_collector(tmp_path, monke
 
 # ---------------------------------------------------------------------------------------- pull endpoint
 def test_pull_endpoint_labels_stage_series_with_the_stage_only():
-    pytest.importorskip("opentelemetry.exporter.prometheus")
+    pytest.importorskip("opentelemetry.exporter.prometheus", reason="the pull endpoint needs the [prometheus] extra")
     port = _free_port()
     config = tel.TelemetryConfig(enabled=True, traces_enabled=False, metrics_exporter="prometheus",
                                  prometheus_port=port, run_id="run7")
