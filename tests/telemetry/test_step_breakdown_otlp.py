@@ -49,6 +49,9 @@ def test_step_breakdown_and_straggler_metrics_reach_the_receiver(shared_data, sh
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
         monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "600000")  # only the log-interval snapshots
+        # No ratio floor here: whether this tiny model's compute crosses 50 ms depends on the machine's load, and a
+        # gauge keeps exporting the ratio of an earlier interval (the floor itself: tests/test_step_breakdown.py).
+        monkeypatch.setenv("MEGATRON_OTEL_STRAGGLER_RATIO_FLOOR_MS", "0")
         out = run_pretrain(2, ["--micro-batch-size", "2", "--train-iters", "8", "--log-interval", "4",
                                "--eval-interval", "100", "--log-straggler"], shared_data, shakespeare_prefix, tmp_path)
     finally:
@@ -79,10 +82,7 @@ def test_step_breakdown_and_straggler_metrics_reach_the_receiver(shared_data, sh
     fastest = value[(0, "megatron.training.straggler.fastest_compute_ms", None)]
     assert slowest >= fastest > 0
     assert value[(0, "megatron.training.straggler.gap_ms", None)] == pytest.approx(slowest - fastest)
-    if fastest >= STRAGGLER_RATIO_FLOOR_MS:
-        assert value[(0, "megatron.training.straggler.ratio", None)] == pytest.approx(slowest / fastest)
-    else:  # too little compute for a meaningful ratio: only the gap is reported
-        assert (0, "megatron.training.straggler.ratio", None) not in value
+    assert value[(0, "megatron.training.straggler.ratio", None)] == pytest.approx(slowest / fastest)
     computes = {r: value[(r, "megatron.training.step.forward_compute_ms", r)]
                 + value[(r, "megatron.training.step.backward_compute_ms", r)] for r in (0, 1)}
     assert sorted(computes.values()) == pytest.approx([fastest, slowest])
